@@ -1,0 +1,1 @@
+"""draftline's services: one folder each, with a thin ``main.py`` entrypoint."""

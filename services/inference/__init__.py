@@ -1,0 +1,1 @@
+"""The built-in model server: OpenAI-compatible chat completions and hidden-state extraction."""

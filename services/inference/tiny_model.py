@@ -1,0 +1,126 @@
+"""A tiny Llama-architecture target, built locally so the demo and the tests need no model hub.
+
+It has everything a real target directory has: ``config.json``, safetensors weights, a byte-level BPE
+tokenizer trained here with the ``tokenizers`` library, ``generation_config.json`` and a chat template
+that separates reasoning (``<think>…</think>``) and marks assistant tokens with ``{% generation %}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib import resources
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BOS = "<|begin_of_text|>"
+PAD = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+# The assistant turn renders as "<|im_start|>assistant\n" + reply + "<|im_end|>\n"; the generation
+# markers cover reply + "<|im_end|>", exactly the tokens the drafter must learn to predict.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation -%}"
+    "{%- if message.get('reasoning_content') -%}"
+    "{{- '<think>' + message['reasoning_content'] + '</think>' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] + '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+EXTRA_CORPUS = """
+The quick brown fox jumps over the lazy dog. A drafter proposes tokens and the target verifies them.
+Speculative decoding keeps the target's output exactly while reading several tokens per step.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in answers; so do lists, code and punctuation: ()[]{}<>,.;:!?'"-+=*/.
+def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i)\n
+"""
+
+
+def _corpus() -> list[str]:
+    text = resources.files("shared").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
+    lines = [json.dumps(json.loads(line)) for line in text.splitlines() if line.strip()]
+    return lines + EXTRA_CORPUS.splitlines()
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE on the shipped prompts; wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=PAD, chat_template=CHAT_TEMPLATE
+    )
+    fast.add_tokens([THINK_OPEN, THINK_CLOSE])  # ordinary (non-special) so decoding keeps them
+    return fast
+
+
+def make_tiny_model(
+    out_dir: Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 8,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny target into ``out_dir`` and return it; loadable with ``from_pretrained(out_dir)``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # Peaky logits make the random target's greedy choices depend strongly on context, like a
+        # trained model's, so a drafter has something to learn.
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    log.info("tiny target written to %s (%d layers, hidden %d, vocab %d)", out_dir, num_layers, hidden_size, len(tokenizer))
+    return out_dir
+
+
+def is_model_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()

@@ -1,0 +1,48 @@
+"""EAGLE-3 conventions shared by extraction, training and export (see EAGLE3.md).
+
+Layer ids are *outputs of 0-indexed decoder layers*; in Hugging Face ``output_hidden_states`` terms
+(index 0 is the embeddings) layer id ``i`` is ``hidden_states[i + 1]``. Every hidden-state file and
+every checkpoint records the ids together with this convention name.
+"""
+
+from __future__ import annotations
+
+LAYER_CONVENTION = "decoder_output_0idx"
+
+# Tensor names inside one hidden-state safetensors file.
+INPUT_IDS = "input_ids"  # [L] int64
+LOSS_MASK = "loss_mask"  # [L] uint8, 1 on assistant tokens the drafter learns
+AUX_HIDDEN = "aux_hidden_states"  # [L, 3H], the three auxiliary layers concatenated low, mid, high
+LAST_HIDDEN = "hidden_states"  # [L, H], after the final norm: the input of the target's lm_head
+SAMPLE_TENSORS = (INPUT_IDS, LOSS_MASK, AUX_HIDDEN, LAST_HIDDEN)
+
+# Metadata keys (safetensors metadata is str -> str).
+META_FORMAT = "format"
+META_FORMAT_VALUE = "draftline-hidden-states"
+META_SCHEMA = "schema_version"
+META_LAYER_IDS = "layer_ids"  # JSON list
+META_CONVENTION = "layer_convention"
+META_MODEL = "model"
+META_MODEL_FINGERPRINT = "model_fingerprint"
+META_DTYPE = "dtype"
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """Low, middle and high auxiliary layers: ``[1, N//2 - 1, N - 4]`` (Kimi-K2, 61 layers: [1, 29, 57])."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 needs a target of at least 4 layers, got {num_layers}")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def hf_hidden_index(layer_id: int) -> int:
+    """Index into Hugging Face ``output_hidden_states`` for the output of decoder layer ``layer_id``."""
+    return layer_id + 1
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    if len(layer_ids) != 3:
+        raise ValueError(f"EAGLE-3 uses exactly three auxiliary layers, got {layer_ids}")
+    for layer in layer_ids:
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer id {layer} outside a {num_layers}-layer target")
+    return list(layer_ids)

@@ -1,0 +1,68 @@
+"""Named exceptions. ``permanent`` says whether retrying the same input can ever succeed."""
+
+from __future__ import annotations
+
+
+class DraftlineError(Exception):
+    """Base of every error draftline raises on purpose."""
+
+    permanent = True
+
+
+class SettingsError(DraftlineError):
+    """A required setting is missing or invalid."""
+
+
+class DatasetError(DraftlineError):
+    """A dataset cannot be read at all (missing file, unknown format, unreachable repo)."""
+
+
+class RowError(DraftlineError):
+    """One dataset row is malformed; only that row fails."""
+
+
+class PromptTooLong(RowError):
+    """The prompt does not fit the target's context window."""
+
+
+class ReplyTooShort(DraftlineError):
+    """The target's reply has fewer tokens than the run's ``min_completion_tokens``."""
+
+
+class ChatTemplateError(DraftlineError):
+    """The chat template renders the prompt and the conversation inconsistently."""
+
+
+class InferenceUnavailable(DraftlineError):
+    """The inference server cannot be reached or answers 5xx; worth retrying later."""
+
+    permanent = False
+
+
+class InferenceRejected(DraftlineError):
+    """The inference server refused a request (4xx): the request itself is wrong."""
+
+
+class HiddenStateFileError(DraftlineError):
+    """A hidden-state file is missing, truncated, or disagrees with what the run expects."""
+
+
+class PathOutsideVolume(DraftlineError):
+    """A path resolves outside the data volume."""
+
+
+class RunNotFound(DraftlineError):
+    """No run with that name exists on the volume."""
+
+
+class RunExists(DraftlineError):
+    """A run with that name already exists."""
+
+
+class CheckpointFormatError(DraftlineError):
+    """A drafter checkpoint lacks a key or a tensor has the wrong shape."""
+
+
+def error_class(exc: BaseException) -> str:
+    """The name recorded for a failure: the exception's class name."""
+    return type(exc).__name__

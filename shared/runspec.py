@@ -1,0 +1,76 @@
+"""A run's settings, fixed at submission and stored as ``runs/<run>/run.json`` on the volume."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared import SCHEMA_VERSION
+from shared.atomic import atomic_write_json, read_json
+from shared.errors import RunNotFound
+from shared.layout import RunPaths
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GenerationConfig(_Frozen):
+    max_tokens: int = Field(512, ge=1, description="Longest reply requested from the target.")
+    min_completion_tokens: int = Field(16, ge=0, description="Shorter replies are dropped, each named.")
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, description="Per-sample seed is seed + sample_id, so a rerun asks the same question.")
+
+
+class ExtractionConfig(_Frozen):
+    layer_ids: list[int] | None = Field(None, description="Auxiliary layers; None takes [1, N//2-1, N-4].")
+    max_length: int = Field(4096, ge=8, description="Samples longer than this (prompt + reply) are truncated.")
+
+
+class TrainConfig(_Frozen):
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(4, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
+    max_length: int = Field(2048, ge=8)
+    draft_vocab_size: int = Field(32000, ge=2, description="Capped at the target vocabulary size.")
+    seed: int = 0
+    save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps.")
+    base_checkpoint: str | None = Field(None, description="Published drafter (repo id or path) to fine-tune.")
+
+
+class EvalConfig(_Frozen):
+    holdout: int = Field(8, ge=0, description="Rows held out of training for evaluation.")
+    max_new_tokens: int = Field(64, ge=1)
+    draft_steps: int = Field(3, ge=1, description="Chain length proposed per verification step.")
+
+
+class RunSpec(_Frozen):
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    dataset: str = Field(..., description="Path to JSONL/Parquet, or a Hugging Face dataset repo id.")
+    split: str = "train"
+    limit: int | None = None
+    model: str = Field(..., description="Served model name the generator asks for.")
+    created_at: float = Field(default_factory=time.time)
+    rows: int = Field(0, ge=0, description="Rows read from the dataset (malformed ones included).")
+    train_ids: int = Field(0, ge=0, description="Sample ids 0..train_ids-1 go through generate and extract.")
+    generation: GenerationConfig = GenerationConfig()
+    extraction: ExtractionConfig = ExtractionConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvalConfig = EvalConfig()
+
+    def save(self, data: Path) -> None:
+        atomic_write_json(RunPaths(data, self.name).spec, self.model_dump(mode="json"))
+
+    @classmethod
+    def load(cls, data: Path, name: str) -> RunSpec:
+        path = RunPaths(data, name).spec
+        if not path.is_file():
+            raise RunNotFound(f"no run {name!r} under {Path(data) / 'runs'}")
+        return cls.model_validate(read_json(path))

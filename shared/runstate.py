@@ -1,0 +1,170 @@
+"""A run's to-do list and counters in Redis, and its named failures on the volume.
+
+Per-sample outcomes are Redis bitmaps indexed by sample id (1.4M samples cost 175 KB per bitmap), so
+marking a sample twice never counts it twice. Failures are also written to the volume, which stays the
+truth if Redis is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import redis
+
+from shared.atomic import atomic_write_json
+from shared.jobs import SAMPLE_STAGES
+from shared.layout import RunPaths
+
+PREFIX = "draftline"
+RATE_WINDOW_EVENTS = 512
+RATE_WINDOW_SECONDS = 600.0
+
+ERROR = "error"
+DROPPED = "dropped"
+
+
+def runs_key() -> str:
+    return f"{PREFIX}:runs"
+
+
+def run_key(run: str, suffix: str) -> str:
+    return f"{PREFIX}:run:{run}:{suffix}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One sample that did not make it through a stage, and why."""
+
+    run: str
+    stage: str
+    sample_id: int
+    error_class: str
+    message: str
+    kind: str = ERROR  # "error" or "dropped" (filtered on purpose, e.g. a reply that is too short)
+    at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    done: int
+    failed: int
+    dropped: int
+
+
+class RunState:
+    """Counters and failures of one run."""
+
+    def __init__(self, conn: redis.Redis, data: Path, run: str) -> None:
+        self.conn = conn
+        self.paths = RunPaths(Path(data), run)
+        self.run = run
+
+    # ---- registration and metadata -------------------------------------------------------------
+    def register(self, expected: int, **meta: object) -> None:
+        fields = {"name": self.run, "expected": expected, "created_at": time.time(), **meta}
+        pipe = self.conn.pipeline()
+        pipe.sadd(runs_key(), self.run)
+        pipe.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
+        pipe.execute()
+
+    def meta(self) -> dict[str, str]:
+        raw = self.conn.hgetall(run_key(self.run, "meta"))
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+    def set_meta(self, **fields: object) -> None:
+        self.conn.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
+
+    def expected(self) -> int:
+        return int(self.meta().get("expected", 0))
+
+    # ---- per-sample outcomes -------------------------------------------------------------------
+    def mark_done(self, stage: str, sample_id: int) -> bool:
+        """Record a verified sample; True when it was not done before. Clears an earlier failure."""
+        _check_sample_stage(stage)
+        pipe = self.conn.pipeline()
+        pipe.setbit(run_key(self.run, f"done:{stage}"), sample_id, 1)
+        pipe.setbit(run_key(self.run, f"failed:{stage}"), sample_id, 0)
+        pipe.setbit(run_key(self.run, f"dropped:{stage}"), sample_id, 0)
+        pipe.hdel(run_key(self.run, "failures"), f"{stage}:{sample_id}")
+        was_done, *_ = pipe.execute()
+        self.paths.failure(stage, sample_id).unlink(missing_ok=True)
+        if not was_done:
+            events = run_key(self.run, f"events:{stage}")
+            pipe = self.conn.pipeline()
+            pipe.lpush(events, time.time())
+            pipe.ltrim(events, 0, RATE_WINDOW_EVENTS - 1)
+            pipe.execute()
+        return not was_done
+
+    def mark_failed(self, failure: Failure) -> None:
+        """Record a named failure on the volume first, then in Redis."""
+        _check_sample_stage(failure.stage)
+        if not failure.at:
+            failure = Failure(**{**asdict(failure), "at": time.time()})
+        atomic_write_json(self.paths.failure(failure.stage, failure.sample_id), asdict(failure))
+        bitmap = "dropped" if failure.kind == DROPPED else "failed"
+        pipe = self.conn.pipeline()
+        pipe.setbit(run_key(self.run, f"{bitmap}:{failure.stage}"), failure.sample_id, 1)
+        pipe.hset(run_key(self.run, "failures"), f"{failure.stage}:{failure.sample_id}", failure.to_json())
+        pipe.execute()
+
+    def is_done(self, stage: str, sample_id: int) -> bool:
+        return bool(self.conn.getbit(run_key(self.run, f"done:{stage}"), sample_id))
+
+    def counts(self, stage: str) -> StageCounts:
+        _check_sample_stage(stage)
+        pipe = self.conn.pipeline()
+        for bitmap in ("done", "failed", "dropped"):
+            pipe.bitcount(run_key(self.run, f"{bitmap}:{stage}"))
+        done, failed, dropped = pipe.execute()
+        return StageCounts(done=done, failed=failed, dropped=dropped)
+
+    def failures(self, stage: str | None = None) -> list[Failure]:
+        raw = self.conn.hgetall(run_key(self.run, "failures"))
+        found = [Failure(**json.loads(v)) for v in raw.values()]
+        if stage:
+            found = [f for f in found if f.stage == stage]
+        return sorted(found, key=lambda f: (f.stage, f.sample_id))
+
+    def rate(self, stage: str, now: float | None = None) -> float:
+        """Samples per second over the recent window (0 when too few events)."""
+        now = time.time() if now is None else now
+        stamps = [float(x) for x in self.conn.lrange(run_key(self.run, f"events:{stage}"), 0, -1)]
+        stamps = [t for t in stamps if now - t <= RATE_WINDOW_SECONDS]
+        if len(stamps) < 2:
+            return 0.0
+        span = max(stamps) - min(stamps)
+        return (len(stamps) - 1) / span if span > 0 else 0.0
+
+    # ---- whole-run stages (train, evaluate) ----------------------------------------------------
+    def set_progress(self, stage: str, done: int, total: int, **extra: object) -> None:
+        self.set_meta(**{f"{stage}_done": done, f"{stage}_total": total}, **{f"{stage}_{k}": v for k, v in extra.items()})
+
+    def progress(self, stage: str) -> tuple[int, int]:
+        meta = self.meta()
+        return int(meta.get(f"{stage}_done", 0)), int(meta.get(f"{stage}_total", 0))
+
+    def delete(self) -> None:
+        keys = list(self.conn.scan_iter(match=run_key(self.run, "*")))
+        if keys:
+            self.conn.delete(*keys)
+        self.conn.srem(runs_key(), self.run)
+
+
+def known_runs(conn: redis.Redis) -> list[str]:
+    return sorted(_s(r) for r in conn.smembers(runs_key()))
+
+
+def _check_sample_stage(stage: str) -> None:
+    if stage not in SAMPLE_STAGES:
+        raise ValueError(f"per-sample stage must be one of {SAMPLE_STAGES}, got {stage!r}")
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,11 @@
+"""The one table of service commands: docker-compose.yml and ``make demo`` both run exactly these.
+
+Each entry is the argv after the ``draftline`` console script. ``draftline serve <name>`` imports
+``services.<name>.main`` and calls its ``main()``.
+"""
+
+from __future__ import annotations
+
+SERVICE_NAMES = ("inference", "controller", "generator", "extractor", "trainer", "exporter")
+
+SERVICE_COMMANDS: dict[str, list[str]] = {name: ["draftline", "serve", name] for name in SERVICE_NAMES}

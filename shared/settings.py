@@ -1,0 +1,120 @@
+"""Typed settings for every service, read from the environment (and a ``.env`` file when present).
+
+Each service builds its settings once at start-up through ``load_settings(cls)``; an invalid value stops
+the service with a message naming the variable. Nothing is created at import time, so tests construct
+settings with explicit values.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.errors import SettingsError
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_INFERENCE_URL = "http://127.0.0.1:8000"
+
+
+class CommonSettings(BaseSettings):
+    """What every service needs: the volume, Redis, logging."""
+
+    model_config = SettingsConfigDict(env_prefix="DRAFTLINE_", env_file=".env", extra="ignore")
+
+    data: Path = Field(Path("./data"), description="Root of the shared data volume (runs, models).")
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL,
+        validation_alias="REDIS_URL",
+        description="Redis holding the queues and counters; workers on other hosts point here.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class InferenceSettings(CommonSettings):
+    """The built-in model server: chat completions and hidden-state extraction."""
+
+    model_dir: Path = Field(..., description="Local Hugging Face model directory of the target.")
+    model_name: str | None = Field(None, description="Name served in /v1/models; defaults to the directory name.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    max_batch_size: int = Field(16, ge=1, description="Most chat requests decoded together.")
+    batch_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill before it starts.")
+    hidden_batch_tokens: int = Field(16384, ge=1, description="Token budget of one hidden-state forward pass.")
+    writer_threads: int = Field(4, ge=1, description="Threads writing hidden-state files while the GPU works.")
+
+
+class ControllerSettings(CommonSettings):
+    """HTTP API, run submission, the queue feeder and the status page."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=1, le=65535)
+    feed_window: int = Field(64, ge=1, description="Most generate jobs waiting in Redis per run.")
+    extract_backlog: int = Field(4096, ge=1, description="Generation pauses while this many extractions wait.")
+    feed_interval_s: float = Field(1.0, gt=0)
+    generate_batch: int = Field(8, ge=1, description="Samples per generate job.")
+
+
+class GeneratorSettings(CommonSettings):
+    """RQ worker that asks the inference server (built-in, vLLM or SGLang) for the target's replies."""
+
+    inference_url: str = DEFAULT_INFERENCE_URL
+    concurrency: int = Field(8, ge=1, description="Requests in flight per generator worker.")
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class ExtractorSettings(CommonSettings):
+    """RQ worker that tokenizes replies and asks the built-in server for hidden states."""
+
+    hidden_states_url: str = DEFAULT_INFERENCE_URL
+    model_dir: Path = Field(..., description="Target model directory (its tokenizer and chat template).")
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class TrainerSettings(CommonSettings):
+    """RQ worker that trains, exports and evaluates drafters."""
+
+    model_dir: Path = Field(..., description="Target model directory (embeddings, lm_head, evaluation).")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class ExporterSettings(CommonSettings):
+    """Prometheus endpoint over Redis counters and the volume."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(9400, ge=1, le=65535)
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load_settings(cls: type[S], **overrides: object) -> S:
+    """Build ``cls`` from the environment; turn validation errors into one readable SettingsError."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(part) for part in err["loc"])
+            problems.append(f"{env_name(cls, field)}: {err['msg']}")
+        raise SettingsError(f"{cls.__name__}: " + "; ".join(problems)) from None
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable that sets ``field`` of ``cls``."""
+    info = cls.model_fields.get(field)
+    if info is not None and isinstance(info.validation_alias, str):
+        return info.validation_alias
+    return (cls.model_config.get("env_prefix") or "") + field.upper()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
