@@ -1,0 +1,1 @@
+"""The ``draftline`` command line: service entrypoints, run submission, status, the demo."""
