@@ -80,6 +80,10 @@ class RunState:
     def set_meta(self, **fields: object) -> None:
         self.conn.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
 
+    def incr(self, field: str, amount: int | float = 1) -> float:
+        """Add to a numeric meta field (bytes written, tokens seen) atomically."""
+        return float(self.conn.hincrbyfloat(run_key(self.run, "meta"), field, amount))
+
     def expected(self) -> int:
         return int(self.meta().get("expected", 0))
 
