@@ -54,6 +54,9 @@ class ControllerSettings(CommonSettings):
 
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=1, le=65535)
+    inference_url: str = Field(
+        DEFAULT_INFERENCE_URL, description="Generation server asked for its model name when a run names none."
+    )
     feed_window: int = Field(64, ge=1, description="Most generate jobs waiting in Redis per run.")
     extract_backlog: int = Field(4096, ge=1, description="Generation pauses while this many extractions wait.")
     feed_interval_s: float = Field(1.0, gt=0)
