@@ -29,6 +29,81 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings():
+    from shared.settings import ControllerSettings, load_settings
+
+    return load_settings(ControllerSettings)
+
+
+def _served_model(inference_url: str) -> str:
+    """The first model the generation server lists (vLLM, SGLang and ours answer /v1/models)."""
+    import httpx
+
+    from shared.errors import InferenceUnavailable
+
+    try:
+        response = httpx.get(f"{inference_url.rstrip('/')}/v1/models", timeout=10)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError) as exc:
+        raise InferenceUnavailable(
+            f"cannot learn the served model from {inference_url}/v1/models ({exc}); pass --model or set DRAFTLINE_INFERENCE_URL"
+        ) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from services.controller.submit import submit_run
+    from shared.queues import connect
+    from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
+
+    settings = _settings()
+    generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
+                  "temperature": args.temperature}
+    train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
+             "base_checkpoint": args.base_checkpoint}
+    spec = submit_run(
+        settings.data,
+        connect(settings.redis_url),
+        dataset=args.dataset,
+        name=args.name,
+        limit=args.limit,
+        split=args.split,
+        model=args.model or _served_model(settings.inference_url),
+        generation=GenerationConfig(**{k: v for k, v in generation.items() if v is not None}),
+        train=TrainConfig(**{k: v for k, v in train.items() if v is not None}),
+        evaluate=EvalConfig(holdout=args.holdout) if args.holdout is not None else None,
+    )
+    sys.stdout.write(f"run {spec.name}: {spec.rows} rows read, {spec.train_ids} sample ids queued for generation\n")
+    sys.stdout.write(f"follow it with: draftline status {spec.name}\n")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from services.controller.status import format_status, list_status, run_status
+    from shared.queues import connect
+
+    settings = _settings()
+    conn = connect(settings.redis_url)
+    statuses = [run_status(settings.data, conn, args.run)] if args.run else list_status(settings.data, conn)
+    if args.json:
+        payload = statuses[0] if args.run else statuses
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    elif not statuses:
+        sys.stdout.write("no runs yet: start one with `draftline run --dataset PATH`\n")
+    else:
+        sys.stdout.write("\n\n".join(format_status(s) for s in statuses) + "\n")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.cli.demo import run_demo
+
+    run_demo(Path(args.data), timeout_s=args.timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    run = sub.add_parser("run", help="submit a run: prompts → replies → hidden states → drafter → evaluation")
+    run.add_argument("--dataset", required=True, help="JSONL or Parquet file, or a Hugging Face dataset repo id")
+    run.add_argument("--name", help="run name (default: derived from the dataset and the time)")
+    run.add_argument("--limit", type=int, help="read at most this many rows")
+    run.add_argument("--split", default="train", help="dataset split for a Hugging Face repo")
+    run.add_argument("--model", help="served model name (default: the first one the inference server lists)")
+    run.add_argument("--max-tokens", type=int, help="longest reply asked of the target")
+    run.add_argument("--min-completion-tokens", type=int, help="shorter replies are dropped, each named")
+    run.add_argument("--temperature", type=float)
+    run.add_argument("--epochs", type=int)
+    run.add_argument("--ttt-steps", type=int, help="training-time-test unroll length")
+    run.add_argument("--draft-vocab-size", type=int)
+    run.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
+    run.add_argument("--holdout", type=int, help="rows held out for evaluation")
+    run.set_defaults(func=_run)
+
+    status = sub.add_parser("status", help="progress of one run or all: done/total, errors, rate, ETA, disk")
+    status.add_argument("run", nargs="?")
+    status.add_argument("--json", action="store_true", help="the same fields as JSON (keys in the README)")
+    status.set_defaults(func=_status)
+
+    demo = sub.add_parser("demo", help="the whole pipeline on the tiny built-in target, as local processes")
+    demo.add_argument("--data", default="./data", help="data volume for the demo (default ./data)")
+    demo.add_argument("--timeout", type=float, default=600.0, help="seconds the run may take")
+    demo.set_defaults(func=_demo)
     return parser
 
 
