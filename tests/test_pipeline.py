@@ -1,0 +1,110 @@
+"""The whole pipeline as real processes: Redis, inference server, controller, RQ workers, trainer.
+
+Started through LocalStack, i.e. with the same commands docker-compose.yml runs and ``make demo`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.cli.demo import demo_prompts_path
+from services.cli.stack import LocalStack, StackConfig
+from shared.atomic import temp_files
+from shared.hidden_file import verify_hidden_file
+from shared.layout import RunPaths
+
+pytestmark = pytest.mark.slow
+
+MALFORMED = {5: "{this is not json", 11: json.dumps({"messages": []}), 17: json.dumps({"prompt": 42})}
+RUN = "e2e"
+
+
+def write_dataset(path: Path, rows: int = 40) -> None:
+    good = demo_prompts_path().read_text().splitlines()
+    lines = [MALFORMED.get(i, good[i % len(good)]) for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def wait_terminal(controller: str, stack: LocalStack, timeout: float = 420.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        status = httpx.get(f"{controller}/runs/{RUN}", timeout=30).json()
+        if status["state"] in ("complete", "complete_with_failures", "failed"):
+            return status
+        time.sleep(1)
+    raise AssertionError(f"run did not finish: {status}")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
+    root = tmp_path_factory.mktemp("e2e")
+    data = root / "data"
+    dataset = root / "prompts.jsonl"
+    write_dataset(dataset)
+    config = StackConfig(data=data, model_dir=tiny_model_dir, log_dir=root / "logs", redis_url=redis_server.url)
+    with LocalStack(config) as stack:
+        body = {
+            "dataset": str(dataset),
+            "name": RUN,
+            "generation": {"max_tokens": 24, "min_completion_tokens": 4},
+            "train": {"epochs": 2, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 128},
+            "evaluate": {"holdout": 4, "max_new_tokens": 24, "draft_steps": 2},
+        }
+        response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
+        assert response.status_code == 201, response.text
+        status = wait_terminal(stack.url("controller"), stack)
+    return {"status": status, "data": data, "redis_url": redis_server.url}
+
+
+def test_run_completes_and_names_every_malformed_row(finished_run):
+    status = finished_run["status"]
+    assert status["state"] == "complete_with_failures", status
+    failed = {f["sample_id"]: f for f in status["failures"] if f["kind"] == "error"}
+    assert set(MALFORMED) <= set(failed)
+    assert all(failed[i]["stage"] == "generate" and failed[i]["error_class"] for i in MALFORMED)
+    gen = status["stages"]["generate"]
+    assert gen["done"] + gen["failed"] + gen["dropped"] == status["expected"] == 36  # 40 rows, 4 held out
+
+
+def test_every_generated_sample_has_one_verified_hidden_state_file(finished_run):
+    status, data = finished_run["status"], finished_run["data"]
+    paths = RunPaths(data, RUN)
+    files = sorted(paths.hidden_dir.rglob("*.safetensors"))
+    assert len(files) == status["stages"]["extract"]["done"] == status["stages"]["generate"]["done"] > 0
+    for path in files:
+        assert path.parent.name == "rows_000000-001999"
+        verify_hidden_file(path, layer_ids=[1, 3, 4])
+    assert temp_files(paths.root) == []
+
+
+def test_exported_drafter_verifies_and_acceptance_is_measured(finished_run):
+    from services.trainer.export import verify_export
+
+    status, data = finished_run["status"], finished_run["data"]
+    export = Path(status["drafter"]["export_path"])
+    assert export == RunPaths(data, RUN).export_dir
+    verify_export(export)
+    report = json.loads(RunPaths(data, RUN).eval_report.read_text())
+    assert report["acceptance_length"] == pytest.approx(status["drafter"]["acceptance_length"])
+    assert 1.0 <= report["acceptance_length"] <= 3.0  # draft_steps=2: at most 2 accepted + 1 bonus
+
+
+def test_status_command_names_failures_and_matches_the_api(finished_run):
+    env = {**os.environ, "REDIS_URL": finished_run["redis_url"], "DRAFTLINE_DATA": str(finished_run["data"])}
+    cli = [sys.executable, "-m", "services.cli.main", "status", RUN]
+    as_json = json.loads(subprocess.run([*cli, "--json"], env=env, capture_output=True, text=True, check=True).stdout)
+    api = finished_run["status"]
+    assert as_json["stages"]["generate"]["done"] == api["stages"]["generate"]["done"]
+    assert as_json["errors"]["total"] == api["errors"]["total"] >= len(MALFORMED)
+    text = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
+    for sample_id in MALFORMED:
+        assert str(sample_id) in text
