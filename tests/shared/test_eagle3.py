@@ -1,0 +1,22 @@
+import pytest
+
+from shared.eagle3 import check_layer_ids, default_layer_ids, hf_hidden_index
+
+
+def test_default_layer_ids_follow_the_eagle3_convention():
+    assert default_layer_ids(61) == [1, 29, 57]  # Kimi-K2
+    assert default_layer_ids(32) == [1, 15, 28]  # Llama-3.1-8B
+    assert default_layer_ids(8) == [1, 3, 4]  # the tiny target
+
+
+def test_hf_index_counts_the_embeddings_as_zero():
+    assert [hf_hidden_index(i) for i in default_layer_ids(61)] == [2, 30, 58]
+
+
+def test_layer_ids_are_checked():
+    with pytest.raises(ValueError):
+        check_layer_ids([1, 2], 8)
+    with pytest.raises(ValueError):
+        check_layer_ids([1, 2, 8], 8)
+    with pytest.raises(ValueError):
+        default_layer_ids(3)
