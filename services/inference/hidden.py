@@ -1,0 +1,132 @@
+"""One hidden-state sample: the forward pass that yields it and the safetensors bytes that store it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from services.inference.model import LoadedModel
+from shared import SCHEMA_VERSION, eagle3
+
+RESERVED_METADATA = frozenset({
+    eagle3.META_FORMAT, eagle3.META_SCHEMA, eagle3.META_LAYER_IDS, eagle3.META_CONVENTION,
+    eagle3.META_MODEL, eagle3.META_MODEL_FINGERPRINT, eagle3.META_DTYPE,
+})
+
+
+@dataclass(frozen=True)
+class HiddenJob:
+    """A validated request: tokens, where the file goes (already resolved inside the volume), which layers."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    path: Path
+    relative_path: str
+    layer_ids: tuple[int, int, int]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class WrittenSample:
+    """What the endpoint reports about a file it wrote."""
+
+    path: str
+    num_tokens: int
+    shapes: dict[str, list[int]]
+    dtype: str
+    layer_ids: list[int]
+    sha256: str
+    bytes: int
+    layer_convention: str = eagle3.LAYER_CONVENTION
+
+
+def right_pad(jobs: Sequence[HiddenJob], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` (B, T). Padding goes on the right: causal attention never lets
+    a real token see a later pad, so each row's first L positions are exactly its own forward pass."""
+    width = max(job.num_tokens for job in jobs)
+    ids = torch.full((len(jobs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(jobs), width), dtype=torch.long)
+    for row, job in enumerate(jobs):
+        ids[row, : job.num_tokens] = torch.tensor(job.input_ids, dtype=torch.long)
+        mask[row, : job.num_tokens] = 1
+    return ids.to(device), mask.to(device)
+
+
+def forward_hidden(loaded: LoadedModel, jobs: Sequence[HiddenJob]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ``(aux (B, T, 3H), last (B, T, H))`` on the model's device; call under inference_mode.
+
+    The decoder stack (``base_model``) runs without ``lm_head``: its ``last_hidden_state`` is the final-norm
+    output that feeds ``lm_head``, and skipping the (T, vocab) logits saves their memory and time.
+    """
+    ids, mask = right_pad(jobs, loaded.pad_token_id, loaded.device)
+    out = loaded.model.base_model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    states = out.hidden_states  # embeddings, then the output of each decoder layer
+    rows_by_layers: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for row, job in enumerate(jobs):
+        rows_by_layers[job.layer_ids].append(row)
+    if len(rows_by_layers) == 1:
+        aux = _concat_layers(states, jobs[0].layer_ids)  # (B, T, 3H)
+    else:
+        batch, width, hidden = out.last_hidden_state.shape
+        aux = out.last_hidden_state.new_empty((batch, width, 3 * hidden))
+        for layer_ids, rows in rows_by_layers.items():
+            index = torch.tensor(rows, device=aux.device)
+            aux[index] = _concat_layers(states, layer_ids)[index]
+    return aux, out.last_hidden_state
+
+
+def _concat_layers(states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    return torch.cat([states[eagle3.hf_hidden_index(i)] for i in layer_ids], dim=-1)  # (B, T, 3H)
+
+
+def sample_metadata(loaded: LoadedModel, job: HiddenJob) -> dict[str, str]:
+    return {
+        **job.metadata,
+        eagle3.META_FORMAT: eagle3.META_FORMAT_VALUE,
+        eagle3.META_SCHEMA: str(SCHEMA_VERSION),
+        eagle3.META_LAYER_IDS: json.dumps(list(job.layer_ids)),
+        eagle3.META_CONVENTION: eagle3.LAYER_CONVENTION,
+        eagle3.META_MODEL: loaded.name,
+        eagle3.META_MODEL_FINGERPRINT: loaded.fingerprint,
+        eagle3.META_DTYPE: loaded.dtype_name,
+    }
+
+
+def encode_sample(loaded: LoadedModel, job: HiddenJob, aux: torch.Tensor, last: torch.Tensor) -> bytes:
+    """The safetensors bytes of one sample; ``aux`` (L, 3H) and ``last`` (L, H) are host tensors."""
+    tensors = {
+        eagle3.INPUT_IDS: torch.tensor(job.input_ids, dtype=torch.int64),
+        eagle3.LOSS_MASK: torch.tensor(job.loss_mask, dtype=torch.uint8),
+        eagle3.AUX_HIDDEN: aux.contiguous(),
+        eagle3.LAST_HIDDEN: last.contiguous(),
+    }
+    return save(tensors, metadata=sample_metadata(loaded, job))
+
+
+def describe_sample(loaded: LoadedModel, job: HiddenJob, data: bytes) -> WrittenSample:
+    length, hidden = job.num_tokens, loaded.hidden_size
+    return WrittenSample(
+        path=job.relative_path,
+        num_tokens=length,
+        shapes={
+            eagle3.INPUT_IDS: [length],
+            eagle3.LOSS_MASK: [length],
+            eagle3.AUX_HIDDEN: [length, 3 * hidden],
+            eagle3.LAST_HIDDEN: [length, hidden],
+        },
+        dtype=loaded.dtype_name,
+        layer_ids=list(job.layer_ids),
+        sha256=hashlib.sha256(data).hexdigest(),
+        bytes=len(data),
+    )

@@ -1,0 +1,233 @@
+"""The hidden-state pipeline: forward passes on one thread, file writes on a pool, overlapping.
+
+    submit() ─▶ queue ─▶ forward thread: group up to ``batch_tokens`` (padded), forward under
+                         inference_mode, copy each row's states to host (CUDA: pinned buffers,
+                         non_blocking, then a recorded event)
+                      ─▶ writer pool: wait for the event, serialize, write atomically, resolve the future
+
+While the writers serialize and write one group, the forward thread already computes the next. A
+semaphore bounds the groups waiting for their writers, so slow storage stalls the GPU instead of
+filling host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from services.inference.hidden import HiddenJob, WrittenSample, describe_sample, encode_sample, forward_hidden
+from services.inference.model import LoadedModel
+from shared.atomic import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+Item = tuple[HiddenJob, Future]
+
+
+class PinnedBuffers:
+    """Reusable page-locked host memory. Device-to-host copies into it run asynchronously, and reuse
+    avoids a slow page-locked allocation per group."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat, view)``: a flat uint8 buffer to give back later and a (shape, dtype) view into it."""
+        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+        with self._lock:
+            fits = [buf for buf in self._free if buf.numel() >= nbytes]
+            flat = min(fits, key=torch.Tensor.numel) if fits else None
+            if flat is not None:
+                self._free.remove(flat)
+        if flat is None:
+            # Powers of two let groups of slightly different sizes reuse the same buffer.
+            flat = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
+        return flat, flat[:nbytes].view(dtype).view(shape)
+
+    def give(self, flat: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(flat)
+
+
+@dataclass
+class HostGroup:
+    """One group's per-row states on the host, waiting for the writers."""
+
+    items: list[Item]
+    aux_rows: list[torch.Tensor]  # (L_i, 3H) each
+    last_rows: list[torch.Tensor]  # (L_i, H) each
+    ready: torch.cuda.Event | None  # recorded after the copies; None when the states already live on the host
+    on_done: Callable[[], None]
+    _remaining: int = field(init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self._remaining = len(self.items)
+
+    def row_done(self) -> None:
+        with self._lock:
+            self._remaining -= 1
+            finished = self._remaining == 0
+        if finished:
+            self.on_done()
+
+
+class HiddenStatePipeline:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        batch_tokens: int,
+        writer_threads: int,
+        max_pending_groups: int | None = None,
+        on_batch: Callable[[int], None] | None = None,
+        on_written: Callable[[int], None] | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self._batch_tokens = batch_tokens
+        self._on_batch = on_batch
+        self._on_written = on_written
+        pending = max_pending_groups or writer_threads + 1
+        self._slots = threading.Semaphore(pending)
+        self._pinned = PinnedBuffers(keep=2 * pending) if loaded.device.type == "cuda" else None
+        self._queue: queue.Queue = queue.Queue()
+        self._held: Item | None = None
+        self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="hidden-writer")
+        self._thread = threading.Thread(target=self._loop, name="hidden-forward", daemon=True)
+
+    def start(self) -> HiddenStatePipeline:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Process everything queued, wait for the writes, then end the threads."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        self._writers.shutdown(wait=True)
+
+    def submit(self, job: HiddenJob) -> Future[WrittenSample]:
+        future: Future[WrittenSample] = Future()
+        self._queue.put((job, future))
+        return future
+
+    # -- forward thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            group, stopping = self._collect()
+            live = [(job, fut) for job, fut in group if fut.set_running_or_notify_cancel()]
+            if live:
+                self._process(live)
+
+    def _collect(self) -> tuple[list[Item], bool]:
+        """Block for one request, then take whatever else is queued while the padded group fits the budget."""
+        first = self._held if self._held is not None else self._queue.get()
+        self._held = None
+        if first is _STOP:
+            return [], True
+        group, width = [first], first[0].num_tokens
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return group, False
+            if item is _STOP:
+                return group, True
+            new_width = max(width, item[0].num_tokens)
+            if new_width * (len(group) + 1) > self._batch_tokens:
+                self._held = item
+                return group, False
+            group.append(item)
+            width = new_width
+
+    def _process(self, group: list[Item]) -> None:
+        self._slots.acquire()
+        try:
+            host = self._to_host(group)
+        except torch.OutOfMemoryError:
+            self._slots.release()
+            if len(group) == 1:
+                self._fail(group, MemoryError("out of device memory for a single sample"))
+                return
+            # Smaller groups may fit: retry each half instead of failing every request.
+            log.warning("out of memory on a group of %d; splitting it", len(group))
+            torch.cuda.empty_cache()
+            half = len(group) // 2
+            self._process(group[:half])
+            self._process(group[half:])
+            return
+        except Exception as exc:
+            self._slots.release()
+            log.exception("hidden-state forward of %d samples failed", len(group))
+            self._fail(group, exc)
+            return
+        if self._on_batch is not None:
+            self._on_batch(len(group))
+        for row in range(len(group)):
+            self._writers.submit(self._write, host, row)
+
+    def _to_host(self, group: list[Item]) -> HostGroup:
+        jobs = [job for job, _ in group]
+        with torch.inference_mode():
+            aux, last = forward_hidden(self.loaded, jobs)  # (B, T, 3H), (B, T, H)
+            if self._pinned is None:
+                return HostGroup(group, [aux[i, : j.num_tokens] for i, j in enumerate(jobs)],
+                                 [last[i, : j.num_tokens] for i, j in enumerate(jobs)], None, self._slots.release)
+            return self._copy_to_pinned(group, aux, last)
+
+    def _copy_to_pinned(self, group: list[Item], aux: torch.Tensor, last: torch.Tensor) -> HostGroup:
+        """Pack the rows without their padding into two pinned buffers, asynchronously."""
+        lengths = [job.num_tokens for job, _ in group]
+        total = sum(lengths)
+        aux_flat, aux_host = self._pinned.take((total, aux.shape[-1]), aux.dtype)  # (ΣL, 3H)
+        last_flat, last_host = self._pinned.take((total, last.shape[-1]), last.dtype)  # (ΣL, H)
+        aux_rows, last_rows, offset = [], [], 0
+        for row, length in enumerate(lengths):
+            aux_rows.append(aux_host[offset: offset + length])
+            last_rows.append(last_host[offset: offset + length])
+            aux_rows[-1].copy_(aux[row, :length], non_blocking=True)
+            last_rows[-1].copy_(last[row, :length], non_blocking=True)
+            offset += length
+        ready = torch.cuda.Event()
+        ready.record()  # the device tensors stay valid: later kernels on this stream run after the copies
+
+        def release() -> None:
+            self._pinned.give(aux_flat)
+            self._pinned.give(last_flat)
+            self._slots.release()
+
+        return HostGroup(group, aux_rows, last_rows, ready, release)
+
+    @staticmethod
+    def _fail(group: list[Item], exc: BaseException) -> None:
+        for _, fut in group:
+            fut.set_exception(exc)
+
+    # -- writer threads ------------------------------------------------------------------------
+
+    def _write(self, host: HostGroup, row: int) -> None:
+        job, fut = host.items[row]
+        try:
+            if host.ready is not None:
+                host.ready.synchronize()
+            data = encode_sample(self.loaded, job, host.aux_rows[row], host.last_rows[row])
+            atomic_write_bytes(job.path, data)
+            if self._on_written is not None:
+                self._on_written(len(data))
+            fut.set_result(describe_sample(self.loaded, job, data))
+        except Exception as exc:
+            log.exception("writing %s failed", job.path)
+            fut.set_exception(exc)
+        finally:
+            host.row_done()
