@@ -1,0 +1,243 @@
+"""A Prometheus collector that reads everything at scrape time: run counters and queues from Redis, the
+data volume's usage, GPU readings. Every read is a few Redis commands or a syscall; nothing walks files,
+so a scrape costs the same for a run of ten samples and one of a million.
+
+Redis being down is a reading, not a failed scrape: ``draftline_redis_up`` drops to 0 and the volume and
+GPU series are still served.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import redis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from rq.registry import StartedJobRegistry
+from rq.worker import Worker, WorkerStatus
+
+from services.exporter import names
+from services.exporter.gpu import GpuReader, GpuReading
+from shared.jobs import QUEUES, SAMPLE_STAGES
+from shared.queues import SERIALIZER, queue
+from shared.runstate import RunState, known_runs
+
+log = logging.getLogger(__name__)
+
+RUN_STAGE = ("run", "stage")
+# A scrape must answer within Prometheus' scrape timeout (10 s by default) even when Redis is gone, so
+# the exporter's connection gives up sooner than the workers' (shared.queues.connect) and retries once,
+# enough to replace a pooled connection that a Redis restart closed.
+SCRAPE_CONNECT_TIMEOUT_S = 2.0
+SCRAPE_SOCKET_TIMEOUT_S = 5.0
+WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
+
+
+def scrape_connection(url: str) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=SCRAPE_CONNECT_TIMEOUT_S,
+        socket_timeout=SCRAPE_SOCKET_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+class _Families:
+    """The metric families of one scrape, created on first use and yielded in creation order."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+        return self._get(name, lambda: GaugeMetricFamily(name, doc, labels=list(labels)))
+
+    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> CounterMetricFamily:
+        return self._get(name, lambda: CounterMetricFamily(name, doc, labels=list(labels)))
+
+    def _get(self, name: str, make: Callable[[], Metric]) -> Metric:
+        if name not in self._families:
+            self._families[name] = make()
+        return self._families[name]
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._families.values())
+
+
+class DraftlineCollector(Collector):
+    """Registered once; ``collect`` runs on every scrape."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        data: Path,
+        *,
+        gpus: GpuReader | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.conn = conn
+        self.data = Path(data)
+        self.gpus = gpus
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(names.REDIS_UP, "1 when Redis answered this scrape, 0 when it did not.")
+        from_redis = _Families()
+        try:
+            self._collect_redis(from_redis)
+            up.add_metric([], 1)
+        except redis.RedisError as exc:
+            log.warning("redis unreachable during scrape: %s", exc)
+            from_redis = _Families()  # drop what a scrape that lost Redis midway had half filled
+            up.add_metric([], 0)
+        local = _Families()
+        _collect_volume(local, self.data)
+        _collect_gpus(local, self.gpus.read() if self.gpus else [])
+        yield up
+        yield from from_redis
+        yield from local
+
+    def _collect_redis(self, families: _Families) -> None:
+        in_flight = _jobs_in_flight(self.conn)
+        now = self.clock()
+        for run in known_runs(self.conn):
+            state = RunState(self.conn, self.data, run)
+            meta = state.meta()
+            for stage in SAMPLE_STAGES:
+                _sample_stage(families, state, meta, stage, in_flight[(run, stage)], now)
+            for stage in names.WHOLE_RUN_STAGES:
+                _whole_run_stage(families, run, meta, stage, in_flight[(run, stage)])
+            _run_meta(families, run, meta)
+        _collect_queues(families, self.conn)
+
+
+# ---- runs -----------------------------------------------------------------------------------------
+def _sample_stage(
+    families: _Families, state: RunState, meta: dict[str, str], stage: str, in_flight: int, now: float
+) -> None:
+    labels = [state.run, stage]
+    expected = int(meta.get("expected", 0))
+    counts = state.counts(stage)
+    remaining = max(expected - counts.done - counts.failed - counts.dropped, 0)
+    families.counter(names.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
+        labels, counts.done
+    )
+    families.gauge(names.STAGE_FAILED, "Samples whose latest attempt failed with a named error.", RUN_STAGE).add_metric(
+        labels, counts.failed
+    )
+    families.gauge(names.STAGE_DROPPED, "Samples filtered out on purpose, each with a reason.", RUN_STAGE).add_metric(
+        labels, counts.dropped
+    )
+    _progress(families, labels, expected, remaining, in_flight)
+    rate = state.rate(stage, now=now)
+    if remaining == 0 or rate > 0:
+        families.gauge(names.STAGE_ETA, "Seconds until the stage finishes at its recent rate.", RUN_STAGE).add_metric(
+            labels, remaining / rate if remaining else 0.0
+        )
+
+
+def _whole_run_stage(families: _Families, run: str, meta: dict[str, str], stage: str, in_flight: int) -> None:
+    """Train and evaluate report progress as ``<stage>_done`` / ``<stage>_total`` meta fields once started."""
+    total = _number(meta, f"{stage}_total")
+    if total is None:
+        return
+    done = _number(meta, f"{stage}_done") or 0.0
+    _progress(families, [run, stage], int(total), max(int(total - done), 0), in_flight)
+
+
+def _progress(families: _Families, labels: list[str], expected: int, remaining: int, in_flight: int) -> None:
+    families.gauge(
+        names.STAGE_EXPECTED, "Work items of the stage: samples, or steps for train and evaluate.", RUN_STAGE
+    ).add_metric(labels, expected)
+    families.gauge(names.STAGE_REMAINING, "Work items not yet settled (done, failed or dropped).", RUN_STAGE).add_metric(
+        labels, remaining
+    )
+    families.gauge(names.STAGE_PROGRESS, "Share of the stage's work items settled, 0 to 1.", RUN_STAGE).add_metric(
+        labels, (expected - remaining) / expected if expected else 0.0
+    )
+    families.gauge(names.STAGE_IN_FLIGHT, "RQ jobs of the run being worked on now.", RUN_STAGE).add_metric(
+        labels, in_flight
+    )
+
+
+def _run_meta(families: _Families, run: str, meta: dict[str, str]) -> None:
+    series = (
+        (names.RUN_HIDDEN_BYTES, names.META_HIDDEN_BYTES, "Bytes of hidden-state files written for the run."),
+        (names.TRAIN_STEP, names.META_TRAIN_STEP, "Optimizer steps the trainer has finished."),
+        (names.TRAIN_LOSS, names.META_TRAIN_LOSS, "The trainer's latest logged loss."),
+        (names.ACCEPTANCE_LENGTH, names.META_ACCEPTANCE_LENGTH, "Mean tokens accepted per verification step."),
+    )
+    for metric, field, doc in series:
+        value = _number(meta, field)
+        if value is not None:
+            families.gauge(metric, doc, ["run"]).add_metric([run], value)
+
+
+def _number(meta: dict[str, str], field: str) -> float | None:
+    """A numeric meta field, or None when absent; a malformed value is logged and skipped, not fatal."""
+    raw = meta.get(field)
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        log.warning("run meta field %s is not a number: %r", field, raw)
+        return None
+
+
+# ---- queues and workers ---------------------------------------------------------------------------
+def _jobs_in_flight(conn: redis.Redis) -> Counter[tuple[str, str]]:
+    """Started jobs per (run, stage), from job ids ``<stage>:<run>[:<sample>]`` (shared.jobs)."""
+    found: Counter[tuple[str, str]] = Counter()
+    for name in QUEUES:
+        registry = StartedJobRegistry(queue=queue(name, conn), serializer=SERIALIZER)
+        # No cleanup: a read-only exporter never moves abandoned jobs; the workers do that.
+        for job_id in registry.get_job_ids(cleanup=False):
+            stage, _, rest = job_id.partition(":")
+            found[(rest.partition(":")[0], stage)] += 1
+    return found
+
+
+def _collect_queues(families: _Families, conn: redis.Redis) -> None:
+    jobs = families.gauge(names.QUEUE_JOBS, "Jobs waiting in the queue.", ["queue"])
+    workers = families.gauge(names.QUEUE_WORKERS, "Workers listening on the queue, by state.", ["queue", "state"])
+    for name in QUEUES:
+        q = queue(name, conn)
+        jobs.add_metric([name], q.count)
+        states = Counter(w.get_state() for w in Worker.all(queue=q, serializer=SERIALIZER))
+        for state in sorted(set(WORKER_STATES) | set(states)):
+            workers.add_metric([name, state], states[state])
+
+
+# ---- volume and GPUs ------------------------------------------------------------------------------
+def _collect_volume(families: _Families, data: Path) -> None:
+    try:
+        usage = shutil.disk_usage(data)
+    except OSError as exc:
+        log.warning("cannot read usage of the data volume %s: %s", data, exc)
+        return
+    families.gauge(names.VOLUME_USED, "Bytes used on the filesystem holding the data volume.").add_metric([], usage.used)
+    families.gauge(names.VOLUME_FREE, "Bytes free on the filesystem holding the data volume.").add_metric([], usage.free)
+
+
+def _collect_gpus(families: _Families, readings: list[GpuReading]) -> None:
+    families.gauge(names.GPUS, "GPUs visible through NVML; 0 without a driver or GPUs.").add_metric([], len(readings))
+    series = (
+        (names.GPU_UTILIZATION, "utilization_ratio", "Share of time a kernel ran, 0 to 1."),
+        (names.GPU_MEMORY_USED, "memory_used_bytes", "GPU memory in use."),
+        (names.GPU_MEMORY_TOTAL, "memory_total_bytes", "GPU memory installed."),
+        (names.GPU_TEMPERATURE, "temperature_celsius", "GPU core temperature."),
+        (names.GPU_POWER, "power_watts", "Power drawn by the board."),
+    )
+    for reading in readings:
+        labels = [str(reading.index), reading.name]
+        for metric, field, doc in series:
+            value = getattr(reading, field)
+            if value is not None:
+                families.gauge(metric, doc, ["gpu", "name"]).add_metric(labels, value)

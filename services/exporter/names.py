@@ -1,0 +1,51 @@
+"""Metric names the exporter publishes; alerts, dashboards and tests refer to these.
+
+Conventions: a ``draftline_`` prefix, base units in the name (``_bytes``, ``_seconds``, ``_celsius``,
+``_watts``), ``_total`` on counters, ratios in 0..1.
+"""
+
+from __future__ import annotations
+
+# ---- health of the exporter's own sources ---------------------------------------------------------
+REDIS_UP = "draftline_redis_up"  # 1 when Redis answered this scrape, else 0
+
+# ---- per run and stage: labels run, stage --------------------------------------------------------
+STAGE_EXPECTED = "draftline_stage_expected"  # samples (generate, extract) or steps (train, evaluate)
+STAGE_DONE = "draftline_stage_done_total"  # per-sample stages only: a done bit is never cleared
+# Failed and dropped are gauges, not counters: a sample that succeeds on a later attempt leaves the failed
+# set (RunState.mark_done clears it), and a counter that goes down reads to Prometheus as a reset.
+STAGE_FAILED = "draftline_stage_failed"  # samples whose latest attempt failed with a named error
+STAGE_DROPPED = "draftline_stage_dropped"  # filtered on purpose (e.g. a reply that is too short)
+STAGE_REMAINING = "draftline_stage_remaining"  # expected minus done, failed and dropped
+STAGE_PROGRESS = "draftline_stage_progress_ratio"  # settled share of expected, 0..1
+STAGE_IN_FLIGHT = "draftline_stage_jobs_in_flight"  # RQ jobs of this run being worked on now
+STAGE_ETA = "draftline_stage_eta_seconds"  # remaining / recent rate; absent while the rate is unknown
+
+# ---- per run: label run ---------------------------------------------------------------------------
+RUN_HIDDEN_BYTES = "draftline_run_hidden_state_bytes"
+TRAIN_STEP = "draftline_train_step"  # a gauge: resuming from a checkpoint may step back
+TRAIN_LOSS = "draftline_train_loss"
+ACCEPTANCE_LENGTH = "draftline_acceptance_length"  # mean tokens accepted per verification step
+
+# ---- queues and workers: labels queue[, state] ----------------------------------------------------
+QUEUE_JOBS = "draftline_queue_jobs"  # jobs waiting in the queue
+QUEUE_WORKERS = "draftline_queue_workers"
+
+# ---- the data volume -----------------------------------------------------------------------------
+VOLUME_USED = "draftline_volume_used_bytes"
+VOLUME_FREE = "draftline_volume_free_bytes"
+
+# ---- GPUs through NVML: labels gpu (index) and name -----------------------------------------------
+GPUS = "draftline_gpus"  # GPUs NVML sees; 0 without a driver or without GPUs
+GPU_UTILIZATION = "draftline_gpu_utilization_ratio"
+GPU_MEMORY_USED = "draftline_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL = "draftline_gpu_memory_total_bytes"
+GPU_TEMPERATURE = "draftline_gpu_temperature_celsius"
+GPU_POWER = "draftline_gpu_power_watts"
+
+# ---- run meta fields the services write (RunState.set_meta / incr / set_progress) -----------------
+META_HIDDEN_BYTES = "hidden_bytes"
+META_TRAIN_STEP = "train_done"
+META_TRAIN_LOSS = "train_loss"
+META_ACCEPTANCE_LENGTH = "acceptance_length"
+WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total
