@@ -1,0 +1,49 @@
+"""The controller's FastAPI application: routes, error mapping, and the supervisor thread's lifetime."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.controller.routes import health, runs
+from services.controller.supervisor import supervise_forever
+from shared.settings import ControllerSettings
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR_JOIN_S = 30.0
+
+
+def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bool = False) -> FastAPI:
+    """The API over ``settings.data`` and ``conn``; with ``supervise`` the feed/hand-off loop runs alongside."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        thread = None
+        if supervise:
+            thread = threading.Thread(target=supervise_forever, args=(settings, conn, stop), name="supervisor", daemon=True)
+            thread.start()
+        yield
+        stop.set()
+        if thread is not None:
+            thread.join(SUPERVISOR_JOIN_S)
+
+    app = FastAPI(title="draftline controller", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.conn = conn
+    app.include_router(health.router)
+    app.include_router(runs.router)
+    app.add_exception_handler(redis.RedisError, _redis_unavailable)
+    return app
+
+
+async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: redis unavailable: %s", request.method, request.url.path, exc)
+    return JSONResponse(status_code=503, content={"detail": f"redis unavailable: {exc}"})

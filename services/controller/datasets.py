@@ -1,0 +1,308 @@
+"""Read prompt datasets row by row and normalize every row to OpenAI chat messages.
+
+Sources: a JSONL file, a Parquet file, a local directory holding split files, or a Hugging Face dataset
+repo id (fetched with ``snapshot_download``, only the requested split's files). Row formats:
+
+- OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}``
+- ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` (``human``/``gpt``/``system``)
+- plain: ``{"prompt": "...", "system": "..."}`` (``system`` optional)
+
+Trailing assistant turns are dropped: the target writes the reply to the last user turn. A bad row
+yields a ``RowError`` subclass naming the problem instead of stopping the read, so one malformed line
+of a million-row file costs exactly one named failure. Row indices count every row read (bad ones
+included) and become the run's sample ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from shared.errors import DatasetError, PromptTooLong, RowError
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT_BYTES = 256 * 1024
+PARQUET_BATCH_ROWS = 1024
+PARQUET_COLUMNS = ("messages", "conversations", "prompt", "system")
+DATA_SUFFIXES = (".jsonl", ".parquet")
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+OPENAI_ROLES = {"system", "user", "assistant"}
+
+Row = tuple[int, "list[dict[str, str]] | RowError"]
+
+
+class InvalidJson(RowError):
+    """The line is not valid JSON."""
+
+
+class InvalidUtf8(RowError):
+    """The line is not valid UTF-8."""
+
+
+class EmptyRow(RowError):
+    """The row is blank or has no fields."""
+
+
+class MissingField(RowError):
+    """The row has none of the fields a known format needs."""
+
+
+class WrongType(RowError):
+    """A field has the wrong type (a string where a list belongs, say)."""
+
+
+class UnknownRole(RowError):
+    """A turn names a role this pipeline does not know."""
+
+
+class EmptyContent(RowError):
+    """A turn's text is empty."""
+
+
+class NoUserTurn(RowError):
+    """Nothing is left for the target to answer: no user turn at the end of the conversation."""
+
+
+# ---- row normalization ------------------------------------------------------------------------
+
+
+def normalize_row(row: object) -> list[dict[str, str]]:
+    """Messages the target answers, or a RowError naming what is wrong with ``row``."""
+    if not isinstance(row, dict):
+        raise WrongType(f"row is a JSON {type(row).__name__}, expected an object")
+    present = {k: v for k, v in row.items() if v is not None}
+    if not present:
+        raise EmptyRow("row has no fields")
+    if "messages" in present:
+        messages = _openai_messages(present["messages"])
+    elif "conversations" in present:
+        messages = _sharegpt_messages(present["conversations"])
+    elif "prompt" in present:
+        messages = _plain_messages(present["prompt"], present.get("system"))
+    else:
+        raise MissingField(f"row has none of 'messages', 'conversations', 'prompt' (fields: {sorted(present)[:8]})")
+    return _finish(messages)
+
+
+def _openai_messages(turns: object) -> list[dict[str, str]]:
+    turns = _turn_list(turns, "messages")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise WrongType(f"{where} is a {type(turn).__name__}, expected an object")
+        role = _required(turn, "role", where)
+        if role not in OPENAI_ROLES:
+            raise UnknownRole(f"{where}.role is {role!r}; known roles: {sorted(OPENAI_ROLES)}")
+        messages.append({"role": role, "content": _text(_required(turn, "content", where, str_only=False), where)})
+    return messages
+
+
+def _sharegpt_messages(turns: object) -> list[dict[str, str]]:
+    turns = _turn_list(turns, "conversations")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise WrongType(f"{where} is a {type(turn).__name__}, expected an object")
+        speaker = _required(turn, "from", where)
+        if speaker not in SHAREGPT_ROLES:
+            raise UnknownRole(f"{where}.from is {speaker!r}; known: {sorted(SHAREGPT_ROLES)}")
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": _text(_required(turn, "value", where), where)})
+    return messages
+
+
+def _plain_messages(prompt: object, system: object) -> list[dict[str, str]]:
+    if not isinstance(prompt, str):
+        raise WrongType(f"prompt is a {type(prompt).__name__}, expected a string")
+    messages = []
+    if system is not None:
+        if not isinstance(system, str):
+            raise WrongType(f"system is a {type(system).__name__}, expected a string")
+        if system.strip():
+            messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": _text(prompt, "prompt")})
+    return messages
+
+
+def _turn_list(turns: object, field: str) -> list:
+    # Parquet hands lists over as lists; numpy arrays never reach here because we read via to_pylist().
+    if not isinstance(turns, list):
+        raise WrongType(f"{field} is a {type(turns).__name__}, expected a list of turns")
+    if not turns:
+        raise EmptyRow(f"{field} is an empty list")
+    return turns
+
+
+def _required(turn: dict, key: str, where: str, *, str_only: bool = True) -> object:
+    if turn.get(key) is None:
+        raise MissingField(f"{where} has no {key!r}")
+    value = turn[key]
+    if str_only and not isinstance(value, str):
+        raise WrongType(f"{where}.{key} is a {type(value).__name__}, expected a string")
+    return value
+
+
+def _text(content: object, where: str) -> str:
+    """Plain text of a turn; OpenAI content-part lists are accepted when every part is text."""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise WrongType(f"{where}.content has a non-text part; only text prompts are supported")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise WrongType(f"{where}.content is a {type(content).__name__}, expected a string")
+    if not content.strip():
+        raise EmptyContent(f"{where} has empty content")
+    return content
+
+
+def _finish(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not any(m["role"] == "user" for m in messages):
+        raise NoUserTurn("conversation has no user turn")
+    if messages[-1]["role"] != "user":
+        raise NoUserTurn(f"conversation ends with a {messages[-1]['role']} turn, not a user turn")
+    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+    if size > MAX_PROMPT_BYTES:
+        raise PromptTooLong(f"prompt is {size} bytes, more than the {MAX_PROMPT_BYTES} byte limit")
+    return messages
+
+
+def _checked(row: object) -> list[dict[str, str]] | RowError:
+    try:
+        return normalize_row(row)
+    except RowError as exc:
+        return exc
+
+
+# ---- file readers -----------------------------------------------------------------------------
+
+
+def _jsonl_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot open ({exc.strerror})") from exc
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            yield _jsonl_line(raw, number)
+
+
+def _jsonl_line(raw: bytes, number: int) -> list[dict[str, str]] | RowError:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return InvalidUtf8(f"line {number}: invalid UTF-8 at byte {exc.start}")
+    if not text.strip():
+        return EmptyRow(f"line {number} is blank")
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return InvalidJson(f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+    return _checked(row)
+
+
+def _parquet_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        names = set(parquet.schema_arrow.names)
+        columns = [c for c in PARQUET_COLUMNS if c in names]
+        if not columns:
+            raise DatasetError(f"{path}: no column named {' / '.join(PARQUET_COLUMNS[:3])} (columns: {sorted(names)[:10]})")
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for row in batch.to_pylist():
+                yield _checked(row)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: cannot read Parquet ({exc})") from exc
+
+
+def _file_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".parquet":
+        return _parquet_rows(path)
+    raise DatasetError(f"{path}: unknown dataset format; use .jsonl or .parquet")
+
+
+# ---- sources ----------------------------------------------------------------------------------
+
+
+def looks_like_repo_id(source: str) -> bool:
+    return bool(REPO_ID_RE.match(source)) and ".." not in source
+
+
+def split_files(root: Path, split: str) -> list[Path]:
+    """The data files of ``split`` under ``root``: ``train.jsonl``, ``data/train-00000-of-00002.parquet``,
+    ``train/0000.parquet`` and the like, in name order so row indices are stable."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in DATA_SUFFIXES or not path.is_file():
+            continue
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        stem = path.name[: -len(path.suffix)]
+        if stem == split or re.match(rf"^{re.escape(split)}[-_.]", stem) or split in rel.parts[:-1]:
+            found.append(path)
+    return found
+
+
+def _hub_patterns(split: str) -> list[str]:
+    # fnmatch's "*" also crosses "/", so these cover files at the root and in data/ or <split>/ folders.
+    return [f"*{split}.jsonl", f"*{split}[-_.]*.jsonl", f"*{split}.parquet", f"*{split}[-_.]*.parquet",
+            f"*{split}/*.jsonl", f"*{split}/*.parquet"]
+
+
+def _hub_snapshot(repo_id: str, split: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", allow_patterns=_hub_patterns(split)))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise DatasetError(f"dataset {repo_id!r} is not a local path and cannot be fetched from the Hugging Face Hub: "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
+    """The files to read for ``source``; DatasetError when there are none."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        root, where = path, str(path)
+    elif isinstance(source, str) and looks_like_repo_id(source):
+        root, where = _hub_snapshot(source, split), f"dataset repo {source!r}"
+    else:
+        raise DatasetError(f"dataset {str(source)!r}: no such file or directory (and not a Hugging Face repo id like owner/name)")
+    files = split_files(root, split)
+    if not files:
+        raise DatasetError(f"{where}: no .jsonl or .parquet files for split {split!r}")
+    return files
+
+
+def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = None) -> Iterator[Row]:
+    """Yield ``(row_index, messages | RowError)`` for every row of ``source``, at most ``limit`` rows."""
+    if limit is not None and limit < 1:
+        raise DatasetError(f"limit must be at least 1, got {limit}")
+    index = 0
+    for path in resolve_files(source, split):
+        log.info("reading %s", path)
+        for item in _file_rows(path):
+            if limit is not None and index >= limit:
+                return
+            yield index, item
+            index += 1

@@ -1,0 +1,1 @@
+"""HTTP routes of the controller, one module per resource."""

@@ -1,0 +1,107 @@
+"""``/runs``: submit a run, list runs, one run's status, its failures."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.controller.routes.deps import ConnDep, SettingsDep
+from services.controller.served import served_model
+from services.controller.status import list_status, run_status
+from services.controller.submit import submit_run
+from shared.errors import DatasetError, InferenceUnavailable, RunExists, RunNotFound
+from shared.jobs import SAMPLE_STAGES
+from shared.layout import check_run_name
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
+from shared.runstate import RunState
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+
+
+class SubmitRequest(BaseModel):
+    """The body of ``POST /runs``; mirrors ``submit_run``'s arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field(..., min_length=1, description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id.")
+    name: str | None = None
+    limit: int | None = Field(None, ge=1)
+    model: str | None = Field(None, description="Served model name; by default the one the inference server lists.")
+    split: str = Field("train", min_length=1)
+    generation: GenerationConfig | None = None
+    extraction: ExtractionConfig | None = None
+    train: TrainConfig | None = None
+    evaluate: EvalConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_run_name(name)
+
+
+def resolve_dataset(dataset: str, data: Path) -> str:
+    """Relative paths name files on the volume when such a file exists; anything else passes through."""
+    path = Path(dataset)
+    if not path.is_absolute() and (Path(data) / path).exists():
+        return str(Path(data) / path)
+    return dataset
+
+
+def _known_run(run: str) -> str:
+    try:
+        return check_run_name(run)
+    except ValueError:
+        raise HTTPException(status_code=404, detail=f"no run {run!r}") from None
+
+
+@router.post("", status_code=201)
+def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dict:
+    try:
+        spec = submit_run(
+            settings.data, conn, dataset=resolve_dataset(body.dataset, settings.data), name=body.name,
+            limit=body.limit, model=body.model or served_model(settings.inference_url), split=body.split,
+            generation=body.generation, extraction=body.extraction, train=body.train, evaluate=body.evaluate,
+        )
+    except RunExists as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
+    except DatasetError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from None
+    except InferenceUnavailable as exc:
+        raise HTTPException(status_code=503, detail=str(exc)) from None
+    except ValueError as exc:  # an invalid default run name derived from the dataset, say
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    return spec.model_dump(mode="json")
+
+
+@router.get("")
+def get_runs(settings: SettingsDep, conn: ConnDep) -> list[dict]:
+    return list_status(settings.data, conn)
+
+
+@router.get("/{run}")
+def get_run(run: str, settings: SettingsDep, conn: ConnDep) -> dict:
+    try:
+        return run_status(settings.data, conn, _known_run(run))
+    except RunNotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+
+
+@router.get("/{run}/failures")
+def get_failures(
+    run: str,
+    settings: SettingsDep,
+    conn: ConnDep,
+    stage: Annotated[str | None, Query(pattern="^(" + "|".join(SAMPLE_STAGES) + ")$")] = None,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> dict:
+    state = RunState(conn, settings.data, _known_run(run))
+    if not state.meta() and not state.paths.spec.is_file():
+        raise HTTPException(status_code=404, detail=f"no run {run!r}")
+    failures = state.failures(stage)
+    return {"run": run, "total": len(failures), "offset": offset,
+            "failures": [asdict(f) for f in failures[offset: offset + limit]]}

@@ -1,0 +1,222 @@
+"""A run's progress as one dict (the API's and ``draftline status --json``'s answer) and as operator text.
+
+Everything comes from Redis counters and meta: a status call never walks the run directory, so it
+costs the same for ten samples and for a million.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import redis
+
+from shared.errors import RunNotFound
+from shared.jobs import SAMPLE_STAGES
+from shared.layout import list_runs
+from shared.runspec import RunSpec
+from shared.runstate import ERROR, RunState, StageCounts, known_runs, run_key
+
+FAILURES_SHOWN = 50
+FINISHED = {"done", "complete", "completed", "finished", "succeeded", "success"}
+FAILED = {"failed", "error"}
+FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
+
+
+# ---- state --------------------------------------------------------------------------------------
+
+
+def derive_state(meta: dict[str, str], errors: int) -> str:
+    """One of queued, generating, extracting, training, evaluating, complete, complete_with_failures, failed."""
+    stored = meta.get("state") or "queued"
+    train, evaluate = meta.get("train_state", "").lower(), meta.get("evaluate_state", "").lower()
+    if stored == "failed" or train in FAILED or evaluate in FAILED:
+        return "failed"
+    if evaluate in FINISHED or stored in ("complete", "complete_with_failures"):
+        return "complete_with_failures" if errors else "complete"
+    if train in FINISHED or evaluate or stored == "evaluating":
+        return "evaluating"
+    if train or stored == "training":
+        return "training"
+    return stored
+
+
+# ---- per-stage numbers --------------------------------------------------------------------------
+
+
+def _percent(part: float, total: float) -> float:
+    return round(100.0 * part / total, 1) if total > 0 else 0.0
+
+
+def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts) -> dict:
+    settled = counts.done + counts.failed + counts.dropped
+    remaining = max(total - settled, 0)
+    rate = state.rate(stage)
+    return {
+        "total": total,
+        "done": counts.done,
+        "failed": counts.failed,
+        "dropped": counts.dropped,
+        "remaining": remaining,
+        "percent": _percent(settled, total),
+        "samples_per_second": round(rate, 3),
+        "eta_seconds": _eta(remaining, rate),
+    }
+
+
+def _eta(remaining: int, rate: float) -> int | None:
+    if remaining == 0:
+        return 0
+    return round(remaining / rate) if rate > 0 else None
+
+
+def _float(meta: dict[str, str], key: str) -> float | None:
+    try:
+        return float(meta[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
+    done, total = int(float(meta.get(f"{stage}_done", 0))), int(float(meta.get(f"{stage}_total", 0)))
+    default = "queued" if stage == "train" and "train_enqueued_at" in meta else "pending"
+    return {"total": total, "done": done, "percent": _percent(done, total),
+            "state": meta.get(f"{stage}_state") or default}
+
+
+# ---- errors and failures -------------------------------------------------------------------------
+
+
+def first_failures(conn: redis.Redis, run: str, limit: int = FAILURES_SHOWN) -> list[dict]:
+    """The first ``limit`` failures by stage order, then sample id; reads only field names plus ``limit`` values."""
+    key = run_key(run, "failures")
+    fields = [f.decode() if isinstance(f, bytes) else f for f in conn.hkeys(key)]
+    order = {stage: i for i, stage in enumerate(SAMPLE_STAGES)}
+
+    def sort_key(field: str) -> tuple[int, int]:
+        stage, _, sample_id = field.partition(":")
+        return order.get(stage, len(order)), int(sample_id) if sample_id.isdigit() else -1
+
+    chosen = sorted(fields, key=sort_key)[:limit]
+    values = conn.hmget(key, chosen) if chosen else []
+    return [{k: json.loads(v)[k] for k in FAILURE_FIELDS} for v in values if v is not None]
+
+
+def errors_since(conn: redis.Redis, run: str, since: float) -> int:
+    """Errors (not drops) recorded after ``since``; scans the failure records, so only for resumed runs."""
+    count = 0
+    for _, raw in conn.hscan_iter(run_key(run, "failures"), count=1000):
+        record = json.loads(raw)
+        count += record.get("kind") == ERROR and float(record.get("at", 0)) > since
+    return count
+
+
+def error_summary(conn: redis.Redis, run: str, meta: dict[str, str], gen: StageCounts, ext: StageCounts) -> dict:
+    total = gen.failed + ext.failed
+    resumed_at = _float(meta, "resumed_at")
+    since = total if resumed_at is None else errors_since(conn, run, resumed_at)
+    return {"total": total, "since_resume": since, "dropped": gen.dropped + ext.dropped}
+
+
+# ---- disk ----------------------------------------------------------------------------------------
+
+
+def disk_usage(data: Path, meta: dict[str, str]) -> dict:
+    path = Path(data)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return {"path": str(data), "used_bytes": usage.used, "free_bytes": usage.free, "total_bytes": usage.total,
+            "run_bytes": int(float(meta.get("hidden_bytes", 0)))}
+
+
+# ---- the whole answer ----------------------------------------------------------------------------
+
+
+def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
+    """Status of ``run``; RunNotFound when neither Redis nor the volume knows it."""
+    state = RunState(conn, data, run)
+    meta = state.meta()
+    if not meta and not state.paths.spec.is_file():
+        raise RunNotFound(f"no run {run!r}")
+    expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
+    gen, ext = state.counts("generate"), state.counts("extract")
+    generate = sample_stage(state, "generate", expected, gen)
+    extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext)
+    train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
+    train["loss"] = _float(meta, "train_loss")
+    evaluate["acceptance_length"] = _float(meta, "acceptance_length")
+    errors = error_summary(conn, run, meta, gen, ext)
+    etas = [s["eta_seconds"] for s in (generate, extract) if s["eta_seconds"] is not None]
+    return {
+        "run": run,
+        "state": derive_state(meta, errors["total"]),
+        "expected": expected,
+        "stages": {"generate": generate, "extract": extract, "train": train, "evaluate": evaluate},
+        "errors": errors,
+        "failures": first_failures(conn, run),
+        "disk": disk_usage(data, meta),
+        "eta_seconds": max(etas) if etas else None,
+        "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"]},
+        "updated_at": time.time(),
+    }
+
+
+def list_status(data: Path, conn: redis.Redis) -> list[dict]:
+    """Status of every run Redis or the volume knows, by name."""
+    return [run_status(data, conn, run) for run in sorted(set(known_runs(conn)) | set(list_runs(data)))]
+
+
+# ---- text ----------------------------------------------------------------------------------------
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+def _sample_line(name: str, s: dict) -> str:
+    return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
+            f"dropped {s['dropped']:,}  {s['samples_per_second']:.2f} samples/s  ETA {_duration(s['eta_seconds'])}")
+
+
+def _whole_line(name: str, s: dict, extra: str) -> str:
+    return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}"
+
+
+def format_status(status: dict) -> str:
+    """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
+    stages, errors, disk = status["stages"], status["errors"], status["disk"]
+    loss, accept = stages["train"]["loss"], stages["evaluate"]["acceptance_length"]
+    lines = [
+        f"run {status['run']}: {status['state']} ({status['expected']:,} samples expected)",
+        _sample_line("generate", stages["generate"]),
+        _sample_line("extract", stages["extract"]),
+        _whole_line("train", stages["train"], f"  loss {loss:.4f}" if loss is not None else ""),
+        _whole_line("evaluate", stages["evaluate"], f"  acceptance length {accept:.2f}" if accept is not None else ""),
+        f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, {errors['dropped']:,} dropped",
+        f"  ETA       {_duration(status['eta_seconds'])}",
+        f"  disk      {_bytes(disk['used_bytes'])} used, {_bytes(disk['free_bytes'])} free of "
+        f"{_bytes(disk['total_bytes'])} ({disk['path']}); this run {_bytes(disk['run_bytes'])}",
+    ]
+    if status["drafter"]["export_path"]:
+        lines.append(f"  drafter   {status['drafter']['export_path']}")
+    if status["failures"]:
+        lines.append(f"  failures (first {len(status['failures'])}):")
+        lines += [f"    {f['stage']:<8} sample {f['sample_id']:<8} {f['kind']:<7} {f['error_class']}: {f['message']}"
+                  for f in status["failures"]]
+    return "\n".join(lines)

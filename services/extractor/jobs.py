@@ -1,0 +1,145 @@
+"""The extract job: prompt + reply → token ids and loss mask → hidden-state file, verified before it counts.
+
+A sample counts as extracted only after ``verify_hidden_file`` accepts what the server wrote: shapes
+match the tokens we sent, the layer ids are the run's, every value is finite, and the checksum is the
+one the server reported. The run's layer ids are fixed by its first verified sample, so a server
+restarted with other defaults cannot mix layers within one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import redis
+
+from services.extractor.client import HiddenStatesClient, HiddenStatesResult, MalformedHiddenResponse
+from services.extractor.tokenize import build_sample
+from shared import eagle3
+from shared.atomic import read_json
+from shared.errors import DraftlineError, HiddenStateFileError, error_class
+from shared.hidden_file import verify_hidden_file
+from shared.jobs import ExtractJob
+from shared.queues import connect
+from shared.runspec import RunSpec
+from shared.runstate import Failure, RunState, run_key
+from shared.settings import ExtractorSettings, load_settings
+
+log = logging.getLogger(__name__)
+
+
+class GeneratedFileError(DraftlineError):
+    """The reply file of a sample is missing or unreadable."""
+
+
+@lru_cache(maxsize=1)
+def worker_settings() -> ExtractorSettings:
+    return load_settings(ExtractorSettings)
+
+
+@lru_cache(maxsize=2)
+def load_tokenizer(model_dir: str):
+    """The target's tokenizer, loaded once per process (the worker preloads it before forking)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+_SPECS: dict[tuple[str, str], tuple[float, RunSpec]] = {}
+
+
+def load_spec(data: Path, run: str) -> RunSpec:
+    """RunSpec.load, cached per process; a rewritten run.json (new mtime) is read again."""
+    try:
+        mtime = (Path(data) / "runs" / run / "run.json").stat().st_mtime
+    except FileNotFoundError:
+        return RunSpec.load(data, run)
+    cached = _SPECS.get((str(data), run))
+    if cached is None or cached[0] != mtime:
+        cached = (mtime, RunSpec.load(data, run))
+        _SPECS[(str(data), run)] = cached
+    return cached[1]
+
+
+def extract(payload: dict) -> str:
+    """RQ entry point (``shared.jobs.EXTRACT_FUNC``)."""
+    job = ExtractJob.model_validate(payload)
+    settings = worker_settings()
+    client = HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s)
+    return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), client)
+
+
+def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis, tokenizer,
+                client: HiddenStatesClient) -> str:
+    """Extract one sample; returns ``done``, ``skipped`` or ``failed`` (failures are recorded, not raised)."""
+    state = RunState(conn, settings.data, job.run)
+    if state.is_done("extract", job.sample_id):
+        return "skipped"
+    spec = load_spec(settings.data, job.run)
+    try:
+        result, info_bytes = _extract(job, spec, state, tokenizer, client)
+    except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
+        if not isinstance(exc, DraftlineError):
+            log.exception("run %s: sample %d: unexpected error", job.run, job.sample_id)
+        state.mark_failed(Failure(run=job.run, stage="extract", sample_id=job.sample_id,
+                                  error_class=error_class(exc), message=str(exc)))
+        log.warning("run %s: sample %d extract failed: %s: %s", job.run, job.sample_id, error_class(exc), exc)
+        return "failed"
+    if state.mark_done("extract", job.sample_id):
+        state.incr("hidden_bytes", info_bytes)
+    _record_layers(conn, job.run, result)
+    return "done"
+
+
+def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer,
+             client: HiddenStatesClient) -> tuple[HiddenStatesResult, int]:
+    record = _read_reply(state, job.sample_id)
+    reply = record.get("reply") or {}
+    input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
+                                        reply.get("reasoning_content"), spec.extraction.max_length)
+    result = client.extract(
+        input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
+        layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},
+    )
+    path = state.paths.hidden(job.sample_id)
+    try:
+        info = verify_hidden_file(path, layer_ids=_run_layers(state, spec, result), sha256=result.sha256)
+        if info.num_tokens != len(input_ids):
+            raise HiddenStateFileError(f"{path}: {info.num_tokens} tokens, sent {len(input_ids)}")
+    except HiddenStateFileError:
+        path.unlink(missing_ok=True)  # a file that fails verification must never pass for finished work
+        raise
+    if result.layer_convention != eagle3.LAYER_CONVENTION:
+        raise MalformedHiddenResponse(f"server reports layer convention {result.layer_convention!r}, "
+                                      f"expected {eagle3.LAYER_CONVENTION!r}")
+    return result, info.nbytes
+
+
+def _read_reply(state: RunState, sample_id: int) -> dict:
+    path = state.paths.generated(sample_id)
+    try:
+        record = read_json(path)
+    except FileNotFoundError:
+        raise GeneratedFileError(f"{path}: no reply file (generation did not finish this sample)") from None
+    except (OSError, ValueError) as exc:
+        raise GeneratedFileError(f"{path}: unreadable reply file ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        raise GeneratedFileError(f"{path}: reply file lacks the prompt messages")
+    return record
+
+
+def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> list[int]:
+    """The layer ids every file of the run must carry: the spec's, else those of the first verified sample."""
+    if spec.extraction.layer_ids is not None:
+        return list(spec.extraction.layer_ids)
+    recorded = state.meta().get("layer_ids")
+    return json.loads(recorded) if recorded else list(result.layer_ids)
+
+
+def _record_layers(conn: redis.Redis, run: str, result: HiddenStatesResult) -> None:
+    """First success wins (HSETNX), so concurrent extractors agree on one record."""
+    meta = run_key(run, "meta")
+    conn.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
+    conn.hsetnx(meta, "layer_convention", result.layer_convention)

@@ -1,0 +1,17 @@
+"""``draftline serve extractor``: an RQ worker on the extract queue, tokenizer loaded once before forking."""
+
+from __future__ import annotations
+
+import os
+
+from services.extractor.jobs import load_tokenizer
+from services.worker import run_worker
+from shared.jobs import EXTRACT_QUEUE
+from shared.settings import ExtractorSettings, load_settings
+
+
+def main() -> None:
+    settings = load_settings(ExtractorSettings)
+    # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_worker([EXTRACT_QUEUE], settings, role="extractor", preload=lambda: load_tokenizer(str(settings.model_dir)))

@@ -1,0 +1,152 @@
+"""The generate job: the target's replies to a batch of prompts, one JSON file per sample.
+
+Each sample ends in exactly one of: a reply file plus its queued extraction, a dropped reply
+(``ReplyTooShort``), or a named failure. One sample's trouble never costs the others their replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import redis
+from rq.exceptions import DuplicateJobError
+
+from services.generator.client import RETRY_DELAYS_S, ChatClient, Completion, MalformedCompletion, chat_payload
+from shared import SCHEMA_VERSION
+from shared.atomic import atomic_write_json
+from shared.errors import InferenceRejected, InferenceUnavailable, ReplyTooShort, error_class
+from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
+from shared.queues import connect, queue
+from shared.runspec import GenerationConfig, RunSpec
+from shared.runstate import DROPPED, ERROR, Failure, RunState
+from shared.settings import GeneratorSettings, load_settings
+
+log = logging.getLogger(__name__)
+
+EXTRACT_JOB_TIMEOUT_S = 3600
+RESULT_TTL_S = 3600
+FAILURE_TTL_S = 7 * 24 * 3600
+EXPECTED_ERRORS = (InferenceRejected, InferenceUnavailable, MalformedCompletion, ReplyTooShort)
+
+
+@lru_cache(maxsize=1)
+def worker_settings() -> GeneratorSettings:
+    return load_settings(GeneratorSettings)
+
+
+_SPECS: dict[tuple[str, str], tuple[float, RunSpec]] = {}
+
+
+def load_spec(data: Path, run: str) -> RunSpec:
+    """RunSpec.load, cached per process; a rewritten run.json (new mtime) is read again."""
+    try:
+        mtime = (Path(data) / "runs" / run / "run.json").stat().st_mtime
+    except FileNotFoundError:
+        return RunSpec.load(data, run)  # raises RunNotFound with the path
+    cached = _SPECS.get((str(data), run))
+    if cached is None or cached[0] != mtime:
+        cached = (mtime, RunSpec.load(data, run))
+        _SPECS[(str(data), run)] = cached
+    return cached[1]
+
+
+def generate(payload: dict) -> dict:
+    """RQ entry point (``shared.jobs.GENERATE_FUNC``)."""
+    job = GenerateJob.model_validate(payload)
+    settings = worker_settings()
+    return run_generate(job, settings, connect(settings.redis_url))
+
+
+def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redis, *,
+                 retry_delays_s: Sequence[float] = RETRY_DELAYS_S) -> dict:
+    """Generate every sample of ``job``; returns how many ended done, skipped, dropped or failed."""
+    spec = load_spec(settings.data, job.run)
+    state = RunState(conn, settings.data, job.run)
+    outcomes = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
+    summary = dict(Counter(outcomes))
+    log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
+    return summary
+
+
+async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
+                        retry_delays_s: Sequence[float]) -> list[str]:
+    limit = asyncio.Semaphore(settings.concurrency)
+    async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
+                          max_connections=settings.concurrency, retry_delays_s=retry_delays_s) as client:
+        return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
+
+
+async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore) -> str:
+    sample_id = item.sample_id
+    if state.paths.generated(sample_id).is_file():
+        await asyncio.to_thread(publish, state, sample_id)
+        return "skipped"
+    seed = spec.generation.seed + sample_id
+    try:
+        async with limit:
+            completion = await client.complete(chat_payload(spec.model, item.messages, spec.generation, seed))
+        check_length(completion, spec.generation)
+    except EXPECTED_ERRORS as exc:
+        return await asyncio.to_thread(record_failure, state, sample_id, exc)
+    except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
+        log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
+        return await asyncio.to_thread(record_failure, state, sample_id, exc)
+    await asyncio.to_thread(save_reply, state, item, completion)
+    await asyncio.to_thread(publish, state, sample_id)
+    return "done"
+
+
+def check_length(completion: Completion, generation: GenerationConfig) -> None:
+    tokens = completion.completion_tokens
+    if tokens is not None and tokens < generation.min_completion_tokens:
+        raise ReplyTooShort(f"reply has {tokens} tokens, fewer than min_completion_tokens={generation.min_completion_tokens}")
+
+
+def record_failure(state: RunState, sample_id: int, exc: BaseException) -> str:
+    kind = DROPPED if isinstance(exc, ReplyTooShort) else ERROR
+    state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
+                              error_class=error_class(exc), message=str(exc), kind=kind))
+    log.warning("run %s: sample %d %s: %s: %s", state.run, sample_id, kind, error_class(exc), exc)
+    return "dropped" if kind == DROPPED else "failed"
+
+
+def reply_record(item: PromptItem, completion: Completion) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "sample_id": item.sample_id,
+        "messages": item.messages,
+        "reply": {"content": completion.content, "reasoning_content": completion.reasoning_content},
+        "usage": completion.usage,
+        "finish_reason": completion.finish_reason,
+        "model": completion.model,
+    }
+
+
+def save_reply(state: RunState, item: PromptItem, completion: Completion) -> None:
+    path = state.paths.generated(item.sample_id)
+    atomic_write_json(path, reply_record(item, completion))
+    state.incr("generated_bytes", path.stat().st_size)
+
+
+def publish(state: RunState, sample_id: int) -> None:
+    """Mark a sample's reply done and make sure its extraction is queued (both idempotent)."""
+    state.mark_done("generate", sample_id)
+    if not state.is_done("extract", sample_id):
+        enqueue_extract(state.conn, state.run, sample_id)
+
+
+def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
+    try:
+        queue(EXTRACT_QUEUE, conn).enqueue_call(
+            EXTRACT_FUNC, args=(ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),),
+            job_id=extract_job_id(run, sample_id), timeout=EXTRACT_JOB_TIMEOUT_S,
+            result_ttl=RESULT_TTL_S, failure_ttl=FAILURE_TTL_S, unique=True,
+        )
+    except DuplicateJobError:
+        return False
+    return True
