@@ -1,0 +1,56 @@
+"""``POST /v1/hidden_states`` (draftline's own): run one sample through the target, write its states."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter
+
+from services.inference.hidden import RESERVED_METADATA, HiddenJob
+from services.inference.routes.deps import RuntimeDep
+from services.inference.routes.errors import ApiError
+from services.inference.runtime import HIDDEN_ENDPOINT, Runtime
+from services.inference.schemas import HiddenStatesRequest
+from shared import eagle3
+from shared.errors import PromptTooLong
+from shared.layout import resolve_inside
+
+router = APIRouter()
+
+
+@router.post(HIDDEN_ENDPOINT)
+async def hidden_states(body: HiddenStatesRequest, runtime: RuntimeDep) -> dict[str, Any]:
+    job = build_job(runtime, body)
+    written = await asyncio.wrap_future(runtime.pipeline.submit(job))
+    return dataclasses.asdict(written)
+
+
+def build_job(runtime: Runtime, body: HiddenStatesRequest) -> HiddenJob:
+    """Check the request against the target and the volume; nothing is written unless all of it holds."""
+    loaded = runtime.loaded
+    volume = runtime.settings.data.resolve()
+    target = resolve_inside(volume, body.path)  # PathOutsideVolume answers 400
+    if target.is_dir():
+        raise ApiError(400, "BadRequestError", f"path {body.path!r} is a directory")
+    if len(body.input_ids) > loaded.context_length:
+        raise PromptTooLong(f"{len(body.input_ids)} tokens exceed the model's context of {loaded.context_length}")
+    too_big = [t for t in body.input_ids if t >= loaded.vocab_size]
+    if too_big:
+        raise ApiError(400, "BadRequestError", f"token id {too_big[0]} is outside the vocabulary of {loaded.vocab_size}")
+    clash = sorted(RESERVED_METADATA.intersection(body.metadata))
+    if clash:
+        raise ApiError(400, "BadRequestError", f"metadata keys {clash} are reserved for the server")
+    try:
+        layer_ids = eagle3.check_layer_ids(body.layer_ids or loaded.default_layer_ids(), loaded.num_layers)
+    except ValueError as exc:
+        raise ApiError(400, "BadRequestError", str(exc)) from None
+    return HiddenJob(
+        input_ids=list(body.input_ids),
+        loss_mask=list(body.loss_mask),
+        path=target,
+        relative_path=str(target.relative_to(volume)),
+        layer_ids=tuple(layer_ids),
+        metadata=dict(body.metadata),
+    )

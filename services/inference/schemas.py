@@ -1,0 +1,114 @@
+"""Request bodies. Validation failures become 400 answers that name the field (see routes.errors)."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SAFETENSORS_SUFFIX = ".safetensors"
+MAX_SEED = 2**63 - 1
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI message; extra keys (``reasoning_content``, ``name``) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(..., min_length=1)
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for part in content if isinstance(content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported; send text")
+        return content
+
+    def template_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text or "" for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI chat-completions body; fields we do not use are ignored, as vLLM ignores them."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = Field(False, description="vLLM's extension: add prompt_token_ids and token_ids.")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, stream: bool) -> bool:
+        if stream:
+            raise ValueError("streaming is not supported; send stream=false")
+        return stream
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop(cls, stop: str | list[str] | None) -> None:
+        if stop:
+            raise ValueError("stop sequences are not supported; the reply ends at the model's end-of-sequence token")
+        return None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            raise ValueError("logprobs are not supported")
+        return logprobs
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class HiddenStatesRequest(BaseModel):
+    """One sample to run through the target; the states go to ``path`` on the data volume."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_ids: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1)
+    loss_mask: list[Annotated[int, Field(ge=0, le=1)]]
+    path: str = Field(..., min_length=1, description="Relative to the data volume, or absolute inside it.")
+    layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _safetensors_path(cls, path: str) -> str:
+        if not path.endswith(SAFETENSORS_SUFFIX) or PurePath(path).name == SAFETENSORS_SUFFIX:
+            raise ValueError(f"path must name a {SAFETENSORS_SUFFIX} file")
+        return path
+
+    @model_validator(mode="after")
+    def _mask_matches_tokens(self) -> HiddenStatesRequest:
+        if len(self.loss_mask) != len(self.input_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} values for {len(self.input_ids)} input_ids")
+        return self
