@@ -6,6 +6,9 @@ argument, the payload dict, and validates it with the model below.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared import SCHEMA_VERSION
@@ -20,6 +23,10 @@ GENERATE_FUNC = "services.generator.jobs.generate"
 EXTRACT_FUNC = "services.extractor.jobs.extract"
 TRAIN_FUNC = "services.trainer.jobs.train"
 EVALUATE_FUNC = "services.trainer.jobs.evaluate"
+
+# RQ 3 refuses job ids with other characters (":" and "." included).
+_RQ_ID_CHARS = re.compile(r"[A-Za-z0-9_-]+")
+_RQ_ID_BAD = re.compile(r"[^A-Za-z0-9_-]")
 
 STAGES = ("generate", "extract", "train", "evaluate")
 SAMPLE_STAGES = ("generate", "extract")
@@ -53,17 +60,28 @@ class EvaluateJob(_Payload):
     pass
 
 
+def rq_safe(run: str) -> str:
+    """``run`` as RQ 3 accepts it inside a job id (letters, digits, ``_`` and ``-`` only).
+
+    A run name with a ``.`` gets its dots replaced and a short digest of the real name appended, so two
+    runs never share a job id."""
+    if _RQ_ID_CHARS.fullmatch(run):
+        return run
+    digest = hashlib.sha256(run.encode("utf-8")).hexdigest()[:8]
+    return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
+
+
 def generate_job_id(run: str, first_sample_id: int) -> str:
-    return f"generate:{run}:{first_sample_id:08d}"
+    return f"generate_{rq_safe(run)}_{first_sample_id:08d}"
 
 
 def extract_job_id(run: str, sample_id: int) -> str:
-    return f"extract:{run}:{sample_id:08d}"
+    return f"extract_{rq_safe(run)}_{sample_id:08d}"
 
 
 def train_job_id(run: str) -> str:
-    return f"train:{run}"
+    return f"train_{rq_safe(run)}"
 
 
 def evaluate_job_id(run: str) -> str:
-    return f"evaluate:{run}"
+    return f"evaluate_{rq_safe(run)}"
