@@ -1,0 +1,154 @@
+"""Run status: every field, the numbers behind them, the derived state, and the operator text."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from services.controller.status import derive_state, first_failures, format_status, list_status, run_status
+from services.controller.submit import submit_run
+from shared.errors import RunNotFound
+from shared.runspec import EvalConfig
+from shared.runstate import DROPPED, Failure, RunState
+from tests.services.controller.test_datasets import write_jsonl
+
+RUN = "stat"
+STAGE_KEYS = {"total", "done", "failed", "dropped", "remaining", "percent", "samples_per_second", "eta_seconds"}
+
+
+def fail(state: RunState, stage: str, sample_id: int, cls: str = "InferenceRejected", kind: str = "error") -> None:
+    state.mark_failed(Failure(run=state.run, stage=stage, sample_id=sample_id, error_class=cls,
+                              message=f"{cls} on {sample_id}", kind=kind))
+
+
+@pytest.fixture()
+def state(data_dir, redis_conn, tmp_path) -> RunState:
+    """12 rows, row 2 malformed, rows 10-11 held out; generation settled, extraction under way."""
+    rows = [{"prompt": f"q{i}"} for i in range(12)]
+    rows[2] = "{bad"
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=2))
+    state = RunState(redis_conn, data_dir, RUN)
+    for sample_id in (0, 1, 3, 4, 5, 6, 7):
+        state.mark_done("generate", sample_id)
+    fail(state, "generate", 8)
+    fail(state, "generate", 9, "ReplyTooShort", DROPPED)
+    for sample_id in (0, 1, 3):
+        state.mark_done("extract", sample_id)
+        state.incr("hidden_bytes", 1000)
+    fail(state, "extract", 4, "HiddenStateFileError")
+    return state
+
+
+def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
+    status = run_status(data_dir, redis_conn, RUN)
+    assert set(status) == {"run", "state", "expected", "stages", "errors", "failures", "disk", "eta_seconds",
+                           "drafter", "updated_at"}
+    assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
+    assert set(status["stages"]["generate"]) == set(status["stages"]["extract"]) == STAGE_KEYS
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "loss"}
+    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "acceptance_length"}
+    assert set(status["errors"]) == {"total", "since_resume", "dropped"}
+    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes"}
+    assert set(status["drafter"]) == {"export_path", "acceptance_length"}
+    assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
+
+
+def test_stage_numbers(data_dir, redis_conn, state):
+    status = run_status(data_dir, redis_conn, RUN)
+    assert (status["run"], status["state"], status["expected"]) == (RUN, "generating", 10)
+    gen, ext = status["stages"]["generate"], status["stages"]["extract"]
+    assert (gen["total"], gen["done"], gen["failed"], gen["dropped"], gen["remaining"], gen["percent"]) == (10, 7, 2, 1, 0, 100.0)
+    assert gen["eta_seconds"] == 0
+    # Extraction only sees what generation produced: 10 - 2 failed - 1 dropped.
+    assert (ext["total"], ext["done"], ext["failed"], ext["dropped"], ext["remaining"], ext["percent"]) == (7, 3, 1, 0, 3, 57.1)
+    rate = state.rate("extract")  # 3 events moments apart: a high but finite rate
+    assert ext["samples_per_second"] == round(rate, 3) > 0
+    assert ext["eta_seconds"] == round(3 / rate)
+    assert status["eta_seconds"] == max(gen["eta_seconds"], ext["eta_seconds"])
+    assert status["errors"] == {"total": 3, "since_resume": 3, "dropped": 1}
+    assert status["disk"]["run_bytes"] == 3000
+    assert status["disk"]["path"] == str(data_dir)
+    assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
+    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "loss": None}
+    assert status["drafter"] == {"export_path": None, "acceptance_length": None}
+
+
+def test_failures_are_listed_generate_first_then_by_sample_id(data_dir, redis_conn, state):
+    failures = run_status(data_dir, redis_conn, RUN)["failures"]
+    assert [(f["stage"], f["sample_id"], f["error_class"], f["kind"]) for f in failures] == [
+        ("generate", 2, "InvalidJson", "error"),
+        ("generate", 8, "InferenceRejected", "error"),
+        ("generate", 9, "ReplyTooShort", "dropped"),
+        ("extract", 4, "HiddenStateFileError", "error"),
+    ]
+    assert "line 3" in failures[0]["message"]
+
+
+def test_at_most_50_failures_are_shown(data_dir, redis_conn, state):
+    for sample_id in range(100, 160):
+        fail(state, "extract", sample_id)
+    shown = first_failures(redis_conn, RUN)
+    assert len(shown) == 50
+    assert [f["sample_id"] for f in shown[:4]] == [2, 8, 9, 4]
+    assert shown[-1]["sample_id"] == 145
+
+
+def test_errors_since_resume_count_only_later_failures(data_dir, redis_conn, state):
+    state.set_meta(resumed_at=time.time())
+    time.sleep(0.01)
+    fail(state, "extract", 5)
+    fail(state, "extract", 6, "ReplyTooShort", DROPPED)
+    errors = run_status(data_dir, redis_conn, RUN)["errors"]
+    assert errors == {"total": 4, "since_resume": 1, "dropped": 2}
+
+
+def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
+    state.set_progress("train", 5, 20, loss=1.25)
+    state.set_meta(train_state="running")
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "training"
+    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "loss": 1.25}
+    state.set_progress("evaluate", 4, 4)
+    state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "complete_with_failures"
+    assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
+    assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5}
+
+
+@pytest.mark.parametrize(("meta", "errors", "expected"), [
+    ({}, 0, "queued"),
+    ({"state": "generating"}, 0, "generating"),
+    ({"state": "extracting"}, 0, "extracting"),
+    ({"state": "training"}, 0, "training"),
+    ({"state": "training", "train_state": "running"}, 0, "training"),
+    ({"state": "training", "train_state": "done"}, 0, "evaluating"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "running"}, 0, "evaluating"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 0, "complete"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 2, "complete_with_failures"),
+    ({"state": "training", "train_state": "failed"}, 0, "failed"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "failed"}, 0, "failed"),
+    ({"state": "failed"}, 0, "failed"),
+    ({"state": "complete"}, 1, "complete_with_failures"),
+])
+def test_state_is_derived_from_the_run_and_trainer_fields(meta, errors, expected):
+    assert derive_state(meta, errors) == expected
+
+
+def test_operator_text_names_progress_errors_rate_eta_and_disk(data_dir, redis_conn, state):
+    text = format_status(run_status(data_dir, redis_conn, RUN))
+    assert text.startswith(f"run {RUN}: generating (10 samples expected)")
+    assert re.search(r"generate +7 / 10 +100\.0% +failed 2 +dropped 1 +[0-9.]+ samples/s +ETA 0s", text)
+    assert re.search(r"extract +3 / 7 +57\.1% +failed 1 +dropped 0 +[0-9.]+ samples/s +ETA \d+s", text)
+    assert "3 total, 3 since resume, 1 dropped" in text
+    assert "samples/s" in text and "ETA" in text and "free of" in text
+    assert "sample 2 " in text and "InvalidJson" in text and "HiddenStateFileError" in text
+
+
+def test_unknown_run_is_not_found_and_list_covers_every_run(data_dir, redis_conn, state):
+    with pytest.raises(RunNotFound):
+        run_status(data_dir, redis_conn, "nope")
+    assert [s["run"] for s in list_status(data_dir, redis_conn)] == [RUN]
