@@ -1,0 +1,102 @@
+"""Training data: a run's hidden-state files, each verified before training starts, read row-truncated.
+
+A file that fails verification stops training with a HiddenStateFileError naming it: training on a
+silently shrunken dataset is the failure this pipeline exists to prevent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset
+
+from shared import eagle3
+from shared.errors import HiddenStateFileError
+from shared.hidden_file import HiddenFileInfo, verify_hidden_file
+from shared.layout import RunPaths
+
+log = logging.getLogger(__name__)
+
+SAMPLE_FILE_RE = re.compile(r"^(\d{8})\.safetensors$")
+
+
+def list_hidden_files(paths: RunPaths) -> list[tuple[int, Path]]:
+    """``(sample_id, path)`` of every finished sample file, by sample id (temp files never match)."""
+    found = []
+    for path in paths.hidden_dir.glob("rows_*/*.safetensors"):
+        match = SAMPLE_FILE_RE.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -> list[HiddenFileInfo]:
+    """Verify every file; all must come from the same target (model name and fingerprint)."""
+    if not files:
+        raise HiddenStateFileError("no hidden-state files to train on")
+    infos = [verify_hidden_file(path, layer_ids=layer_ids, hidden_size=hidden_size) for path in files]
+    first = infos[0].metadata
+    for info in infos[1:]:
+        for key in (eagle3.META_MODEL, eagle3.META_MODEL_FINGERPRINT):
+            if info.metadata.get(key) != first.get(key):
+                raise HiddenStateFileError(
+                    f"{info.path}: {key} {info.metadata.get(key)!r} differs from {first.get(key)!r} in {infos[0].path}"
+                )
+    log.info("verified %d hidden-state files (%d tokens)", len(infos), sum(i.num_tokens for i in infos))
+    return infos
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) int64, 0 after each row's length
+    loss_mask: torch.Tensor  # (B, L) bool, False on padding
+    aux_hidden: torch.Tensor  # (B, L, 3H)
+    last_hidden: torch.Tensor  # (B, L, H)
+    lengths: torch.Tensor  # (B,) int64
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+            self.aux_hidden.to(device, dtype),
+            self.last_hidden.to(device, dtype),
+            self.lengths.to(device),
+        )
+
+
+class HiddenStateDataset(Dataset):
+    """One item per file: its first ``max_length`` rows (only those bytes are read)."""
+
+    def __init__(self, files: list[Path], max_length: int) -> None:
+        self.files = list(files)
+        self.max_length = max_length
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        with safe_open(self.files[index], framework="pt") as handle:
+            return {name: handle.get_slice(name)[: self.max_length] for name in eagle3.SAMPLE_TENSORS}
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> Batch:
+    """Right-pad to the longest sample: causal attention keeps real positions blind to the padding."""
+    lengths = torch.tensor([s[eagle3.INPUT_IDS].shape[0] for s in samples])
+    width = int(lengths.max())
+    first = samples[0]
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    aux = torch.zeros(len(samples), width, first[eagle3.AUX_HIDDEN].shape[1], dtype=first[eagle3.AUX_HIDDEN].dtype)
+    last = torch.zeros(len(samples), width, first[eagle3.LAST_HIDDEN].shape[1], dtype=first[eagle3.LAST_HIDDEN].dtype)
+    for row, sample in enumerate(samples):
+        n = int(lengths[row])
+        ids[row, :n] = sample[eagle3.INPUT_IDS]
+        mask[row, :n] = sample[eagle3.LOSS_MASK].bool()
+        aux[row, :n] = sample[eagle3.AUX_HIDDEN]
+        last[row, :n] = sample[eagle3.LAST_HIDDEN]
+    return Batch(ids, mask, aux, last, lengths)

@@ -1,0 +1,104 @@
+"""RQ job functions of the trainer: ``train`` (train, export, enqueue evaluation) and ``evaluate``.
+
+Each takes one JSON payload (shared.jobs.TrainJob / EvaluateJob), reports progress and state in the run's
+Redis metadata, writes results to the volume atomically, and re-raises failures after naming them in the
+metadata so RQ records the job as failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.atomic import atomic_write_json
+from shared.errors import error_class
+from shared.jobs import EVALUATE_FUNC, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
+from shared.layout import RunPaths
+from shared.queues import connect, queue
+from shared.runspec import RunSpec
+from shared.runstate import RunState
+from shared.settings import TrainerSettings, load_settings
+from services.trainer.evaluate import evaluate_prompts, load_target, read_eval_prompts
+from services.trainer.export import export_drafter, load_drafter
+from services.trainer.target_head import read_target_config, text_config
+from services.trainer.train import TrainProgress, pick_device, train_drafter
+
+log = logging.getLogger(__name__)
+
+EVAL_PROMPTS_FILE = "eval_prompts.jsonl"  # written by the controller next to run.json
+EVALUATE_TIMEOUT_S = 6 * 3600
+RESULT_TTL_S = 7 * 24 * 3600
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@functools.cache
+def get_settings() -> TrainerSettings:
+    return load_settings(TrainerSettings)
+
+
+def eval_prompts_path(paths: RunPaths) -> Path:
+    return paths.root / EVAL_PROMPTS_FILE
+
+
+def export_dtype(model_dir: Path) -> torch.dtype:
+    """The target's own dtype (``torch_dtype``, or ``dtype`` in transformers 5 configs); bf16 otherwise."""
+    config = text_config(read_target_config(model_dir))
+    return EXPORT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
+
+
+def _run_context(run: str) -> tuple[TrainerSettings, Any, RunState, RunPaths, RunSpec]:
+    settings = get_settings()
+    conn = connect(settings.redis_url)
+    return settings, conn, RunState(conn, settings.data, run), RunPaths(settings.data, run), RunSpec.load(settings.data, run)
+
+
+def train(payload: dict) -> dict:
+    job = TrainJob.model_validate(payload)
+    settings, conn, state, paths, spec = _run_context(job.run)
+    state.set_meta(train_state="running", train_started_at=time.time())
+
+    def report(p: TrainProgress) -> None:
+        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), acc0=round(p.acc[0], 4))
+
+    try:
+        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
+        export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
+                       target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
+    except Exception as exc:
+        state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
+        raise
+    state.set_meta(train_state="done", export_path=str(paths.export_dir), train_finished_at=time.time())
+    queue(TRAIN_QUEUE, conn).enqueue_call(
+        EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
+        timeout=EVALUATE_TIMEOUT_S, result_ttl=RESULT_TTL_S, failure_ttl=RESULT_TTL_S,
+    )
+    log.info("run %s: trained %d steps, exported to %s, evaluation queued", job.run, result.steps, paths.export_dir)
+    return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir)}
+
+
+def evaluate(payload: dict) -> dict:
+    job = EvaluateJob.model_validate(payload)
+    settings, _, state, paths, spec = _run_context(job.run)
+    state.set_meta(evaluate_state="running")
+    try:
+        prompts = read_eval_prompts(eval_prompts_path(paths))
+        device = pick_device(settings.device)
+        target, tokenizer = load_target(settings.model_dir, device)
+        embed = target.get_input_embeddings().weight.detach().float().cpu()
+        drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
+        state.set_progress("evaluate", 0, len(prompts))
+        report = evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate,
+                                  progress=lambda done, total: state.set_progress("evaluate", done, total))
+        report.update(run=job.run, export_path=str(paths.export_dir))
+        atomic_write_json(paths.eval_report, report)
+    except Exception as exc:
+        state.set_meta(evaluate_state="failed", evaluate_error=f"{error_class(exc)}: {exc}")
+        raise
+    state.set_meta(evaluate_state="done", acceptance_length=report["acceptance_length"])
+    log.info("run %s: acceptance length %.3f over %d prompts", job.run, report["acceptance_length"], len(prompts))
+    return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}

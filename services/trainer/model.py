@@ -1,0 +1,281 @@
+"""The EAGLE-3 drafter in one file: a config dataclass and small ``nn.Module``s with shape comments.
+
+Shapes: B batch, T positions, H drafter hidden, Ht target hidden, V target vocabulary, Vd draft vocabulary,
+nh query heads, nkv key/value heads, hd head dim.
+
+Parameter names are the export keys of EAGLE3.md (``midlayer.self_attn.q_proj.weight``, ``fc.weight``,
+``lm_head.weight``, ``d2t``, ``t2d`` ...), so a state dict minus ``embed_tokens`` *is* the checkpoint.
+
+The drafter runs in two modes that share every module and differ only in which keys a query sees:
+``KVCache`` (evaluation: a plain causal cache over the sequence) and ``TTTCache`` (training-time test:
+step k attends to step 0's keys causally plus the keys of steps 1..k at its own index; see train.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    layer_ids: tuple[int, ...] = field(default=())  # auxiliary target layers, decoder_output_0idx convention
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} heads do not split into {self.num_key_value_heads} kv groups")
+        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+
+    @classmethod
+    def from_target_config(
+        cls, target: dict[str, Any], *, draft_vocab_size: int, layer_ids: list[int], **overrides: Any
+    ) -> DrafterConfig:
+        """Derive the drafter from the target's ``config.json``: one decoder layer of the target's width.
+
+        ``draft_vocab_size`` is capped at the target vocabulary; ``overrides`` replace any derived field
+        (a published drafter may use fewer kv heads than its target, say).
+        """
+        text = target.get("text_config") or target  # multimodal targets nest the language model's config
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        vocab = int(text["vocab_size"])
+        derived = dict(
+            hidden_size=hidden,
+            target_hidden_size=hidden,
+            intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            vocab_size=vocab,
+            draft_vocab_size=min(int(draft_vocab_size), vocab),
+            layer_ids=tuple(layer_ids),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta_of(text),
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        )
+        derived.update(overrides)
+        return cls(**derived)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layer_ids"] = list(self.layer_ids)
+        return data
+
+
+def rope_theta_of(config: dict[str, Any]) -> float:
+    """``rope_theta`` from a config in either the flat (transformers 4) or ``rope_parameters`` (5) style."""
+    if "rope_theta" in config:
+        return float(config["rope_theta"])
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 like the serving engines, then scale in the input dtype.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Llama RoPE (rotate-half layout, what vLLM and SGLang use for ``LlamaForCausalLMEagle3``)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # (B, T, hd/2)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
+        return angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, hd) each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, n, T, hd)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)  # (B, nkv, T, hd) -> (B, nh, T, hd)
+
+
+class AttentionCache(Protocol):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this call's keys/values and return attention output (B, nh, T, hd)."""
+
+
+class KVCache:
+    """Evaluation: keys/values in sequence order; new queries see everything before them and themselves."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, nkv, S, hd)
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = self.length
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # (B, nkv, past+T, hd)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        groups = q.shape[1] // k.shape[1]
+        t, s = q.shape[2], self.length
+        allowed = torch.arange(s, device=q.device)[None, :] <= past + torch.arange(t, device=q.device)[:, None]  # (T, S)
+        return F.scaled_dot_product_attention(q, repeat_kv(self.k, groups), repeat_kv(self.v, groups), attn_mask=allowed)
+
+    def crop(self, length: int) -> None:
+        """Forget every entry from ``length`` on (draft-chain entries after a verification step)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class TTTCache:
+    """Training-time test: the first call (step 0) attends causally over the whole sequence; step k's query
+    at index t attends to step 0's keys at indices <= t and to the keys of steps 1..k at index t only.
+
+    That is exactly what the query sees at serving time: the drafter's cache over the verified prefix,
+    then the chain of its own earlier draft steps.
+    """
+
+    def __init__(self) -> None:
+        self.k0: torch.Tensor | None = None  # (B, nkv, T, hd) step 0
+        self.v0: torch.Tensor | None = None
+        self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1..k, each (B, nkv, T, hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+            return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
+        self.chain.append((k, v))
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        t = q.shape[2]
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        prefix = (q @ repeat_kv(self.k0, groups).transpose(-1, -2)) * scale  # (B, nh, T, T)
+        prefix = prefix.masked_fill(~causal, float("-inf"))
+        diagonal = [(q * repeat_kv(ck, groups)).sum(-1, keepdim=True) * scale for ck, _ in self.chain]  # k x (B, nh, T, 1)
+        weights = torch.cat([prefix, *diagonal], dim=-1).float().softmax(dim=-1).to(q.dtype)  # (B, nh, T, T+k)
+        out = weights[..., :t] @ repeat_kv(self.v0, groups)  # (B, nh, T, hd)
+        for j, (_, cv) in enumerate(self.chain):
+            out = out + weights[..., t + j : t + j + 1] * repeat_kv(cv, groups)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        c = config
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        b, t, _ = x.shape  # x: (B, T, 2H)
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        cos, sin = self.rope(positions)
+        out = cache.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # (B, nh, T, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))  # (B, T, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, H)
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer: token embedding and hidden state, each normed, concatenated (embedding
+    first, as vLLM and SGLang do) into q/k/v; the residual stream starts from the un-normed hidden state."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        h = hidden + self.self_attn(x, positions, cache)  # (B, T, H)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), before the final norm
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; filled by load_embedding
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # target id = i + d2t[i]
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
+
+    def load_embedding(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"target embedding {tuple(weight.shape)} does not fit the drafter {tuple(self.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
+
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """One drafter pass: ``hidden`` (B, T, H) paired with the embedding of ``token_ids`` (B, T) at
+        ``positions`` (B, T); returns the pre-norm hidden state (B, T, H) that the next step feeds back."""
+        return self.midlayer(self.embed_tokens(token_ids), hidden, positions, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # (B, T, H) -> (B, T, Vd)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors: everything except the frozen target embedding."""
+        return {name: t for name, t in self.state_dict().items() if not name.startswith("embed_tokens.")}

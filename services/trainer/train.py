@@ -1,0 +1,305 @@
+"""The training loop: EAGLE-3 training-time test (TTT) over a run's verified hidden-state files.
+
+Alignment (one sample of tokens x_0..x_{L-1}; the target's aux states f_t and final-norm states g_t at
+position t have seen x_0..x_t, and softmax(lm_head(g_t)) is the target's distribution for x_{t+1}):
+
+    step k, index t      input hidden   input token   RoPE position   predicts   target distribution
+    0                    fc(f_t)        x_{t+1}       t               x_{t+2}    softmax(lm_head(g_{t+1}))
+    k >= 1               out_{k-1}[t]   x_{t+1+k}     t + k           x_{t+2+k}  softmax(lm_head(g_{t+1+k}))
+
+- Step 0 pairs the target's state at t with the *next* token, as vLLM's proposer does (it shifts the
+  token ids left by one and puts the target's freshly sampled token last).
+- Step k >= 1 feeds back step k-1's output at the same index (the pre-norm hidden state, as the engines
+  feed back), with the teacher-forced token; the chain at index t is the draft the serving engine makes
+  after the target has verified x_0..x_{t+1}. Positions advance by one per step (vLLM: ``positions += 1``).
+- Attention: step k's query at index t sees step 0's keys at indices <= t (the drafter's cache over the
+  verified prefix) and the keys of steps 1..k at index t (its own chain), as in SpecForge's cache_hidden
+  attention. The older EAGLE code that also masked step 0's diagonals hid valid context (SafeAILab/EAGLE
+  PR #299); we do not.
+- Loss of step k at index t counts when the predicted token x_{t+2+k} is loss-masked (a token the
+  drafter learns) and the target's argmax at t+1+k lies in the draft vocabulary. It is the cross-entropy
+  of the drafter's distribution against the target's softmax restricted to the draft vocabulary;
+  total = sum_k 0.8^k L_k. acc_k = share of loss-masked predictions whose drafter argmax (as a target id)
+  equals the target's argmax, counted over all masked positions, so tokens outside the draft vocabulary
+  count as misses, as they do at serving time.
+
+The loop is DDP-ready: each rank trains on its slice of every global batch, the objective is one
+``nn.Module`` call (so DDP can wrap it), and only rank 0 writes logs and checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from shared import eagle3
+from shared.atomic import atomic_write_text
+from shared.errors import CheckpointFormatError
+from shared.layout import RunPaths, resolve_inside
+from shared.runspec import RunSpec, TrainConfig
+from services.trainer import checkpoint as ckpt
+from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, verify_files
+from services.trainer.export import load_drafter
+from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache
+from services.trainer.target_head import TargetHead, load_target_head, read_target_config, text_config
+from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
+
+log = logging.getLogger(__name__)
+
+STEP_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    step: int
+    total: int
+    epoch: int
+    loss: float
+    acc: list[float]
+    lr: float
+
+
+ProgressFn = Callable[[TrainProgress], None]
+
+
+@dataclass
+class TrainResult:
+    drafter: Eagle3Drafter
+    steps: int
+    layer_ids: list[int]
+    target_model: str
+    target_fingerprint: str
+    num_files: int
+    last: TrainProgress | None = None
+
+
+# ---- targets and the TTT objective ---------------------------------------------------------------
+
+def shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]``, zero (False) past the end: (B, L, ...) -> (B, L, ...)."""
+    out = torch.zeros_like(x)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+@dataclass
+class Targets:
+    probs: torch.Tensor  # (B, L, Vd) target softmax over the draft vocabulary, at each position
+    argmax: torch.Tensor  # (B, L) the target's greedy next token (target id)
+    in_draft: torch.Tensor  # (B, L) bool, that token has a draft id
+
+
+@torch.no_grad()
+def make_targets(batch: Batch, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
+    logits = head.logits(batch.last_hidden)  # (B, L, V) float32
+    argmax = logits.argmax(-1)  # (B, L)
+    probs = logits[..., draft_to_target(d2t)].softmax(-1)  # (B, L, Vd)
+    return Targets(probs=probs, argmax=argmax, in_draft=t2d[argmax])
+
+
+class TTTObjective(nn.Module):
+    """The whole unroll as one module call, so DDP can wrap it. Returns (loss, loss_k (K,), acc_k (K,))."""
+
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_steps = ttt_steps
+
+    def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.drafter
+        b, length = batch.input_ids.shape
+        positions = torch.arange(length, device=batch.input_ids.device).expand(b, length)  # (B, L)
+        hidden = d.fuse(batch.aux_hidden)  # (B, L, H)
+        cache = TTTCache()
+        losses, accs = [], []
+        for k in range(self.ttt_steps):
+            hidden = d(hidden, shift(batch.input_ids, k + 1), positions + k, cache)  # (B, L, H)
+            logp = d.logits(hidden).float().log_softmax(-1)  # (B, L, Vd)
+            learned = shift(batch.loss_mask, k + 2)  # predicted token x_{t+2+k} is one the drafter learns
+            mask = learned & shift(targets.in_draft, k + 1)
+            ce = -(shift(targets.probs, k + 1) * logp).sum(-1)  # (B, L)
+            losses.append((ce * mask).sum() / mask.sum().clamp(min=1))
+            with torch.no_grad():
+                hit = d.to_target_ids(logp.argmax(-1)) == shift(targets.argmax, k + 1)  # (B, L)
+                accs.append((hit & learned).sum() / learned.sum().clamp(min=1))
+        step_losses = torch.stack(losses)
+        weights = STEP_DECAY ** torch.arange(self.ttt_steps, device=step_losses.device, dtype=step_losses.dtype)
+        return (weights * step_losses).sum(), step_losses.detach(), torch.stack(accs)
+
+
+# ---- schedule, data order, logging -------------------------------------------------------------
+
+def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
+    """LR factor: linear warmup to 1, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The same shuffle on every rank and after every resume."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
+def rank_batches(order: list[int], batch_size: int, rank: int, world: int) -> list[list[int]]:
+    """Global batches of ``batch_size * world``; this rank's share of each (a short tail repeats a sample)."""
+    span = batch_size * world
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = order[start : start + span]
+        mine = chunk[rank::world] or chunk[:1]
+        batches.append(mine)
+    return batches
+
+
+class TrainLog:
+    """``train_log.jsonl``, one line per optimizer step. On resume, lines past the checkpoint go, so the
+    log never shows a step twice; a fresh start empties it."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            atomic_write_text(self.path, "".join(line + "\n" for line in self._kept(resume_step)))
+
+    def _kept(self, step: int) -> list[str]:
+        if step == 0 or not self.path.is_file():
+            return []
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                break  # a torn last line from a crash
+        return kept
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+# ---- setup --------------------------------------------------------------------------------------
+
+def dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def expected_layer_ids(spec: RunSpec, target_config: dict) -> list[int]:
+    layers = int(text_config(target_config)["num_hidden_layers"])
+    ids = spec.extraction.layer_ids or eagle3.default_layer_ids(layers)
+    return eagle3.check_layer_ids(list(ids), layers)
+
+
+def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
+                  head: TargetHead, files: list[Path]) -> Eagle3Drafter:
+    """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
+    if cfg.base_checkpoint:
+        base = resolve_inside(data, cfg.base_checkpoint)
+        if not base.is_dir():
+            raise CheckpointFormatError(f"base checkpoint {cfg.base_checkpoint!r}: no directory at {base} (download it onto the volume first)")
+        drafter = load_drafter(base, model_dir, embed=head.embed)
+        if list(drafter.config.layer_ids) != layer_ids:
+            raise CheckpointFormatError(f"base checkpoint reads layers {list(drafter.config.layer_ids)}, this run extracted {layer_ids}")
+        log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)
+        return drafter
+    config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
+    drafter = Eagle3Drafter(config)
+    drafter.load_embedding(head.embed)
+    drafter.set_vocab_mapping(*build_mapping(count_tokens(files, config.vocab_size), config.draft_vocab_size))
+    return drafter
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None) -> TrainResult:
+    """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
+    cfg, paths = spec.train, RunPaths(data, spec.name)
+    rank, world = dist_info()
+    dev = pick_device(device)
+    target_config = read_target_config(model_dir)
+    layer_ids = expected_layer_ids(spec, target_config)
+    files = [path for _, path in list_hidden_files(paths)]
+    infos = verify_files(files, layer_ids=layer_ids, hidden_size=int(text_config(target_config)["hidden_size"]))
+    head = load_target_head(model_dir)
+
+    torch.manual_seed(cfg.seed)
+    drafter = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids, head=head, files=files)
+    drafter.to(dev)
+    head = head.to(dev)
+    objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps)
+    if world > 1:
+        objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
+    per_epoch = len(rank_batches(list(range(len(files))), cfg.batch_size, rank, world))
+    total = cfg.epochs * per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
+
+    found = ckpt.latest_checkpoint(paths.checkpoints_dir)
+    position = ckpt.Position(0, 0, 0)
+    if found is not None:
+        saved_total = ckpt.read_checkpoint_state(found).get("total_steps")
+        if saved_total != total:
+            raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; "
+                                        "remove the checkpoints to start over")
+        position = ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+    train_log = TrainLog(paths.train_log, position.step, enabled=rank == 0)
+    dataset = HiddenStateDataset(files, cfg.max_length)
+    meta = infos[0].metadata
+    result = TrainResult(drafter, position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
+                         meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
+    log.info("training %s: %d files, %d steps (%d per epoch), starting at step %d", spec.name, len(files), total, per_epoch, position.step)
+
+    step, started = position.step, time.monotonic()
+    for epoch in range(position.epoch, cfg.epochs):
+        batches = rank_batches(epoch_order(len(files), cfg.seed, epoch), cfg.batch_size, rank, world)
+        first = position.batch_in_epoch if epoch == position.epoch else 0
+        loader = DataLoader(dataset, batch_sampler=batches[first:], collate_fn=collate, num_workers=2 if dev.type == "cuda" else 0)
+        for index, batch in enumerate(loader, start=first):
+            loss, step_losses, accs = train_step(objective, drafter, batch.to(dev, torch.float32), head, optimizer, scheduler, cfg.grad_clip)
+            step += 1
+            result.last = TrainProgress(step, total, epoch, loss, accs, scheduler.get_last_lr()[0])
+            train_log.write({"step": step, "epoch": epoch, "loss": loss, "loss_k": step_losses, "acc": accs,
+                             "lr": result.last.lr, "elapsed_s": round(time.monotonic() - started, 3)})
+            if progress is not None and rank == 0:
+                progress(result.last)
+            if rank == 0 and (step % cfg.save_every == 0 or step == total):
+                ckpt.save_checkpoint(paths.checkpoint(step), drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                                     position=ckpt.Position(step, epoch, index + 1), extra={"total_steps": total})
+    result.steps = step
+    return result
+
+
+def train_step(objective: nn.Module, drafter: Eagle3Drafter, batch: Batch, head: TargetHead, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float) -> tuple[float, list[float], list[float]]:
+    targets = make_targets(batch, head, drafter.d2t, drafter.t2d)
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=batch.input_ids.is_cuda):
+        loss, step_losses, accs = objective(batch, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.trainable_parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return float(loss), [round(float(x), 6) for x in step_losses], [round(float(x), 6) for x in accs]

@@ -1,0 +1,65 @@
+"""The draft vocabulary: the target tokens the drafter most often has to predict.
+
+Counts come from loss-masked positions (the tokens the drafter learns) over the training files. The
+mapping is stored as EAGLE3.md describes: ``d2t`` int64 [Vd] offsets with target id = i + d2t[i], and
+``t2d`` bool [V] marking the target ids that have a draft id. Draft ids follow ascending target ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared import eagle3
+
+log = logging.getLogger(__name__)
+
+
+def count_tokens(files: Iterable[Path], vocab_size: int) -> torch.Tensor:
+    """How often each target id appears at a loss-masked position: int64 [V]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in files:
+        with safe_open(path, framework="pt") as handle:  # reads only the two small tensors
+            ids = handle.get_tensor(eagle3.INPUT_IDS)
+            mask = handle.get_tensor(eagle3.LOSS_MASK).bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` for the ``min(draft_vocab_size, V)`` most frequent ids; ties go to the lower id so
+    the mapping is deterministic, and ids never seen fill the remainder in id order."""
+    vocab = counts.shape[0]
+    size = min(int(draft_vocab_size), vocab)
+    # Stable sort on -count keeps ascending id order among equal counts.
+    order = torch.sort(-counts, stable=True).indices
+    chosen = torch.sort(order[:size]).values  # target ids, ascending
+    d2t = chosen - torch.arange(size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    covered = counts[chosen].sum().item() / max(counts.sum().item(), 1)
+    log.info("draft vocabulary: %d of %d target ids, covering %.1f%% of masked tokens", size, vocab, 100 * covered)
+    return d2t, t2d
+
+
+def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
+    """Target id of every draft id: [Vd] int64."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
+def check_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise ValueError unless ``d2t`` names distinct in-range target ids and ``t2d`` marks exactly them."""
+    targets = draft_to_target(d2t)
+    vocab = t2d.shape[0]
+    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
+        raise ValueError(f"d2t maps outside the target vocabulary of {vocab}")
+    if torch.unique(targets).numel() != targets.numel():
+        raise ValueError("d2t maps two draft ids to the same target id")
+    expected = torch.zeros(vocab, dtype=torch.bool, device=t2d.device)
+    expected[targets] = True
+    if not torch.equal(expected, t2d.bool()):
+        raise ValueError("t2d does not mark exactly the target ids that d2t names")
