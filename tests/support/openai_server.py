@@ -30,6 +30,7 @@ class Reply:
     status: int = 200
     error: str = "scripted error"
     include_usage: bool = True
+    malformed: bool = False  # answer 200 with a body that is not a chat completion
 
     def tokens(self) -> int:
         if self.completion_tokens is not None:
@@ -82,6 +83,8 @@ class OpenAIServer:
         async def chat(request: Request) -> JSONResponse:
             body = await request.json()
             reply = self._next(body)
+            if reply.malformed:
+                return JSONResponse(content={"object": "not-a-completion"})
             if reply.status != 200:
                 error = {"error": {"message": reply.error, "type": "BadRequestError", "code": reply.status}}
                 return JSONResponse(status_code=reply.status, content=error)
