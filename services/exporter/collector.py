@@ -25,7 +25,14 @@ from rq.worker import Worker, WorkerStatus
 
 from services.exporter import names
 from services.exporter.gpu import GpuReader, GpuReading
-from shared.jobs import QUEUES, SAMPLE_STAGES
+from shared.jobs import (
+    QUEUES,
+    SAMPLE_STAGES,
+    evaluate_job_id,
+    extract_job_id,
+    generate_job_id,
+    train_job_id,
+)
 from shared.queues import SERIALIZER, queue
 from shared.runstate import RunState, known_runs
 
@@ -104,9 +111,10 @@ class DraftlineCollector(Collector):
         yield from local
 
     def _collect_redis(self, families: _Families) -> None:
-        in_flight = _jobs_in_flight(self.conn)
+        runs = known_runs(self.conn)
+        in_flight = _jobs_in_flight(self.conn, runs)
         now = self.clock()
-        for run in known_runs(self.conn):
+        for run in runs:
             state = RunState(self.conn, self.data, run)
             meta = state.meta()
             for stage in SAMPLE_STAGES:
@@ -192,16 +200,29 @@ def _number(meta: dict[str, str], field: str) -> float | None:
 
 
 # ---- queues and workers ---------------------------------------------------------------------------
-def _jobs_in_flight(conn: redis.Redis) -> Counter[tuple[str, str]]:
-    """Started jobs per (run, stage), from job ids ``<stage>:<run>[:<sample>]`` (shared.jobs)."""
+def _jobs_in_flight(conn: redis.Redis, runs: list[str]) -> Counter[tuple[str, str]]:
+    """Started jobs per (run, stage), recognised by the job ids shared.jobs gives them."""
+    owners = _job_id_owners(runs)
     found: Counter[tuple[str, str]] = Counter()
     for name in QUEUES:
         registry = StartedJobRegistry(queue=queue(name, conn), serializer=SERIALIZER)
         # No cleanup: a read-only exporter never moves abandoned jobs; the workers do that.
         for job_id in registry.get_job_ids(cleanup=False):
-            stage, _, rest = job_id.partition(":")
-            found[(rest.partition(":")[0], stage)] += 1
+            owner = owners.get(job_id) or owners.get(job_id.rpartition("_")[0])
+            if owner is not None:
+                found[owner] += 1
     return found
+
+
+def _job_id_owners(runs: list[str]) -> dict[str, tuple[str, str]]:
+    """Job id (per-sample ids without their ``_<sample id>`` suffix) -> (run, stage)."""
+    owners = {}
+    for run in runs:
+        owners[generate_job_id(run, 0).rpartition("_")[0]] = (run, "generate")
+        owners[extract_job_id(run, 0).rpartition("_")[0]] = (run, "extract")
+        owners[train_job_id(run)] = (run, "train")
+        owners[evaluate_job_id(run)] = (run, "evaluate")
+    return owners
 
 
 def _collect_queues(families: _Families, conn: redis.Redis) -> None:

@@ -1,0 +1,234 @@
+"""The collector against a real Redis: what a run's state, the queues and the workers look like as metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.exporter import names
+from services.exporter.collector import DraftlineCollector, _collect_gpus, _Families, scrape_connection
+from services.exporter.gpu import GpuReader, GpuReading
+from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, TRAIN_QUEUE, extract_job_id, train_job_id
+from shared.queues import queue
+from shared.runstate import DROPPED, Failure, RunState
+from tests.services.exporter.scrape import Samples, parse, value
+from tests.support.processes import REPO, free_port
+
+
+def scrape(url: str, data: Path, *, clock=time.time, gpus: GpuReader | None = None) -> Samples:
+    registry = CollectorRegistry()
+    registry.register(DraftlineCollector(scrape_connection(url), data, gpus=gpus, clock=clock))
+    return parse(generate_latest(registry).decode())
+
+
+def populate(conn: redis.Redis, data: Path, run: str = "r1") -> RunState:
+    state = RunState(conn, data, run)
+    state.register(10)
+    for sample_id in range(4):
+        state.mark_done("generate", sample_id)
+    state.mark_done("extract", 0)
+    state.mark_failed(Failure(run, "generate", 5, "InferenceRejected", "400 from the server"))
+    state.mark_failed(Failure(run, "generate", 6, "ReplyTooShort", "3 tokens", kind=DROPPED))
+    return state
+
+
+def test_sample_stage_counts_progress_and_remaining(redis_url, redis_conn, data_dir) -> None:
+    populate(redis_conn, data_dir)
+    samples = scrape(redis_url, data_dir)
+    gen = {"run": "r1", "stage": "generate"}
+    assert value(samples, names.REDIS_UP) == 1
+    assert value(samples, names.STAGE_EXPECTED, **gen) == 10
+    assert value(samples, names.STAGE_DONE, **gen) == 4
+    assert value(samples, names.STAGE_FAILED, **gen) == 1
+    assert value(samples, names.STAGE_DROPPED, **gen) == 1
+    assert value(samples, names.STAGE_REMAINING, **gen) == 4
+    assert value(samples, names.STAGE_PROGRESS, **gen) == pytest.approx(0.6)
+    assert value(samples, names.STAGE_DONE, run="r1", stage="extract") == 1
+    assert value(samples, names.STAGE_REMAINING, run="r1", stage="extract") == 9
+
+
+def test_a_retried_sample_leaves_the_failed_gauge(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    state.mark_done("generate", 5)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.STAGE_FAILED, run="r1", stage="generate") == 0
+    assert value(samples, names.STAGE_DONE, run="r1", stage="generate") == 5
+
+
+def test_eta_is_remaining_over_the_recent_rate(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    now = time.time()
+    samples = scrape(redis_url, data_dir, clock=lambda: now)
+    rate = state.rate("generate", now=now)
+    assert rate > 0
+    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") == pytest.approx(4 / rate)
+    # One extraction is not a rate yet: no ETA rather than a made-up one.
+    assert value(samples, names.STAGE_ETA, run="r1", stage="extract") is None
+
+
+def test_eta_is_zero_once_nothing_remains(redis_url, redis_conn, data_dir) -> None:
+    state = RunState(redis_conn, data_dir, "small")
+    state.register(1)
+    state.mark_done("generate", 0)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.STAGE_ETA, run="small", stage="generate") == 0
+    assert value(samples, names.STAGE_PROGRESS, run="small", stage="generate") == 1
+
+
+def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    state.set_progress("train", 25, 200, loss=2.5)
+    state.incr("hidden_bytes", 4096)
+    state.incr("hidden_bytes", 1024)
+    state.set_meta(acceptance_length=2.75)
+    samples = scrape(redis_url, data_dir)
+    train = {"run": "r1", "stage": "train"}
+    assert value(samples, names.STAGE_EXPECTED, **train) == 200
+    assert value(samples, names.STAGE_REMAINING, **train) == 175
+    assert value(samples, names.STAGE_PROGRESS, **train) == pytest.approx(0.125)
+    assert value(samples, names.TRAIN_STEP, run="r1") == 25
+    assert value(samples, names.TRAIN_LOSS, run="r1") == 2.5
+    assert value(samples, names.RUN_HIDDEN_BYTES, run="r1") == 5120
+    assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 2.75
+    # Evaluation has not started: no series rather than a zero that reads as "nothing to do".
+    assert value(samples, names.STAGE_EXPECTED, run="r1", stage="evaluate") is None
+
+
+def test_a_malformed_meta_field_is_skipped_not_fatal(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    state.set_meta(train_loss="not-a-number", acceptance_length=3.0)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.TRAIN_LOSS, run="r1") is None
+    assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 3.0
+    assert value(samples, names.REDIS_UP) == 1
+
+
+def test_every_run_in_redis_is_reported(redis_url, redis_conn, data_dir) -> None:
+    populate(redis_conn, data_dir, "alpha")
+    populate(redis_conn, data_dir, "beta")
+    samples = scrape(redis_url, data_dir)
+    for run in ("alpha", "beta"):
+        assert value(samples, names.STAGE_DONE, run=run, stage="generate") == 4
+
+
+def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> None:
+    extract = queue(EXTRACT_QUEUE, redis_conn)
+    for sample_id in range(3):
+        extract.enqueue("time.sleep", 0, job_id=extract_job_id("r1", sample_id))
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.QUEUE_JOBS, queue=EXTRACT_QUEUE) == 3
+    assert value(samples, names.QUEUE_JOBS, queue=GENERATE_QUEUE) == 0
+    assert value(samples, names.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="idle") == 0
+
+
+def start_worker(redis_url: str, queue_name: str, log_path: Path) -> subprocess.Popen:
+    """A real RQ worker started the way every draftline worker service starts (services.worker)."""
+    code = (
+        "from services.worker import run_worker; from shared.settings import CommonSettings; "
+        f"run_worker([{queue_name!r}], CommonSettings(), role='probe')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "REDIS_URL": redis_url},
+        stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def wait_for(check, what: str, log_paths: list[Path], timeout: float = 60.0) -> Samples:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result is not None:
+            return result
+        time.sleep(0.2)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in log_paths if p.exists())
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_dir, tmp_path) -> None:
+    populate(redis_conn, data_dir, "r1")
+    populate(redis_conn, data_dir, "my_run.v2")  # a name RQ cannot take verbatim inside a job id
+    RunState(redis_conn, data_dir, "r1").set_progress("train", 0, 100)
+    logs = {name: tmp_path / f"{name}.log" for name in (TRAIN_QUEUE, EXTRACT_QUEUE, GENERATE_QUEUE)}
+    workers = [start_worker(redis_url, name, log) for name, log in logs.items()]
+    try:
+        # The jobs block long past the test; the workers are killed below, the jobs never complete.
+        queue(TRAIN_QUEUE, redis_conn).enqueue("time.sleep", 600, job_id=train_job_id("r1"), job_timeout=900)
+        queue(EXTRACT_QUEUE, redis_conn).enqueue(
+            "time.sleep", 600, job_id=extract_job_id("my_run.v2", 7), job_timeout=900
+        )
+
+        def settled() -> Samples | None:
+            samples = scrape(redis_url, data_dir)
+            ready = (
+                value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="busy") == 1
+                and value(samples, names.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="busy") == 1
+                and value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
+            )
+            return samples if ready else None
+
+        samples = wait_for(settled, "busy train and extract workers and an idle generate worker", list(logs.values()))
+        assert value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="idle") == 0
+        assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="busy") == 0
+        assert value(samples, names.QUEUE_JOBS, queue=TRAIN_QUEUE) == 0
+        assert value(samples, names.STAGE_IN_FLIGHT, run="r1", stage="train") == 1
+        assert value(samples, names.STAGE_IN_FLIGHT, run="my_run.v2", stage="extract") == 1
+        assert value(samples, names.STAGE_IN_FLIGHT, run="r1", stage="extract") == 0
+        assert value(samples, names.STAGE_IN_FLIGHT, run="my_run.v2", stage="generate") == 0
+    finally:
+        for proc in workers:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_redis_down_is_a_reading_not_a_failed_scrape(data_dir) -> None:
+    samples = scrape(f"redis://127.0.0.1:{free_port()}/0", data_dir)
+    assert value(samples, names.REDIS_UP) == 0
+    assert not any(name.startswith(("draftline_stage_", "draftline_queue_")) for name, _ in samples)
+    assert value(samples, names.VOLUME_FREE) > 0
+    assert value(samples, names.GPUS) == 0
+
+
+def test_volume_usage_is_that_of_the_filesystem_holding_the_data(redis_url, data_dir) -> None:
+    samples = scrape(redis_url, data_dir)
+    usage = os.statvfs(data_dir)
+    assert value(samples, names.VOLUME_USED) > 0
+    # Free space moves while the test runs; the scrape and statvfs agree to within a gigabyte.
+    assert value(samples, names.VOLUME_FREE) == pytest.approx(usage.f_bavail * usage.f_frsize, abs=1 << 30)
+
+
+def test_a_missing_data_directory_drops_only_the_volume_series(redis_url, tmp_path) -> None:
+    samples = scrape(redis_url, tmp_path / "absent")
+    assert value(samples, names.VOLUME_FREE) is None
+    assert value(samples, names.REDIS_UP) == 1
+
+
+def test_no_nvml_means_zero_gpus_without_an_error(redis_url, data_dir) -> None:
+    gpus = GpuReader()
+    if gpus.available and gpus.read():
+        pytest.skip("this machine has GPUs")
+    samples = scrape(redis_url, data_dir, gpus=gpus)
+    assert value(samples, names.GPUS) == 0
+    assert not any(name.startswith("draftline_gpu_") for name, _ in samples)
+
+
+def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -> None:
+    readings = [
+        GpuReading(0, "NVIDIA H200", 0.5, 10 << 30, 141 << 30, 55.0, 300.0),
+        GpuReading(1, "NVIDIA H200", 0.0, 0, 141 << 30, 40.0, None),  # a board that reports no power
+    ]
+    families = _Families()
+    _collect_gpus(families, readings)
+    samples = {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+    assert value(samples, names.GPUS) == 2
+    assert value(samples, names.GPU_UTILIZATION, gpu="0", name="NVIDIA H200") == 0.5
+    assert value(samples, names.GPU_MEMORY_TOTAL, gpu="1", name="NVIDIA H200") == 141 << 30
+    assert value(samples, names.GPU_POWER, gpu="0", name="NVIDIA H200") == 300.0
+    assert value(samples, names.GPU_POWER, gpu="1", name="NVIDIA H200") is None
