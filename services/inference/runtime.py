@@ -32,6 +32,7 @@ class Runtime:
         log.info("draining chat and hidden-state work")
         self.scheduler.stop()
         self.pipeline.stop()
+        log.info("inference runtime stopped")
 
 
 def start_runtime(settings: InferenceSettings, loaded: LoadedModel, metrics: InferenceMetrics) -> Runtime:
