@@ -1,0 +1,155 @@
+"""The extract job against the real built-in inference server (``draftline serve inference``) on the tiny target."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from safetensors.numpy import load_file
+
+from services.controller.submit import submit_run
+from services.extractor.client import HiddenStatesClient
+from services.extractor.jobs import load_tokenizer, run_extract
+from services.extractor.tokenize import build_sample
+from services.generator.jobs import enqueue_extract
+from shared import SCHEMA_VERSION
+from shared.atomic import atomic_write_json
+from shared.hidden_file import verify_hidden_file
+from shared.jobs import ExtractJob
+from shared.runspec import EvalConfig, ExtractionConfig
+from shared.runstate import RunState
+from shared.settings import ExtractorSettings
+from tests.services.controller.test_datasets import write_jsonl
+from tests.support.processes import ServiceProcess, free_port
+
+REPLIES = {
+    0: ("Binary search halves the list each time.", None),
+    1: ("Four.", "Two plus two is four."),
+    2: ("Seven, eleven and thirteen.", "List three primes."),
+}
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    return tmp_path_factory.mktemp("extract") / "data"
+
+
+@pytest.fixture(scope="module")
+def inference(volume, tiny_model_dir, tmp_path_factory):
+    volume.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {"DRAFTLINE_MODEL_DIR": str(tiny_model_dir), "DRAFTLINE_DATA": str(volume), "DRAFTLINE_PORT": str(port),
+           "DRAFTLINE_HOST": "127.0.0.1", "DRAFTLINE_DEVICE": "cpu"}
+    with ServiceProcess("inference", env=env, log_dir=tmp_path_factory.mktemp("logs"),
+                        health_url=f"http://127.0.0.1:{port}/health") as proc:
+        yield {"url": f"http://127.0.0.1:{port}", "proc": proc}
+
+
+@pytest.fixture()
+def data_dir(volume):
+    """Every test's runs live on the volume the inference server writes to."""
+    return volume
+
+
+def settings(data_dir, redis_url, tiny_model_dir, url: str) -> ExtractorSettings:
+    return ExtractorSettings(data=data_dir, redis_url=redis_url, model_dir=tiny_model_dir, hidden_states_url=url,
+                             request_timeout_s=60)
+
+
+def make_run(data_dir, conn, tmp_path, name: str, *, extraction: ExtractionConfig | None = None) -> RunState:
+    """A submitted run whose samples 0-2 already have replies on the volume."""
+    prompts = ["Explain a binary search.", "What is 2 + 2?", "Name three primes.", "held out"]
+    dataset = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": p} for p in prompts])
+    submit_run(data_dir, conn, dataset=str(dataset), name=name, model="tiny", extraction=extraction,
+               evaluate=EvalConfig(holdout=1))
+    state = RunState(conn, data_dir, name)
+    for sample_id, (content, reasoning) in REPLIES.items():
+        atomic_write_json(state.paths.generated(sample_id), {
+            "schema_version": SCHEMA_VERSION, "sample_id": sample_id,
+            "messages": [{"role": "user", "content": prompts[sample_id]}],
+            "reply": {"content": content, "reasoning_content": reasoning},
+            "usage": {"completion_tokens": 5}, "finish_reason": "stop", "model": "tiny",
+        })
+        state.mark_done("generate", sample_id)
+    return state
+
+
+def extract(state: RunState, sample_id: int, cfg: ExtractorSettings, conn, *, retry_delays_s=(0.05,)) -> str:
+    client = HiddenStatesClient(cfg.hidden_states_url, timeout_s=cfg.request_timeout_s, retry_delays_s=retry_delays_s)
+    tokenizer = load_tokenizer(str(cfg.model_dir))
+    return run_extract(ExtractJob(run=state.run, sample_id=sample_id), cfg, conn, tokenizer, client)
+
+
+def test_extract_writes_a_verified_file_with_our_tokens_and_mask(inference, data_dir, redis_url, redis_conn, tmp_path,
+                                                                 tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "ok")
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    assert [extract(state, i, cfg, redis_conn) for i in (0, 1, 2)] == ["done"] * 3
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    sizes = 0
+    for sample_id, (content, reasoning) in REPLIES.items():
+        path = state.paths.hidden(sample_id)
+        assert path.parent.name == "rows_000000-001999"
+        info = verify_hidden_file(path, layer_ids=[1, 3, 4], hidden_size=64)
+        tensors = load_file(path)
+        ids, mask = build_sample(tokenizer, json.loads(state.paths.generated(sample_id).read_text())["messages"],
+                                 content, reasoning, 4096)
+        assert tensors["input_ids"].tolist() == ids and tensors["loss_mask"].tolist() == mask
+        assert info.num_tokens == len(ids)
+        sizes += path.stat().st_size
+    meta = state.meta()
+    assert state.counts("extract").done == 3
+    assert int(float(meta["hidden_bytes"])) == sizes
+    assert json.loads(meta["layer_ids"]) == [1, 3, 4] and meta["layer_convention"] == "decoder_output_0idx"
+    assert extract(state, 0, cfg, redis_conn) == "skipped"
+    assert int(float(state.meta()["hidden_bytes"])) == sizes  # a repeated job never counts bytes twice
+
+
+def test_run_layer_ids_reach_the_file(inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "layers", extraction=ExtractionConfig(layer_ids=[0, 2, 5]))
+    assert extract(state, 1, settings(data_dir, redis_url, tiny_model_dir, inference["url"]), redis_conn) == "done"
+    assert verify_hidden_file(state.paths.hidden(1), layer_ids=[0, 2, 5]).layer_ids == [0, 2, 5]
+
+
+def test_a_file_with_other_layers_than_the_runs_is_a_named_failure_and_removed(inference, data_dir, redis_url, redis_conn,
+                                                                               tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "mixed")
+    state.set_meta(layer_ids=json.dumps([0, 1, 2]))  # the run's first samples came from a server with other defaults
+    assert extract(state, 0, settings(data_dir, redis_url, tiny_model_dir, inference["url"]), redis_conn) == "failed"
+    (failure,) = state.failures("extract")
+    assert failure.error_class == "HiddenStateFileError" and "run expects [0, 1, 2]" in failure.message
+    assert not state.paths.hidden(0).exists()
+    assert state.counts("extract").done == 0
+
+
+def test_problems_become_named_extract_failures(inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "bad", extraction=ExtractionConfig(max_length=8))
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    state.paths.generated(2).unlink()
+    assert extract(state, 0, cfg, redis_conn) == "failed"  # prompt longer than max_length
+    assert extract(state, 2, cfg, redis_conn) == "failed"  # the reply file is gone
+    down = settings(data_dir, redis_url, tiny_model_dir, f"http://127.0.0.1:{free_port()}")
+    other = make_run(data_dir, redis_conn, tmp_path, "down")
+    assert extract(other, 1, down, redis_conn) == "failed"
+    failures = {(f.run, f.sample_id): f for f in state.failures("extract") + other.failures("extract")}
+    assert failures[("bad", 0)].error_class == "PromptTooLong"
+    assert failures[("bad", 2)].error_class == "GeneratedFileError" and "no reply file" in failures[("bad", 2)].message
+    assert failures[("down", 1)].error_class == "InferenceUnavailable"
+
+
+def test_extractor_worker_process_drains_the_queue(inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "worker")
+    for sample_id in REPLIES:
+        enqueue_extract(redis_conn, "worker", sample_id)
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+           "DRAFTLINE_HIDDEN_STATES_URL": inference["url"]}
+    with ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs") as worker:
+        deadline = time.monotonic() + 90
+        while state.counts("extract").done < len(REPLIES) and time.monotonic() < deadline:
+            assert worker.alive(), worker.log()
+            assert not state.failures("extract"), state.failures("extract")
+            time.sleep(0.2)
+        assert state.counts("extract").done == len(REPLIES), worker.log()
+    for sample_id in REPLIES:
+        verify_hidden_file(state.paths.hidden(sample_id), layer_ids=[1, 3, 4])
