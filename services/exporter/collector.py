@@ -56,7 +56,7 @@ def scrape_connection(url: str) -> redis.Redis:
     )
 
 
-class _Families:
+class Families:
     """The metric families of one scrape, created on first use and yielded in creation order."""
 
     def __init__(self) -> None:
@@ -95,22 +95,22 @@ class DraftlineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(names.REDIS_UP, "1 when Redis answered this scrape, 0 when it did not.")
-        from_redis = _Families()
+        from_redis = Families()
         try:
             self._collect_redis(from_redis)
             up.add_metric([], 1)
         except redis.RedisError as exc:
             log.warning("redis unreachable during scrape: %s", exc)
-            from_redis = _Families()  # drop what a scrape that lost Redis midway had half filled
+            from_redis = Families()  # drop what a scrape that lost Redis midway had half filled
             up.add_metric([], 0)
-        local = _Families()
+        local = Families()
         _collect_volume(local, self.data)
-        _collect_gpus(local, self.gpus.read() if self.gpus else [])
+        collect_gpus(local, self.gpus.read() if self.gpus else [])
         yield up
         yield from from_redis
         yield from local
 
-    def _collect_redis(self, families: _Families) -> None:
+    def _collect_redis(self, families: Families) -> None:
         runs = known_runs(self.conn)
         in_flight = _jobs_in_flight(self.conn, runs)
         now = self.clock()
@@ -127,10 +127,10 @@ class DraftlineCollector(Collector):
 
 # ---- runs -----------------------------------------------------------------------------------------
 def _sample_stage(
-    families: _Families, state: RunState, meta: dict[str, str], stage: str, in_flight: int, now: float
+    families: Families, state: RunState, meta: dict[str, str], stage: str, in_flight: int, now: float
 ) -> None:
     labels = [state.run, stage]
-    expected = int(meta.get("expected", 0))
+    expected = int(_number(meta, "expected") or 0)
     counts = state.counts(stage)
     remaining = max(expected - counts.done - counts.failed - counts.dropped, 0)
     families.counter(names.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
@@ -150,7 +150,7 @@ def _sample_stage(
         )
 
 
-def _whole_run_stage(families: _Families, run: str, meta: dict[str, str], stage: str, in_flight: int) -> None:
+def _whole_run_stage(families: Families, run: str, meta: dict[str, str], stage: str, in_flight: int) -> None:
     """Train and evaluate report progress as ``<stage>_done`` / ``<stage>_total`` meta fields once started."""
     total = _number(meta, f"{stage}_total")
     if total is None:
@@ -159,7 +159,7 @@ def _whole_run_stage(families: _Families, run: str, meta: dict[str, str], stage:
     _progress(families, [run, stage], int(total), max(int(total - done), 0), in_flight)
 
 
-def _progress(families: _Families, labels: list[str], expected: int, remaining: int, in_flight: int) -> None:
+def _progress(families: Families, labels: list[str], expected: int, remaining: int, in_flight: int) -> None:
     families.gauge(
         names.STAGE_EXPECTED, "Work items of the stage: samples, or steps for train and evaluate.", RUN_STAGE
     ).add_metric(labels, expected)
@@ -174,7 +174,7 @@ def _progress(families: _Families, labels: list[str], expected: int, remaining: 
     )
 
 
-def _run_meta(families: _Families, run: str, meta: dict[str, str]) -> None:
+def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
     series = (
         (names.RUN_HIDDEN_BYTES, names.META_HIDDEN_BYTES, "Bytes of hidden-state files written for the run."),
         (names.TRAIN_STEP, names.META_TRAIN_STEP, "Optimizer steps the trainer has finished."),
@@ -225,7 +225,7 @@ def _job_id_owners(runs: list[str]) -> dict[str, tuple[str, str]]:
     return owners
 
 
-def _collect_queues(families: _Families, conn: redis.Redis) -> None:
+def _collect_queues(families: Families, conn: redis.Redis) -> None:
     jobs = families.gauge(names.QUEUE_JOBS, "Jobs waiting in the queue.", ["queue"])
     workers = families.gauge(names.QUEUE_WORKERS, "Workers listening on the queue, by state.", ["queue", "state"])
     for name in QUEUES:
@@ -237,7 +237,7 @@ def _collect_queues(families: _Families, conn: redis.Redis) -> None:
 
 
 # ---- volume and GPUs ------------------------------------------------------------------------------
-def _collect_volume(families: _Families, data: Path) -> None:
+def _collect_volume(families: Families, data: Path) -> None:
     try:
         usage = shutil.disk_usage(data)
     except OSError as exc:
@@ -247,7 +247,7 @@ def _collect_volume(families: _Families, data: Path) -> None:
     families.gauge(names.VOLUME_FREE, "Bytes free on the filesystem holding the data volume.").add_metric([], usage.free)
 
 
-def _collect_gpus(families: _Families, readings: list[GpuReading]) -> None:
+def collect_gpus(families: Families, readings: list[GpuReading]) -> None:
     families.gauge(names.GPUS, "GPUs visible through NVML; 0 without a driver or GPUs.").add_metric([], len(readings))
     series = (
         (names.GPU_UTILIZATION, "utilization_ratio", "Share of time a kernel ran, 0 to 1."),

@@ -41,8 +41,9 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-        log.debug("%s " + format, self.address_string(), *args)
+    def log_message(self, fmt: str, *args: object) -> None:
+        # Prometheus scrapes every 15 s; one access line each would drown the service's own log.
+        log.debug("%s " + fmt, self.address_string(), *args)
 
 
 def stop_event_on_signals() -> threading.Event:

@@ -14,7 +14,7 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.exporter import names
-from services.exporter.collector import DraftlineCollector, _collect_gpus, _Families, scrape_connection
+from services.exporter.collector import DraftlineCollector, Families, collect_gpus, scrape_connection
 from services.exporter.gpu import GpuReader, GpuReading
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, TRAIN_QUEUE, extract_job_id, train_job_id
 from shared.queues import queue
@@ -105,9 +105,13 @@ def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> N
 def test_a_malformed_meta_field_is_skipped_not_fatal(redis_url, redis_conn, data_dir) -> None:
     state = populate(redis_conn, data_dir)
     state.set_meta(train_loss="not-a-number", acceptance_length=3.0)
+    broken = populate(redis_conn, data_dir, "broken")
+    broken.set_meta(expected="")
     samples = scrape(redis_url, data_dir)
     assert value(samples, names.TRAIN_LOSS, run="r1") is None
     assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 3.0
+    assert value(samples, names.STAGE_EXPECTED, run="broken", stage="generate") == 0
+    assert value(samples, names.STAGE_DONE, run="broken", stage="generate") == 4
     assert value(samples, names.REDIS_UP) == 1
 
 
@@ -224,8 +228,8 @@ def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -
         GpuReading(0, "NVIDIA H200", 0.5, 10 << 30, 141 << 30, 55.0, 300.0),
         GpuReading(1, "NVIDIA H200", 0.0, 0, 141 << 30, 40.0, None),  # a board that reports no power
     ]
-    families = _Families()
-    _collect_gpus(families, readings)
+    families = Families()
+    collect_gpus(families, readings)
     samples = {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
     assert value(samples, names.GPUS) == 2
     assert value(samples, names.GPU_UTILIZATION, gpu="0", name="NVIDIA H200") == 0.5
