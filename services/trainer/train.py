@@ -117,15 +117,21 @@ class TTTObjective(nn.Module):
         self.drafter = drafter
         self.ttt_steps = ttt_steps
 
+    def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Step k's output at every index: ``ttt_steps`` x (B, L, H), aligned as the module doc says."""
+        b, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).expand(b, length)  # (B, L)
+        hidden = self.drafter.fuse(aux_hidden)  # (B, L, H)
+        cache, outputs = TTTCache(), []
+        for k in range(self.ttt_steps):
+            hidden = self.drafter(hidden, shift(input_ids, k + 1), positions + k, cache)  # (B, L, H)
+            outputs.append(hidden)
+        return outputs
+
     def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.drafter
-        b, length = batch.input_ids.shape
-        positions = torch.arange(length, device=batch.input_ids.device).expand(b, length)  # (B, L)
-        hidden = d.fuse(batch.aux_hidden)  # (B, L, H)
-        cache = TTTCache()
         losses, accs = [], []
-        for k in range(self.ttt_steps):
-            hidden = d(hidden, shift(batch.input_ids, k + 1), positions + k, cache)  # (B, L, H)
+        for k, hidden in enumerate(self.unroll(batch.input_ids, batch.aux_hidden)):
             logp = d.logits(hidden).float().log_softmax(-1)  # (B, L, Vd)
             learned = shift(batch.loss_mask, k + 2)  # predicted token x_{t+2+k} is one the drafter learns
             mask = learned & shift(targets.in_draft, k + 1)
@@ -302,4 +308,4 @@ def train_step(objective: nn.Module, drafter: Eagle3Drafter, batch: Batch, head:
     torch.nn.utils.clip_grad_norm_(drafter.trainable_parameters(), grad_clip)
     optimizer.step()
     scheduler.step()
-    return float(loss), [round(float(x), 6) for x in step_losses], [round(float(x), 6) for x in accs]
+    return float(loss.detach()), [round(float(x), 6) for x in step_losses], [round(float(x), 6) for x in accs]
