@@ -92,17 +92,23 @@ class DraftlineCollector(Collector):
         self.data = Path(data)
         self.gpus = gpus
         self.clock = clock
+        self._redis_up = True  # log changes of Redis' reachability, not every scrape during an outage
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(names.REDIS_UP, "1 when Redis answered this scrape, 0 when it did not.")
         from_redis = Families()
         try:
             self._collect_redis(from_redis)
-            up.add_metric([], 1)
         except redis.RedisError as exc:
-            log.warning("redis unreachable during scrape: %s", exc)
+            if self._redis_up:
+                log.warning("redis unreachable; reporting %s 0 until it answers: %s", names.REDIS_UP, exc)
+            self._redis_up = False
             from_redis = Families()  # drop what a scrape that lost Redis midway had half filled
-            up.add_metric([], 0)
+        else:
+            if not self._redis_up:
+                log.info("redis reachable again")
+            self._redis_up = True
+        up.add_metric([], 1 if self._redis_up else 0)
         local = Families()
         _collect_volume(local, self.data)
         collect_gpus(local, self.gpus.read() if self.gpus else [])
