@@ -28,7 +28,8 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
         stop = threading.Event()
         thread = None
         if supervise:
-            thread = threading.Thread(target=supervise_forever, args=(settings, conn, stop), name="supervisor", daemon=True)
+            thread = threading.Thread(target=supervise_forever, args=(settings, conn, stop), name="supervisor",
+                                      daemon=True)
             thread.start()
         yield
         stop.set()

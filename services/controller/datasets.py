@@ -221,7 +221,8 @@ def _parquet_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
         names = set(parquet.schema_arrow.names)
         columns = [c for c in PARQUET_COLUMNS if c in names]
         if not columns:
-            raise DatasetError(f"{path}: no column named {' / '.join(PARQUET_COLUMNS[:3])} (columns: {sorted(names)[:10]})")
+            known = " / ".join(PARQUET_COLUMNS[:3])
+            raise DatasetError(f"{path}: no column named {known} (columns: {sorted(names)[:10]})")
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
             for row in batch.to_pylist():
                 yield _checked(row)
@@ -287,7 +288,9 @@ def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
     elif isinstance(source, str) and looks_like_repo_id(source):
         root, where = _hub_snapshot(source, split), f"dataset repo {source!r}"
     else:
-        raise DatasetError(f"dataset {str(source)!r}: no such file or directory (and not a Hugging Face repo id like owner/name)")
+        raise DatasetError(
+            f"dataset {str(source)!r}: no such file or directory (and not a Hugging Face repo id like owner/name)"
+        )
     files = split_files(root, split)
     if not files:
         raise DatasetError(f"{where}: no .jsonl or .parquet files for split {split!r}")

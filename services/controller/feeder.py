@@ -37,8 +37,9 @@ class Batch:
 
 def waiting_jobs(conn: redis.Redis, run: str) -> int:
     """Generate jobs of ``run`` still waiting in the queue (the queue is bounded, so listing it is cheap)."""
-    prefix = generate_job_id(run, 0)[: -len("00000000")]
-    return sum(1 for job_id in queue(GENERATE_QUEUE, conn).get_job_ids() if job_id.startswith(prefix))
+    # Ids end in "_<first sample id>"; comparing everything before that keeps run "a" from counting run "a_b".
+    stem = generate_job_id(run, 0).rsplit("_", 1)[0]
+    return sum(1 for job_id in queue(GENERATE_QUEUE, conn).get_job_ids() if job_id.rsplit("_", 1)[0] == stem)
 
 
 def read_batch(paths: RunPaths, offset: int, size: int) -> Batch | None:

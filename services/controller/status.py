@@ -208,7 +208,8 @@ def format_status(status: dict) -> str:
         _sample_line("extract", stages["extract"]),
         _whole_line("train", stages["train"], f"  loss {loss:.4f}" if loss is not None else ""),
         _whole_line("evaluate", stages["evaluate"], f"  acceptance length {accept:.2f}" if accept is not None else ""),
-        f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, {errors['dropped']:,} dropped",
+        f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
+        f"{errors['dropped']:,} dropped",
         f"  ETA       {_duration(status['eta_seconds'])}",
         f"  disk      {_bytes(disk['used_bytes'])} used, {_bytes(disk['free_bytes'])} free of "
         f"{_bytes(disk['total_bytes'])} ({disk['path']}); this run {_bytes(disk['run_bytes'])}",

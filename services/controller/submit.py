@@ -100,7 +100,8 @@ def _create(spec: RunSpec, paths: RunPaths, state: RunState) -> RunSpec:
     result = _Split(holdout=deque())
     atomic_write(paths.prompts, lambda handle: _stream_prompts(rows, handle, result, spec.evaluate.holdout, state))
     _check_usable(spec, result)
-    atomic_write(eval_prompts_path(paths), lambda handle: handle.writelines(prompt_line(i, m) for i, m in result.holdout))
+    held_out = [prompt_line(i, m) for i, m in result.holdout]
+    atomic_write(eval_prompts_path(paths), lambda handle: handle.writelines(held_out))
     train_ids = result.holdout[0][0] if result.holdout else result.rows
     spec = spec.model_copy(update={"rows": result.rows, "train_ids": train_ids})
     spec.save(paths.data)
@@ -137,7 +138,9 @@ def _record_bad_row(state: RunState, sample_id: int, exc: RowError, result: _Spl
 def _check_usable(spec: RunSpec, result: _Split) -> None:
     if result.valid == 0:
         detail = f"; first problem: {result.first_problem}" if result.first_problem else ""
-        raise DatasetError(f"dataset {spec.dataset!r} (split {spec.split!r}): no valid rows among {result.rows} read{detail}")
+        raise DatasetError(
+            f"dataset {spec.dataset!r} (split {spec.split!r}): no valid rows among {result.rows} read{detail}"
+        )
     if result.valid <= spec.evaluate.holdout:
         raise DatasetError(
             f"dataset {spec.dataset!r} has {result.valid} valid rows; holding out {spec.evaluate.holdout} for "

@@ -50,7 +50,8 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
     gen = state.counts("generate")
     done, extracted = settled(state)
     if done < expected:
-        if meta.get("state") == "generating" and feed_finished(meta) and gen.done + gen.failed + gen.dropped >= expected:
+        generated = gen.done + gen.failed + gen.dropped >= expected
+        if meta.get("state") == "generating" and feed_finished(meta) and generated:
             state.set_meta(state="extracting")
         return
     if extracted == 0:

@@ -79,7 +79,8 @@ class HiddenStatesClient:
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
                 metadata: dict[str, str]) -> HiddenStatesResult:
-        body = {"input_ids": input_ids, "loss_mask": loss_mask, "path": path, "layer_ids": layer_ids, "metadata": metadata}
+        body = {"input_ids": input_ids, "loss_mask": loss_mask, "path": path, "layer_ids": layer_ids,
+                "metadata": metadata}
         attempts = len(self.retry_delays_s) + 1
         for attempt in range(attempts):
             try:

@@ -19,7 +19,9 @@ def render_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) 
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     except (TemplateError, ValueError, TypeError) as exc:
-        raise ChatTemplateError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
+        raise ChatTemplateError(
+            f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}"
+        ) from None
     return list(ids)
 
 
@@ -50,7 +52,8 @@ def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_
     if full[: len(prefix)] != prefix:
         at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
         raise ChatTemplateError(
-            f"the conversation's tokens do not start with the prompt's (first difference at token {at} of {len(prefix)}); "
+            f"the conversation's tokens do not start with the prompt's "
+            f"(first difference at token {at} of {len(prefix)}); "
             "the chat template renders the prompt differently once the reply is appended"
         )
     end = reply_end(full, len(prefix), tokenizer.eos_token_id)

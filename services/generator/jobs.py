@@ -104,7 +104,9 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
 def check_length(completion: Completion, generation: GenerationConfig) -> None:
     tokens = completion.completion_tokens
     if tokens is not None and tokens < generation.min_completion_tokens:
-        raise ReplyTooShort(f"reply has {tokens} tokens, fewer than min_completion_tokens={generation.min_completion_tokens}")
+        raise ReplyTooShort(
+            f"reply has {tokens} tokens, fewer than min_completion_tokens={generation.min_completion_tokens}"
+        )
 
 
 def record_failure(state: RunState, sample_id: int, exc: BaseException) -> str:

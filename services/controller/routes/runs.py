@@ -27,7 +27,9 @@ class SubmitRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field(..., min_length=1, description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id.")
+    dataset: str = Field(
+        ..., min_length=1, description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id."
+    )
     name: str | None = None
     limit: int | None = Field(None, ge=1)
     model: str | None = Field(None, description="Served model name; by default the one the inference server lists.")
