@@ -104,3 +104,14 @@ def test_a_repeated_feed_after_a_lost_cursor_never_duplicates_jobs(data_dir, red
     q = queue(GENERATE_QUEUE, redis_conn)
     assert not set(q.get_job_ids()) & set(taken)
     assert q.get_job_ids() == [generate_job_id(run, 14), generate_job_id(run, 18), generate_job_id(run, 22)]
+
+
+def test_run_names_with_dots_get_valid_distinct_job_ids(data_dir, redis_conn, tmp_path):
+    # RQ accepts only letters, digits, "_" and "-" in job ids; "a.b" and "a_b" must still not collide.
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(6)])
+    for name in ("data.v2", "data_v2"):
+        submit_run(data_dir, redis_conn, dataset=str(dataset), name=name, model="m", evaluate=EvalConfig(holdout=1))
+        assert feed_run(settings(data_dir), redis_conn, name) == 2
+    ids = queue(GENERATE_QUEUE, redis_conn).get_job_ids()
+    assert len(set(ids)) == 4
+    assert generate_job_id("data.v2", 4) in ids and generate_job_id("data_v2", 4) in ids
