@@ -9,6 +9,7 @@ import httpx
 import redis
 
 from services.exporter import names
+from services.exporter.gpu import GpuReader
 from shared.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import parse, value
 from tests.support.processes import RedisServer, ServiceProcess, free_port
@@ -19,6 +20,15 @@ def exporter(redis_url: str, data: Path, log_dir: Path) -> tuple[ServiceProcess,
     base = f"http://127.0.0.1:{port}"
     env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1"}
     return ServiceProcess("exporter", env=env, log_dir=log_dir, health_url=f"{base}/health"), base
+
+
+def visible_gpus() -> int:
+    """GPUs NVML shows this machine (0 on a CPU-only one); the exporter must report the same number."""
+    reader = GpuReader()
+    try:
+        return len(reader.read())
+    finally:
+        reader.close()
 
 
 def scrape(base: str) -> dict:
@@ -49,7 +59,7 @@ def test_scrape_reports_a_run_populated_through_runstate(redis_url, redis_conn, 
         assert value(samples, names.STAGE_DONE, run="demo", stage="extract") == 1
         assert value(samples, names.RUN_HIDDEN_BYTES, run="demo") == 123_456
         assert value(samples, names.VOLUME_FREE) > 0
-        assert value(samples, names.GPUS) == 0
+        assert value(samples, names.GPUS) == visible_gpus()
 
         # Read at scrape time: work done after start-up shows in the next scrape.
         state.mark_done("generate", 8)
@@ -67,7 +77,7 @@ def test_scrape_answers_with_redis_up_zero_while_redis_is_gone(data_dir, tmp_pat
                 samples = scrape(base)
                 assert value(samples, names.REDIS_UP) == 0
                 assert value(samples, names.VOLUME_USED) > 0
-                assert value(samples, names.GPUS) == 0
+                assert value(samples, names.GPUS) == visible_gpus()
             assert proc.alive()
             # The same Redis back on its port: the next scrape reconnects without a restart.
             server = RedisServer(tmp_path / "redis", port=server.port).start()
