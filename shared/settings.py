@@ -120,4 +120,5 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,  # the CLI configures logging first; a service's own level must still apply
     )
