@@ -7,6 +7,8 @@ target's own greedy decoding, token for token; only the number of target passes 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -89,6 +91,11 @@ def crop_cache(cache: Any, keep: int) -> None:
         cache.crop(-remove)
 
 
+def cache_kwarg(target: Any) -> str:
+    """transformers 5.2x renames ``past_key_values`` to ``cache``; older versions know only the former."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 def eos_ids_of(target: Any) -> set[int]:
     eos = target.generation_config.eos_token_id
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -102,14 +109,15 @@ def speculative_generate(
 
     device, eos = target.device, eos_ids_of(target)
     cache = DynamicCache()
-    out = target(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    forward = functools.partial(target, use_cache=True, output_hidden_states=True, **{cache_kwarg(target): cache})
+    out = forward(torch.tensor([prompt_ids], device=device))
     result = DecodeResult(tokens=[int(out.logits[0, -1].argmax())])
     proposer.extend(aux_states(out.hidden_states, layer_ids), prompt_ids[1:] + result.tokens)
     while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
         drafts = proposer.propose(draft_steps)
         context = cache.get_seq_length()
         block = [result.tokens[-1], *drafts]  # positions context .. context + K
-        out = target(torch.tensor([block], device=device), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = forward(torch.tensor([block], device=device))
         greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's choice after block[i]
         # Accept rule: draft i (0-based) is accepted when drafts 0..i-1 were and it equals greedy[i], the
         # target's own choice at that point. With a accepted, the step emits drafts[:a] plus greedy[a]: the

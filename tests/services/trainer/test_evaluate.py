@@ -1,0 +1,116 @@
+"""Speculative decoding against the real tiny target: exact greedy output, and acceptance accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.evaluate import DrafterProposer, EvalPrompt, evaluate_prompts, speculative_generate
+from services.trainer.export import load_drafter
+from services.trainer.model import DrafterConfig, Eagle3Drafter
+from services.trainer.target_head import load_target_head, read_target_config
+from services.trainer.train import train_drafter
+from shared.runspec import EvalConfig, RunSpec
+from tests.services.trainer.conftest import LAYER_IDS, demo_messages, greedy_reply, prompt_ids, write_run
+
+MAX_NEW = 24
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation, known in advance (``sequence`` = prompt + reply):
+    every draft must be accepted. With ``wrong`` it proposes a different token every time."""
+
+    def __init__(self, sequence: list[int], *, wrong: bool = False, vocab: int = 0) -> None:
+        # ``extend`` hands over the token after each verified position; token 0 is never handed over.
+        self.sequence, self.known, self.wrong, self.vocab = sequence, 1, wrong, vocab
+
+    def extend(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
+        self.known += len(next_tokens)
+
+    def propose(self, k: int) -> list[int]:
+        tokens = (self.sequence[self.known : self.known + k] + [0] * k)[:k]
+        return [(t + 1) % self.vocab for t in tokens] if self.wrong else tokens
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(tmp_path_factory, tiny_target, tiny_samples, eval_messages) -> Eagle3Drafter:
+    data = tmp_path_factory.mktemp("eval") / "data"
+    data.mkdir()
+    write_run(data, "trained", tiny_target, tiny_samples, eval_messages, train={"epochs": 40, "lr": 1e-2, "save_every": 1000})
+    result = train_drafter(RunSpec.load(data, "trained"), data=data, model_dir=tiny_target.model_dir, device="cpu")
+    return result.drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def untrained_drafter(tiny_target) -> Eagle3Drafter:
+    torch.manual_seed(1)
+    config = DrafterConfig.from_target_config(read_target_config(tiny_target.model_dir), draft_vocab_size=256, layer_ids=LAYER_IDS)
+    drafter = Eagle3Drafter(config)
+    drafter.load_embedding(load_target_head(tiny_target.model_dir).embed)
+    drafter.set_vocab_mapping(torch.arange(256), torch.arange(config.vocab_size) < 256)
+    return drafter.eval()
+
+
+def decode(target, proposer, messages, draft_steps=3, max_new=MAX_NEW):
+    return speculative_generate(target.model, proposer, prompt_ids(target, messages), max_new_tokens=max_new,
+                                draft_steps=draft_steps, layer_ids=LAYER_IDS)
+
+
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_speculative_output_equals_the_targets_greedy_generate(which, request, tiny_target, eval_messages):
+    drafter = request.getfixturevalue(f"{which}_drafter")
+    for messages in [*eval_messages, *demo_messages()[:3]]:
+        result = decode(tiny_target, DrafterProposer(drafter), messages)
+        assert result.tokens == greedy_reply(tiny_target, messages, MAX_NEW)
+        assert sum(result.accepted) + 1 == len(result.tokens)  # the prefill yields the first token
+
+
+@pytest.mark.parametrize("draft_steps", [1, 3, 5])
+def test_an_oracle_drafter_is_accepted_in_full_at_every_step_but_the_last(draft_steps, tiny_target, eval_messages):
+    for messages in eval_messages:
+        reference = greedy_reply(tiny_target, messages, MAX_NEW)
+        oracle = OracleProposer(prompt_ids(tiny_target, messages) + reference)
+        result = decode(tiny_target, oracle, messages, draft_steps=draft_steps)
+        assert result.tokens == reference
+        assert result.accepted[:-1] == [draft_steps + 1] * (result.steps - 1)
+        assert 1 <= result.accepted[-1] <= draft_steps + 1  # cut short by the budget or an eos
+        assert result.steps == -(-(len(reference) - 1) // (draft_steps + 1))
+
+
+def test_an_always_wrong_drafter_yields_exactly_one_token_per_step(tiny_target, eval_messages):
+    vocab = tiny_target.model.config.vocab_size
+    for messages in eval_messages:
+        reference = greedy_reply(tiny_target, messages, MAX_NEW)
+        oracle = OracleProposer(prompt_ids(tiny_target, messages) + reference, wrong=True, vocab=vocab)
+        result = decode(tiny_target, oracle, messages)
+        assert result.tokens == reference and set(result.accepted) == {1} and result.acceptance_length == 1.0
+
+
+def test_a_trained_drafter_is_accepted_more_often_on_what_it_learned(trained_drafter, untrained_drafter, tiny_target):
+    learned = demo_messages()[:6]  # the prompts behind the training files
+    mean = lambda d: sum(decode(tiny_target, DrafterProposer(d), m).acceptance_length for m in learned) / len(learned)  # noqa: E731
+    trained, untrained = mean(trained_drafter), mean(untrained_drafter)
+    assert trained >= 1.15 and trained > untrained + 0.1
+
+
+def test_report_counts_steps_and_tokens_per_prompt(trained_drafter, tiny_target, eval_messages, tmp_path):
+    prompts = [EvalPrompt(100 + i, m) for i, m in enumerate(eval_messages)]
+    seen = []
+    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts,
+                              EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2), progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(i, len(prompts)) for i in range(1, len(prompts) + 1)]
+    assert [row["sample_id"] for row in report["prompts"]] == [100, 101, 102, 103]
+    assert report["steps"] == sum(row["steps"] for row in report["prompts"])
+    emitted = sum(sum(row["accepted"]) for row in report["prompts"])
+    assert report["acceptance_length"] == pytest.approx(emitted / report["steps"])
+    assert 1.0 <= report["acceptance_length"] <= 3.0 and report["draft_steps"] == 2
+    assert all(row["tokens"] == sum(row["accepted"]) + 1 for row in report["prompts"])
+
+
+def test_exported_drafter_decodes_like_the_trained_one_up_to_bf16(trained_drafter, tiny_target, tmp_path, eval_messages):
+    from services.trainer.export import export_drafter
+
+    export_drafter(trained_drafter, tmp_path / "export", target_model="tiny", target_fingerprint=tiny_target.fingerprint)
+    loaded = load_drafter(tmp_path / "export", tiny_target.model_dir).eval()
+    messages = eval_messages[0]
+    assert decode(tiny_target, DrafterProposer(loaded), messages).tokens == greedy_reply(tiny_target, messages, MAX_NEW)
