@@ -1,0 +1,75 @@
+"""The trainer as it runs in production: ``draftline serve trainer``, a real RQ worker on a real Redis."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from rq.job import Job, JobStatus
+
+from services.trainer.export import verify_export
+from shared.atomic import temp_files
+from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, evaluate_job_id, train_job_id
+from shared.queues import SERIALIZER, queue
+from shared.runstate import RunState
+from tests.support.processes import ServiceProcess
+
+TRAIN = {"epochs": 3, "batch_size": 4, "ttt_steps": 2, "save_every": 5, "lr": 1e-2}
+EVALUATE = {"max_new_tokens": 12, "draft_steps": 3}
+
+
+def worker(redis_url, data_dir, model_dir, log_dir) -> ServiceProcess:
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(model_dir),
+           "DRAFTLINE_DEVICE": "cpu", "DRAFTLINE_LOG_LEVEL": "INFO"}
+    return ServiceProcess("trainer", env=env, log_dir=log_dir)
+
+
+def enqueue_train(conn, run: str) -> None:
+    queue(TRAIN_QUEUE, conn).enqueue_call(TRAIN_FUNC, args=(TrainJob(run=run).model_dump(),), job_id=train_job_id(run), timeout=600)
+
+
+def wait_for(conn, job_id: str, service: ServiceProcess, statuses: set, timeout: float = 180.0) -> Job:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert service.alive(), f"trainer exited:\n{service.log()}"
+        if conn.exists(Job.key_for(job_id)):
+            job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+            if job.get_status() in statuses:
+                return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach {statuses} in {timeout}s:\n{service.log()}")
+
+
+def test_worker_trains_exports_and_then_evaluates_the_run(make_run, redis_url, redis_conn, data_dir, tiny_model_dir, tmp_path):
+    paths = make_run("served", train=TRAIN, evaluate=EVALUATE)
+    with worker(redis_url, data_dir, tiny_model_dir, tmp_path / "logs") as service:
+        enqueue_train(redis_conn, "served")
+        job = wait_for(redis_conn, evaluate_job_id("served"), service, {JobStatus.FINISHED, JobStatus.FAILED})
+        assert job.get_status() == JobStatus.FINISHED, f"{job.latest_result().exc_string}\n{service.log()}"
+    config = verify_export(paths.export_dir)
+    assert config["draftline"]["target_model"] == "tiny" and config["torch_dtype"] == "float32"  # the target's dtype
+    report = json.loads(paths.eval_report.read_text())
+    assert report["acceptance_length"] >= 1.0 and report["steps"] > 0 and len(report["prompts"]) == 4
+    meta = RunState(redis_conn, data_dir, "served").meta()
+    assert meta["train_state"] == "done" and meta["evaluate_state"] == "done"
+    assert meta["export_path"] == str(paths.export_dir)
+    assert float(meta["acceptance_length"]) == pytest.approx(report["acceptance_length"])
+    assert meta["train_done"] == meta["train_total"] == "12" and float(meta["train_loss"]) > 0
+    assert meta["evaluate_done"] == meta["evaluate_total"] == "4"
+    assert len(paths.train_log.read_text().splitlines()) == 12
+    assert temp_files(paths.root) == []
+
+
+def test_a_corrupt_hidden_state_file_fails_the_train_job_naming_the_file(make_run, redis_url, redis_conn, data_dir, tiny_model_dir, tmp_path):
+    paths = make_run("broken", train=TRAIN, evaluate=EVALUATE)
+    victim = paths.hidden(7)
+    victim.write_bytes(victim.read_bytes()[:-64])
+    with worker(redis_url, data_dir, tiny_model_dir, tmp_path / "logs") as service:
+        enqueue_train(redis_conn, "broken")
+        job = wait_for(redis_conn, train_job_id("broken"), service, {JobStatus.FINISHED, JobStatus.FAILED})
+    assert job.get_status() == JobStatus.FAILED
+    meta = RunState(redis_conn, data_dir, "broken").meta()
+    assert meta["train_state"] == "failed"
+    assert meta["train_error"].startswith("HiddenStateFileError") and str(victim) in meta["train_error"]
+    assert not paths.export_dir.exists() and not redis_conn.exists(Job.key_for(evaluate_job_id("broken")))
