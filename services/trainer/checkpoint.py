@@ -13,7 +13,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ def save_checkpoint(
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     state = {
         "schema_version": SCHEMA_VERSION,
-        "position": position.__dict__,
+        "position": asdict(position),
         "config": drafter.config.to_dict(),
         "optimizer": opt_meta,
         "scheduler": sched,

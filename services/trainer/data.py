@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from shared.layout import RunPaths
 log = logging.getLogger(__name__)
 
 SAMPLE_FILE_RE = re.compile(r"^(\d{8})\.safetensors$")
+VERIFY_THREADS = 8
 
 
 def list_hidden_files(paths: RunPaths) -> list[tuple[int, Path]]:
@@ -39,7 +42,11 @@ def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -
     """Verify every file; all must come from the same target (model name and fingerprint)."""
     if not files:
         raise HiddenStateFileError("no hidden-state files to train on")
-    infos = [verify_hidden_file(path, layer_ids=layer_ids, hidden_size=hidden_size) for path in files]
+    # Hashing every byte is I/O-bound; threads overlap the reads (hashlib releases the GIL). ``map`` keeps
+    # the order and raises the first failure.
+    check = partial(verify_hidden_file, layer_ids=layer_ids, hidden_size=hidden_size)
+    with ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
+        infos = list(pool.map(check, files))
     first = infos[0].metadata
     for info in infos[1:]:
         for key in (eagle3.META_MODEL, eagle3.META_MODEL_FINGERPRINT):

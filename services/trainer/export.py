@@ -180,14 +180,16 @@ def check_tensors(path: Path, config: dict[str, Any]) -> None:
         raise CheckpointFormatError(f"{weights}: {exc}") from None
 
 
+def has_type(value: Any, expected: type | tuple[type, ...]) -> bool:
+    """isinstance, except that JSON true/false is no number and a number no boolean."""
+    return isinstance(value, expected) and isinstance(value, bool) == (expected is bool)
+
+
 def check_config(path: Path, config: dict[str, Any]) -> None:
     """The fields the engines and draftline read, with the types and values they need."""
     problems = [f"{key} missing" for key in CONFIG_TYPES if key not in config]
-    problems += [
-        f"{key} is {type(config[key]).__name__}, expected {CONFIG_TYPES[key]}"
-        for key in CONFIG_TYPES
-        if key in config and (not isinstance(config[key], CONFIG_TYPES[key]) or isinstance(config[key], bool) != (CONFIG_TYPES[key] is bool))
-    ]
+    problems += [f"{key} is {type(config[key]).__name__}, expected {expected}"
+                 for key, expected in CONFIG_TYPES.items() if key in config and not has_type(config[key], expected)]
     if problems:
         raise CheckpointFormatError(f"{path / CONFIG_FILE}: " + "; ".join(problems))
     ids = config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
@@ -199,7 +201,8 @@ def check_config(path: Path, config: dict[str, Any]) -> None:
         (config["draft_vocab_size"] <= config["vocab_size"], "draft_vocab_size exceeds vocab_size"),
         (config["eagle_config"].get("use_aux_hidden_state") is True, "eagle_config.use_aux_hidden_state must be true"),
         (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids), "eagle_config needs three layer ids"),
-        (config["draftline"].get("layer_convention") == eagle3.LAYER_CONVENTION, f"draftline.layer_convention must be {eagle3.LAYER_CONVENTION!r}"),
+        (config["draftline"].get("layer_convention") == eagle3.LAYER_CONVENTION,
+         f"draftline.layer_convention must be {eagle3.LAYER_CONVENTION!r}"),
         (config["draftline"].get("layer_ids") == ids, "draftline.layer_ids differ from eagle_config's"),
         (isinstance(ids, list) and config.get("eagle_aux_hidden_state_layer_ids") == vllm_layer_ids(ids),
          "top-level eagle_aux_hidden_state_layer_ids must be eagle_config's plus one (vLLM counts layer inputs)"),

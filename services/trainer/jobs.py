@@ -84,6 +84,10 @@ def train(payload: dict) -> dict:
 def evaluate(payload: dict) -> dict:
     job = EvaluateJob.model_validate(payload)
     settings, _, state, paths, spec = _run_context(job.run)
+    if spec.evaluate.holdout == 0:
+        state.set_meta(evaluate_state="skipped")
+        log.info("run %s: no rows held out, evaluation skipped", job.run)
+        return {"run": job.run, "acceptance_length": None, "eval_report": None}
     state.set_meta(evaluate_state="running")
     try:
         prompts = read_eval_prompts(eval_prompts_path(paths))

@@ -33,11 +33,16 @@ class TargetHead:
     lm_head: torch.Tensor  # (V, H)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's logits from its final-norm hidden state: (..., H) -> (..., V), in float32."""
-        return hidden.float() @ self.lm_head.float().T
+        return target_logits(self.lm_head, hidden)
 
     def to(self, device: torch.device) -> TargetHead:
         return TargetHead(self.embed.to(device), self.lm_head.to(device))
+
+
+def target_logits(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final-norm hidden state: (..., H) -> (..., V) float32, multiplied in
+    the head's dtype so a bf16 head of a large vocabulary is never copied to float32."""
+    return (hidden.to(lm_head.dtype) @ lm_head.T).float()
 
 
 def read_target_config(model_dir: Path) -> dict[str, Any]:

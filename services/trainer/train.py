@@ -52,7 +52,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, verify_files
 from services.trainer.export import load_drafter
 from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache
-from services.trainer.target_head import TargetHead, load_target_head, read_target_config, text_config
+from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class Targets:
 
 
 @torch.no_grad()
-def make_targets(batch: Batch, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
-    logits = head.logits(batch.last_hidden)  # (B, L, V) float32
+def make_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
+    logits = target_logits(lm_head, batch.last_hidden)  # (B, L, V) float32
     argmax = logits.argmax(-1)  # (B, L)
     probs = logits[..., draft_to_target(d2t)].softmax(-1)  # (B, L, Vd)
     return Targets(probs=probs, argmax=argmax, in_draft=t2d[argmax])
@@ -214,20 +214,20 @@ def expected_layer_ids(spec: RunSpec, target_config: dict) -> list[int]:
 
 
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
-                  head: TargetHead, files: list[Path]) -> Eagle3Drafter:
+                  embed: torch.Tensor, files: list[Path]) -> Eagle3Drafter:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
     if cfg.base_checkpoint:
         base = resolve_inside(data, cfg.base_checkpoint)
         if not base.is_dir():
             raise CheckpointFormatError(f"base checkpoint {cfg.base_checkpoint!r}: no directory at {base} (download it onto the volume first)")
-        drafter = load_drafter(base, model_dir, embed=head.embed)
+        drafter = load_drafter(base, model_dir, embed=embed)
         if list(drafter.config.layer_ids) != layer_ids:
             raise CheckpointFormatError(f"base checkpoint reads layers {list(drafter.config.layer_ids)}, this run extracted {layer_ids}")
         log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)
         return drafter
     config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
     drafter = Eagle3Drafter(config)
-    drafter.load_embedding(head.embed)
+    drafter.load_embedding(embed)
     drafter.set_vocab_mapping(*build_mapping(count_tokens(files, config.vocab_size), config.draft_vocab_size))
     return drafter
 
@@ -238,10 +238,27 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# ---- the loop -----------------------------------------------------------------------------------
+@dataclass
+class Session:
+    """Everything one training run holds, assembled (and resumed) by ``prepare``."""
 
-def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None) -> TrainResult:
-    """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
+    cfg: TrainConfig
+    paths: RunPaths
+    device: torch.device
+    drafter: Eagle3Drafter
+    objective: nn.Module
+    lm_head: torch.Tensor  # (V, H) the target's, on the device
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataset: HiddenStateDataset
+    total: int
+    position: ckpt.Position
+    rank: int = 0
+    world: int = 1
+    result: TrainResult = field(init=False)
+
+
+def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Session:
     cfg, paths = spec.train, RunPaths(data, spec.name)
     rank, world = dist_info()
     dev = pick_device(device)
@@ -249,63 +266,74 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     layer_ids = expected_layer_ids(spec, target_config)
     files = [path for _, path in list_hidden_files(paths)]
     infos = verify_files(files, layer_ids=layer_ids, hidden_size=int(text_config(target_config)["hidden_size"]))
-    head = load_target_head(model_dir)
+    head = load_target_head(model_dir, dtype=None)  # the target's own dtype: the head is (V, H), keep it small
 
     torch.manual_seed(cfg.seed)
-    drafter = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids, head=head, files=files)
-    drafter.to(dev)
-    head = head.to(dev)
+    drafter = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids,
+                            embed=head.embed, files=files).to(dev)
     objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps)
     if world > 1:
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
-    per_epoch = len(rank_batches(list(range(len(files))), cfg.batch_size, rank, world))
-    total = cfg.epochs * per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
-
-    found = ckpt.latest_checkpoint(paths.checkpoints_dir)
-    position = ckpt.Position(0, 0, 0)
-    if found is not None:
-        saved_total = ckpt.read_checkpoint_state(found).get("total_steps")
-        if saved_total != total:
-            raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; "
-                                        "remove the checkpoints to start over")
-        position = ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
-    train_log = TrainLog(paths.train_log, position.step, enabled=rank == 0)
-    dataset = HiddenStateDataset(files, cfg.max_length)
+    total = cfg.epochs * len(rank_batches(list(range(len(files))), cfg.batch_size, rank, world))
+    schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    position = resume(paths, total, drafter, optimizer, scheduler)
+    session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), optimizer, scheduler,
+                      HiddenStateDataset(files, cfg.max_length), total, position, rank, world)
     meta = infos[0].metadata
-    result = TrainResult(drafter, position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
-                         meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
-    log.info("training %s: %d files, %d steps (%d per epoch), starting at step %d", spec.name, len(files), total, per_epoch, position.step)
+    session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
+                                 meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
+    log.info("training %s: %d files, %d steps, starting at step %d", spec.name, len(files), total, session.position.step)
+    return session
 
-    step, started = position.step, time.monotonic()
-    for epoch in range(position.epoch, cfg.epochs):
-        batches = rank_batches(epoch_order(len(files), cfg.seed, epoch), cfg.batch_size, rank, world)
-        first = position.batch_in_epoch if epoch == position.epoch else 0
-        loader = DataLoader(dataset, batch_sampler=batches[first:], collate_fn=collate, num_workers=2 if dev.type == "cuda" else 0)
+
+def resume(paths: RunPaths, total: int, drafter: Eagle3Drafter, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler) -> ckpt.Position:
+    """Restore the latest checkpoint, if any; a checkpoint of a differently sized run is an error."""
+    found = ckpt.latest_checkpoint(paths.checkpoints_dir)
+    if found is None:
+        return ckpt.Position(0, 0, 0)
+    saved_total = ckpt.read_checkpoint_state(found).get("total_steps")
+    if saved_total != total:
+        raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; remove the checkpoints to start over")
+    return ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None) -> TrainResult:
+    """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
+    s = prepare(spec, data=data, model_dir=model_dir, device=device)
+    train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
+    step, started = s.position.step, time.monotonic()
+    for epoch in range(s.position.epoch, s.cfg.epochs):
+        batches = rank_batches(epoch_order(len(s.dataset), s.cfg.seed, epoch), s.cfg.batch_size, s.rank, s.world)
+        first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
+        workers = 2 if s.device.type == "cuda" else 0  # prefetch file reads while the GPU works
+        loader = DataLoader(s.dataset, batch_sampler=batches[first:], collate_fn=collate, num_workers=workers)
         for index, batch in enumerate(loader, start=first):
-            loss, step_losses, accs = train_step(objective, drafter, batch.to(dev, torch.float32), head, optimizer, scheduler, cfg.grad_clip)
+            loss, step_losses, accs = train_step(s, batch.to(s.device, torch.float32))
             step += 1
-            result.last = TrainProgress(step, total, epoch, loss, accs, scheduler.get_last_lr()[0])
+            s.result.last = TrainProgress(step, s.total, epoch, loss, accs, s.scheduler.get_last_lr()[0])
             train_log.write({"step": step, "epoch": epoch, "loss": loss, "loss_k": step_losses, "acc": accs,
-                             "lr": result.last.lr, "elapsed_s": round(time.monotonic() - started, 3)})
-            if progress is not None and rank == 0:
-                progress(result.last)
-            if rank == 0 and (step % cfg.save_every == 0 or step == total):
-                ckpt.save_checkpoint(paths.checkpoint(step), drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                                     position=ckpt.Position(step, epoch, index + 1), extra={"total_steps": total})
-    result.steps = step
-    return result
+                             "lr": s.result.last.lr, "elapsed_s": round(time.monotonic() - started, 3)})
+            if progress is not None and s.rank == 0:
+                progress(s.result.last)
+            if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
+                ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer, scheduler=s.scheduler,
+                                     position=ckpt.Position(step, epoch, index + 1), extra={"total_steps": s.total})
+    s.result.steps = step
+    return s.result
 
 
-def train_step(objective: nn.Module, drafter: Eagle3Drafter, batch: Batch, head: TargetHead, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float) -> tuple[float, list[float], list[float]]:
-    targets = make_targets(batch, head, drafter.d2t, drafter.t2d)
-    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=batch.input_ids.is_cuda):
-        loss, step_losses, accs = objective(batch, targets)
-    optimizer.zero_grad(set_to_none=True)
+def train_step(s: Session, batch: Batch) -> tuple[float, list[float], list[float]]:
+    targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
+    with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.device.type == "cuda"):
+        loss, step_losses, accs = s.objective(batch, targets)
+    s.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(drafter.trainable_parameters(), grad_clip)
-    optimizer.step()
-    scheduler.step()
+    torch.nn.utils.clip_grad_norm_(s.drafter.trainable_parameters(), s.cfg.grad_clip)
+    s.optimizer.step()
+    s.scheduler.step()
     return float(loss.detach()), [round(float(x), 6) for x in step_losses], [round(float(x), 6) for x in accs]
