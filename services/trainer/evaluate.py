@@ -101,6 +101,22 @@ def eos_ids_of(target: Any) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
+def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
+    """Accept rule: draft i (0-based) is accepted when drafts 0..i-1 were and it equals greedy[i], the
+    target's own choice after the tokens before it. With a accepted, the step emits drafts[:a] plus
+    greedy[a]: the correction where drafts[a] was wrong, or the bonus token after a fully accepted chain.
+    Every emitted token is thus the target's greedy token, and one target pass yields a + 1 of them."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+        accepted += 1
+    return accepted
+
+
+def finished(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    """Where greedy decoding (``generate``) stops: at the budget or right after an eos token."""
+    return len(tokens) >= max_new_tokens or tokens[-1] in eos
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: Any, proposer: Proposer, prompt_ids: list[int], *, max_new_tokens: int, draft_steps: int, layer_ids: list[int]
@@ -113,29 +129,21 @@ def speculative_generate(
     out = forward(torch.tensor([prompt_ids], device=device))
     result = DecodeResult(tokens=[int(out.logits[0, -1].argmax())])
     proposer.extend(aux_states(out.hidden_states, layer_ids), prompt_ids[1:] + result.tokens)
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
+    while not finished(result.tokens, max_new_tokens, eos):
         drafts = proposer.propose(draft_steps)
         context = cache.get_seq_length()
-        block = [result.tokens[-1], *drafts]  # positions context .. context + K
-        out = forward(torch.tensor([block], device=device))
-        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's choice after block[i]
-        # Accept rule: draft i (0-based) is accepted when drafts 0..i-1 were and it equals greedy[i], the
-        # target's own choice at that point. With a accepted, the step emits drafts[:a] plus greedy[a]: the
-        # correction where drafts[a] was wrong, or the bonus token after a fully accepted chain. So every
-        # emitted token is the target's greedy token, and each step yields a + 1 tokens from one pass.
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
-            accepted += 1
+        out = forward(torch.tensor([[result.tokens[-1], *drafts]], device=device))  # positions context .. context+K
+        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's choice after block token i
+        accepted = accepted_prefix(drafts, greedy)
         new = [*drafts[:accepted], greedy[accepted]]
         emitted = 0
-        for token in new:  # stop exactly where greedy decoding stops: at the budget or after an eos
-            if len(result.tokens) >= max_new_tokens or result.tokens[-1] in eos:
-                break
-            result.tokens.append(token)
+        while emitted < len(new) and not finished(result.tokens, max_new_tokens, eos):
+            result.tokens.append(new[emitted])
             emitted += 1
         result.accepted.append(emitted)
-        crop_cache(cache, context + accepted + 1)  # keep block[0..accepted]; greedy[accepted] is not fed yet
-        proposer.extend(aux_states(out.hidden_states, layer_ids)[: accepted + 1], new)
+        crop_cache(cache, context + accepted + 1)  # keep the newest token and the accepted drafts
+        if not finished(result.tokens, max_new_tokens, eos):
+            proposer.extend(aux_states(out.hidden_states, layer_ids)[: accepted + 1], new)
     return result
 
 

@@ -99,6 +99,7 @@ def export_config(dc: DrafterConfig, *, target_model: str, target_fingerprint: s
         "rope_scaling": None,
         "max_position_embeddings": dc.max_position_embeddings,
         "attention_bias": False,
+        "norm_before_residual": False,  # the residual starts from the un-normed hidden state (vLLM's default)
         "vocab_size": dc.vocab_size,
         "draft_vocab_size": dc.draft_vocab_size,
         "tie_word_embeddings": False,
@@ -198,6 +199,7 @@ def check_config(path: Path, config: dict[str, Any]) -> None:
         (config["model_type"] == "llama", "model_type must be 'llama'"),
         (config["num_hidden_layers"] == 1, "num_hidden_layers must be 1"),
         (config["tie_word_embeddings"] is False, "tie_word_embeddings must be false"),
+        (config.get("norm_before_residual", False) is False, "norm_before_residual must be false (the drafter's residual is un-normed)"),
         (config["draft_vocab_size"] <= config["vocab_size"], "draft_vocab_size exceeds vocab_size"),
         (config["eagle_config"].get("use_aux_hidden_state") is True, "eagle_config.use_aux_hidden_state must be true"),
         (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids), "eagle_config needs three layer ids"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.evaluate import DrafterProposer, EvalPrompt, evaluate_prompts, speculative_generate
+from services.trainer.evaluate import DrafterProposer, EvalPrompt, accepted_prefix, evaluate_prompts, speculative_generate
 from services.trainer.export import load_drafter
 from services.trainer.model import DrafterConfig, Eagle3Drafter
 from services.trainer.target_head import load_target_head, read_target_config
@@ -114,3 +114,9 @@ def test_exported_drafter_decodes_like_the_trained_one_up_to_bf16(trained_drafte
     loaded = load_drafter(tmp_path / "export", tiny_target.model_dir).eval()
     messages = eval_messages[0]
     assert decode(tiny_target, DrafterProposer(loaded), messages).tokens == greedy_reply(tiny_target, messages, MAX_NEW)
+
+
+def test_accepted_prefix_stops_at_the_first_disagreement():
+    assert accepted_prefix([5, 6, 7], [5, 6, 9, 4]) == 2
+    assert accepted_prefix([5, 6, 7], [1, 6, 7, 4]) == 0  # a later match after a miss does not count
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 4]) == 3

@@ -64,6 +64,7 @@ def test_export_holds_every_key_vllm_and_sglang_need_with_its_shape_and_dtype(ex
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["norm_before_residual"] is False  # our residual starts from the un-normed hidden state
     assert (config["hidden_size"], config["intermediate_size"], config["head_dim"]) == (64, 192, 16)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
     assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (vocab, DRAFT_VOCAB, 64)
