@@ -51,21 +51,22 @@ def export_dtype(model_dir: Path) -> torch.dtype:
     return EXPORT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
 
 
-def _run_context(run: str) -> tuple[TrainerSettings, Any, RunState, RunPaths, RunSpec]:
+def _run_context(run: str) -> tuple[TrainerSettings, Any, RunState, RunPaths]:
     settings = get_settings()
     conn = connect(settings.redis_url)
-    return settings, conn, RunState(conn, settings.data, run), RunPaths(settings.data, run), RunSpec.load(settings.data, run)
+    return settings, conn, RunState(conn, settings.data, run), RunPaths(settings.data, run)
 
 
 def train(payload: dict) -> dict:
     job = TrainJob.model_validate(payload)
-    settings, conn, state, paths, spec = _run_context(job.run)
+    settings, conn, state, paths = _run_context(job.run)
     state.set_meta(train_state="running", train_started_at=time.time())
 
     def report(p: TrainProgress) -> None:
         state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), acc0=round(p.acc[0], 4))
 
     try:
+        spec = RunSpec.load(settings.data, job.run)
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
         export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
                        target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
@@ -83,26 +84,32 @@ def train(payload: dict) -> dict:
 
 def evaluate(payload: dict) -> dict:
     job = EvaluateJob.model_validate(payload)
-    settings, _, state, paths, spec = _run_context(job.run)
-    if spec.evaluate.holdout == 0:
-        state.set_meta(evaluate_state="skipped")
-        log.info("run %s: no rows held out, evaluation skipped", job.run)
-        return {"run": job.run, "acceptance_length": None, "eval_report": None}
+    settings, _, state, paths = _run_context(job.run)
     state.set_meta(evaluate_state="running")
     try:
-        prompts = read_eval_prompts(eval_prompts_path(paths))
-        device = pick_device(settings.device)
-        target, tokenizer = load_target(settings.model_dir, device)
-        embed = target.get_input_embeddings().weight.detach().float().cpu()
-        drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
-        state.set_progress("evaluate", 0, len(prompts))
-        report = evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate,
-                                  progress=lambda done, total: state.set_progress("evaluate", done, total))
-        report.update(run=job.run, export_path=str(paths.export_dir))
+        spec = RunSpec.load(settings.data, job.run)
+        if spec.evaluate.holdout == 0:
+            state.set_meta(evaluate_state="skipped")
+            log.info("run %s: no rows held out, evaluation skipped", job.run)
+            return {"run": job.run, "acceptance_length": None, "eval_report": None}
+        report = _evaluate_export(settings, paths, spec, state)
         atomic_write_json(paths.eval_report, report)
     except Exception as exc:
         state.set_meta(evaluate_state="failed", evaluate_error=f"{error_class(exc)}: {exc}")
         raise
     state.set_meta(evaluate_state="done", acceptance_length=report["acceptance_length"])
-    log.info("run %s: acceptance length %.3f over %d prompts", job.run, report["acceptance_length"], len(prompts))
+    log.info("run %s: acceptance length %.3f over %d prompts", job.run, report["acceptance_length"], len(report["prompts"]))
     return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}
+
+
+def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState) -> dict:
+    """The exported drafter (as the engines will load it) against the target on the held-out prompts."""
+    prompts = read_eval_prompts(eval_prompts_path(paths))
+    device = pick_device(settings.device)
+    target, tokenizer = load_target(settings.model_dir, device)
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
+    state.set_progress("evaluate", 0, len(prompts))
+    report = evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate,
+                              progress=lambda done, total: state.set_progress("evaluate", done, total))
+    return {**report, "run": spec.name, "export_path": str(paths.export_dir)}

@@ -73,3 +73,41 @@ def test_a_corrupt_hidden_state_file_fails_the_train_job_naming_the_file(make_ru
     assert meta["train_state"] == "failed"
     assert meta["train_error"].startswith("HiddenStateFileError") and str(victim) in meta["train_error"]
     assert not paths.export_dir.exists() and not redis_conn.exists(Job.key_for(evaluate_job_id("broken")))
+
+
+@pytest.fixture()
+def job_settings(monkeypatch, redis_url, data_dir, tiny_model_dir):
+    """The job functions called in this process, configured through the environment like the worker."""
+    from services.trainer import jobs
+
+    for name, value in {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+                        "DRAFTLINE_DEVICE": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    jobs.get_settings.cache_clear()
+    yield jobs
+    jobs.get_settings.cache_clear()
+
+
+def test_evaluation_without_held_out_prompts_fails_naming_the_missing_file(job_settings, make_run, redis_conn, data_dir):
+    from shared.errors import DatasetError
+
+    paths = make_run("no-prompts", train=TRAIN, evaluate=EVALUATE)
+    (paths.root / "eval_prompts.jsonl").unlink()
+    with pytest.raises(DatasetError, match="eval_prompts.jsonl"):
+        job_settings.evaluate({"run": "no-prompts"})
+    meta = RunState(redis_conn, data_dir, "no-prompts").meta()
+    assert meta["evaluate_state"] == "failed" and meta["evaluate_error"].startswith("DatasetError")
+
+
+def test_a_run_that_held_nothing_out_skips_evaluation(job_settings, make_run, redis_conn, data_dir):
+    make_run("no-holdout", train=TRAIN, evaluate={**EVALUATE, "holdout": 0})
+    assert job_settings.evaluate({"run": "no-holdout"})["acceptance_length"] is None
+    assert RunState(redis_conn, data_dir, "no-holdout").meta()["evaluate_state"] == "skipped"
+
+
+def test_a_missing_run_is_a_named_train_failure(job_settings, redis_conn, data_dir):
+    from shared.errors import RunNotFound
+
+    with pytest.raises(RunNotFound):
+        job_settings.train({"run": "ghost"})
+    assert RunState(redis_conn, data_dir, "ghost").meta()["train_error"].startswith("RunNotFound")
