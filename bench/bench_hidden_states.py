@@ -90,13 +90,14 @@ def bare_forward_seconds(loaded: LoadedModel, groups: list[list[HiddenJob]]) -> 
 
 def pipeline_seconds(loaded: LoadedModel, jobs: list[HiddenJob], args: argparse.Namespace) -> tuple[float, int]:
     pipeline = HiddenStatePipeline(loaded, batch_tokens=args.batch_tokens, writer_threads=args.writer_threads).start()
-    pipeline.submit(jobs[0]).result()  # warm-up
-    started = time.perf_counter()
-    futures = [pipeline.submit(job) for job in jobs]
-    written = sum(f.result().bytes for f in futures)
-    elapsed = time.perf_counter() - started
-    pipeline.stop()
-    return elapsed, written
+    try:
+        pipeline.submit(jobs[0]).result()  # warm-up
+        started = time.perf_counter()
+        futures = [pipeline.submit(job) for job in jobs]
+        written = sum(f.result().bytes for f in futures)
+        return time.perf_counter() - started, written
+    finally:
+        pipeline.stop()
 
 
 def http_seconds(url: str, jobs: list[HiddenJob], concurrency: int) -> float:

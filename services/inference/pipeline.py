@@ -35,8 +35,9 @@ class PinnedBuffers:
     """Reusable page-locked host memory. Device-to-host copies into it run asynchronously, and reuse
     avoids a slow page-locked allocation per group."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, *, pin: bool = True) -> None:
         self._keep = keep
+        self._pin = pin
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -44,13 +45,12 @@ class PinnedBuffers:
         """``(flat, view)``: a flat uint8 buffer to give back later and a (shape, dtype) view into it."""
         nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
         with self._lock:
-            fits = [buf for buf in self._free if buf.numel() >= nbytes]
-            flat = min(fits, key=torch.Tensor.numel) if fits else None
-            if flat is not None:
-                self._free.remove(flat)
+            fits = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+            best = min(fits, key=lambda i: self._free[i].numel()) if fits else None
+            flat = self._free.pop(best) if best is not None else None
         if flat is None:
             # Powers of two let groups of slightly different sizes reuse the same buffer.
-            flat = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
+            flat = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8, pin_memory=self._pin)
         return flat, flat[:nbytes].view(dtype).view(shape)
 
     def give(self, flat: torch.Tensor) -> None:

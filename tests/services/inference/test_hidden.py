@@ -154,3 +154,20 @@ def test_cuda_pipeline_copies_through_pinned_buffers_and_matches_a_direct_forwar
         # bf16 with and without padding rounds differently; the values must still agree closely.
         assert torch.allclose(tensors["aux_hidden_states"].float(), aux.float(), atol=0.1, rtol=0.05)
         assert torch.allclose(tensors["hidden_states"].float(), out.hidden_states[-1][0].cpu().float(), atol=0.1, rtol=0.05)
+
+
+def test_host_buffers_are_reused_smallest_fit_first_and_bounded():
+    from services.inference.pipeline import PinnedBuffers
+
+    buffers = PinnedBuffers(keep=2, pin=False)
+    big, view = buffers.take((10, 300), torch.bfloat16)  # 6000 bytes → an 8192-byte buffer
+    assert view.shape == (10, 300) and view.dtype == torch.bfloat16 and big.numel() == 8192
+    small, _ = buffers.take((100,), torch.float32)  # 400 bytes → 512
+    buffers.give(big)
+    buffers.give(small)
+    again, view = buffers.take((50,), torch.float32)  # both fit; the smaller one is taken
+    assert again is small and view.data_ptr() == small.data_ptr()
+    assert buffers.take((3000,), torch.float32)[0] is not big  # 12000 bytes: nothing fits, a new one
+    buffers.give(again)
+    buffers.give(torch.empty(16, dtype=torch.uint8))  # beyond ``keep``: dropped
+    assert buffers.take((4000,), torch.uint8)[0] is big
