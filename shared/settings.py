@@ -122,3 +122,6 @@ def configure_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,  # the CLI configures logging first; a service's own level must still apply
     )
+    # One line per HTTP request drowns the progress a worker reports; keep only their warnings.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
