@@ -49,6 +49,15 @@ def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i)\n
 """
 
 
+# What the tiny target is taught to answer, by the form of the question: a short reasoning part and a
+# formulaic reply, so its greedy output is text a drafter can learn, as with a real model's habits.
+LESSONS = (
+    ("bullet", "Three points, short.", "Sure, here are three points:\n- It is simple.\n- It is useful.\n- It is worth learning."),
+    ("misconception", "Name the myth, then the fact.", "The most common misconception is that it is hard. In fact, it is easy to learn step by step."),
+    ("", "Explain it simply.", "Sure! Think of it like a game: you try, you learn, and you get better every time."),
+)
+
+
 def _corpus() -> list[str]:
     text = resources.files("shared").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
     lines = [json.dumps(json.loads(line)) for line in text.splitlines() if line.strip()]
@@ -84,6 +93,7 @@ def make_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 8,
     seed: int = 0,
+    teach_steps: int = 150,
 ) -> Path:
     """Write a tiny target into ``out_dir`` and return it; loadable with ``from_pretrained(out_dir)``."""
     import torch
@@ -104,12 +114,10 @@ def make_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        # Peaky logits make the random target's greedy choices depend strongly on context, like a
-        # trained model's, so a drafter has something to learn.
-        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    _teach(model, tokenizer, steps=teach_steps)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
@@ -119,6 +127,44 @@ def make_tiny_model(
     tokenizer.save_pretrained(out_dir)
     log.info("tiny target written to %s (%d layers, hidden %d, vocab %d)", out_dir, num_layers, hidden_size, len(tokenizer))
     return out_dir
+
+
+def _lesson_for(question: str) -> tuple[str, str]:
+    for keyword, reasoning, reply in LESSONS:
+        if keyword in question.lower():
+            return reasoning, reply
+    return LESSONS[-1][1], LESSONS[-1][2]
+
+
+def _teach(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 3e-3) -> None:
+    """A few hundred CPU steps of next-token training on chat-formatted (prompt, lesson reply) pairs."""
+    import torch
+
+    text = resources.files("shared").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
+    sequences = []
+    for line in text.splitlines():
+        row = json.loads(line)
+        question = row.get("prompt") or (row.get("messages") or [{}])[-1].get("content") or row["conversations"][-1]["value"]
+        reasoning, reply = _lesson_for(question)
+        conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": reply, "reasoning_content": reasoning}]
+        sequences.append(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+    width = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+    labels = torch.full((len(sequences), width), -100)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, : len(seq)] = torch.tensor(seq)
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        pick = torch.randint(len(sequences), (batch_size,), generator=generator)
+        loss = model(input_ids=ids[pick], attention_mask=(labels[pick] != -100).long(), labels=labels[pick]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    log.info("tiny target taught for %d steps (final loss %.3f)", steps, loss.item())
 
 
 def is_model_dir(path: Path) -> bool:

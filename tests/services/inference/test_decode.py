@@ -24,7 +24,10 @@ def hf_greedy(loaded, prompt_ids: list[int], max_new: int, **kwargs) -> list[int
 
 @pytest.fixture(scope="module")
 def prompt_ids(loaded_tiny) -> list[list[int]]:
-    return [loaded_tiny.tokenizer.encode(p) for p in PROMPTS]
+    # Chat-formatted, as the server sends them: the taught target then answers at length.
+    tokenizer = loaded_tiny.tokenizer
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"] for p in PROMPTS]
 
 
 def test_single_greedy_request_equals_hf_generate(loaded_tiny, prompt_ids):
@@ -44,7 +47,7 @@ def test_batched_greedy_rows_equal_their_unbatched_output(loaded_tiny, prompt_id
 
 
 def test_row_stops_at_eos_while_the_others_go_on(loaded_tiny, prompt_ids):
-    # The random target rarely emits its real eos; declare a token it does emit to be one.
+    # Declare a token the target emits mid-reply to be an eos, so one row stops early.
     free_run = hf_greedy(loaded_tiny, prompt_ids[1], 17)
     eos = free_run[5]
     loaded = dataclasses.replace(loaded_tiny, eos_token_ids=frozenset({eos}))

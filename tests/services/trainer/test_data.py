@@ -62,13 +62,17 @@ def test_no_files_is_an_error_not_an_empty_training(make_run):
 def test_dataset_truncates_and_collate_right_pads(make_run, tiny_samples):
     paths = make_run()
     files = [p for _, p in list_hidden_files(paths)]
-    dataset = HiddenStateDataset(files, max_length=40)
-    items = [dataset[i] for i in (8, 0)]  # sample 8 is the shortest (31 tokens)
-    assert items[1][eagle3.INPUT_IDS].shape == (40,)
-    assert torch.equal(items[1][eagle3.AUX_HIDDEN], tiny_samples[0][eagle3.AUX_HIDDEN][:40])
+    lengths = [s[eagle3.INPUT_IDS].shape[0] for s in tiny_samples]
+    shortest, longest = lengths.index(min(lengths)), lengths.index(max(lengths))
+    limit = min(lengths) + 5
+    assert max(lengths) > limit  # the longest sample really gets truncated
+    dataset = HiddenStateDataset(files, max_length=limit)
+    items = [dataset[i] for i in (shortest, longest)]
+    assert items[1][eagle3.INPUT_IDS].shape == (limit,)
+    assert torch.equal(items[1][eagle3.AUX_HIDDEN], tiny_samples[longest][eagle3.AUX_HIDDEN][:limit])
     batch = collate(items)
-    short = tiny_samples[8][eagle3.INPUT_IDS].shape[0]
-    assert batch.input_ids.shape == (2, 40) and batch.aux_hidden.shape == (2, 40, 192)
-    assert batch.lengths.tolist() == [short, 40]
+    short = lengths[shortest]
+    assert batch.input_ids.shape == (2, limit) and batch.aux_hidden.shape == (2, limit, 192)
+    assert batch.lengths.tolist() == [short, limit]
     assert not batch.loss_mask[0, short:].any() and (batch.input_ids[0, short:] == 0).all()
-    assert torch.equal(batch.last_hidden[0, :short], tiny_samples[8][eagle3.LAST_HIDDEN])
+    assert torch.equal(batch.last_hidden[0, :short], tiny_samples[shortest][eagle3.LAST_HIDDEN])
