@@ -5,6 +5,7 @@
       runs/<run>/
         run.json                            the RunSpec: dataset, expected rows, generation and training settings
         prompts.jsonl                       normalized prompt rows: {"sample_id": i, "messages": [...]}
+        eval_prompts.jsonl                  held-out rows for evaluation, same format
         generated/rows_000000-001999/00000123.json         the target's reply for sample 123
         hidden_states/rows_000000-001999/00000123.safetensors
         failures/<stage>/00000123.json      a named failure: sample id, stage, error class, message
@@ -74,6 +75,11 @@ class RunPaths:
     @property
     def prompts(self) -> Path:
         return self.root / "prompts.jsonl"
+
+    @property
+    def eval_prompts(self) -> Path:
+        """Held-out prompts, never trained on, in the line format of ``prompts.jsonl``."""
+        return self.root / "eval_prompts.jsonl"
 
     @property
     def generated_dir(self) -> Path:

@@ -32,14 +32,8 @@ from shared.runstate import Failure, RunState, known_runs
 
 log = logging.getLogger(__name__)
 
-EVAL_PROMPTS = "eval_prompts.jsonl"
 SUBMIT_LOCK_TTL_S = 3600
 STATE_GENERATING = "generating"
-
-
-def eval_prompts_path(paths: RunPaths) -> Path:
-    """Held-out prompts of a run (same line format as ``prompts.jsonl``)."""
-    return paths.root / EVAL_PROMPTS
 
 
 def prompt_line(sample_id: int, messages: list[dict]) -> bytes:
@@ -101,7 +95,7 @@ def _create(spec: RunSpec, paths: RunPaths, state: RunState) -> RunSpec:
     atomic_write(paths.prompts, lambda handle: _stream_prompts(rows, handle, result, spec.evaluate.holdout, state))
     _check_usable(spec, result)
     held_out = [prompt_line(i, m) for i, m in result.holdout]
-    atomic_write(eval_prompts_path(paths), lambda handle: handle.writelines(held_out))
+    atomic_write(paths.eval_prompts, lambda handle: handle.writelines(held_out))
     train_ids = result.holdout[0][0] if result.holdout else result.rows
     spec = spec.model_copy(update={"rows": result.rows, "train_ids": train_ids})
     spec.save(paths.data)

@@ -30,7 +30,6 @@ from services.trainer.train import TrainProgress, pick_device, train_drafter
 
 log = logging.getLogger(__name__)
 
-EVAL_PROMPTS_FILE = "eval_prompts.jsonl"  # written by the controller next to run.json
 EVALUATE_TIMEOUT_S = 6 * 3600
 RESULT_TTL_S = 7 * 24 * 3600
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,10 +38,6 @@ EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 @functools.cache
 def get_settings() -> TrainerSettings:
     return load_settings(TrainerSettings)
-
-
-def eval_prompts_path(paths: RunPaths) -> Path:
-    return paths.root / EVAL_PROMPTS_FILE
 
 
 def export_dtype(model_dir: Path) -> torch.dtype:
@@ -104,7 +99,7 @@ def evaluate(payload: dict) -> dict:
 
 def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState) -> dict:
     """The exported drafter (as the engines will load it) against the target on the held-out prompts."""
-    prompts = read_eval_prompts(eval_prompts_path(paths))
+    prompts = read_eval_prompts(paths.eval_prompts)
     device = pick_device(settings.device)
     target, tokenizer = load_target(settings.model_dir, device)
     embed = target.get_input_embeddings().weight.detach().float().cpu()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.controller.submit import default_run_name, eval_prompts_path, submit_run
+from services.controller.submit import default_run_name, submit_run
 from shared.errors import DatasetError, RunExists
 from shared.layout import RunPaths, check_run_name
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
@@ -34,8 +34,8 @@ def test_submit_writes_prompts_holdout_spec_and_state(data_dir, redis_conn, tmp_
     # Held out: the last 3 valid rows (9, 10, 11); the bad rows 3 and 7 are failures, not prompts.
     assert [r["sample_id"] for r in read_lines(paths.prompts)] == [0, 1, 2, 4, 5, 6, 8]
     assert read_lines(paths.prompts)[0] == {"sample_id": 0, "messages": [{"role": "user", "content": "question 0"}]}
-    assert [r["sample_id"] for r in read_lines(eval_prompts_path(paths))] == [9, 10, 11]
-    assert read_lines(eval_prompts_path(paths))[0]["messages"] == [{"role": "user", "content": "question 9"}]
+    assert [r["sample_id"] for r in read_lines(paths.eval_prompts)] == [9, 10, 11]
+    assert read_lines(paths.eval_prompts)[0]["messages"] == [{"role": "user", "content": "question 9"}]
     assert (spec.rows, spec.train_ids, spec.model, spec.generation.max_tokens) == (12, 9, "tiny", 9)
     assert RunSpec.load(data_dir, "r1") == spec
     state = RunState(redis_conn, data_dir, "r1")
@@ -66,7 +66,7 @@ def test_bad_rows_after_the_holdout_start_still_count_as_expected(data_dir, redi
     # Valid ids 0..3 and 5; held out 3 and 5; bad id 4 sits between them and is still expected (as a failure).
     assert spec.train_ids == 3
     assert RunState(redis_conn, data_dir, "r3").expected() == 4
-    assert [r["sample_id"] for r in read_lines(eval_prompts_path(RunPaths(data_dir, "r3")))] == [3, 5]
+    assert [r["sample_id"] for r in read_lines(RunPaths(data_dir, "r3").eval_prompts)] == [3, 5]
 
 
 def test_limit_reads_only_the_first_rows(data_dir, redis_conn, tmp_path):
