@@ -140,6 +140,9 @@ def _teach(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 3e
     """A few hundred CPU steps of next-token training on chat-formatted (prompt, lesson reply) pairs."""
     import torch
 
+    if steps <= 0:
+        return
+
     text = resources.files("shared").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
     sequences = []
     for line in text.splitlines():
