@@ -98,6 +98,9 @@ def make_tiny_model(
     """Write a tiny target into ``out_dir`` and return it; loadable with ``from_pretrained(out_dir)``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a build inside `make demo` prints its own one line
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
