@@ -61,6 +61,21 @@ class ControllerSettings(CommonSettings):
     extract_backlog: int = Field(4096, ge=1, description="Generation pauses while this many extractions wait.")
     feed_interval_s: float = Field(1.0, gt=0)
     generate_batch: int = Field(8, ge=1, description="Samples per generate job.")
+    model_dir: Path | None = Field(
+        None, description="Target model directory; preflight compares its fingerprint with the served model's."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device the GPU services are set to; with cuda, preflight requires a visible GPU."
+    )
+    disk_reserve_bytes: int = Field(
+        1 << 30, ge=0, description="Free bytes a run never plans to use; extraction pauses before eating into them."
+    )
+    disk_reserve_fraction: float = Field(
+        0.01, ge=0, lt=1, description="Reserve as a fraction of the volume; the larger of the two reserves applies."
+    )
+    allow_ephemeral_data: bool = Field(
+        False, description="Accept a data volume on tmpfs or under /tmp (demo only: it is lost at reboot)."
+    )
 
 
 class GeneratorSettings(CommonSettings):

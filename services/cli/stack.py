@@ -114,6 +114,23 @@ class LocalStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def processes(self, name: str) -> list[subprocess.Popen]:
+        return [proc.popen for proc in self.procs if proc.name == name]
+
+    def kill(self, name: str, index: int = 0, sig: int = signal.SIGKILL) -> None:
+        """Signal one replica's whole process group (a worker and its forked job process)."""
+        _signal(self.processes(name)[index], sig)
+
+    def respawn(self, name: str, index: int = 0) -> None:
+        """Start a replica again after it exited (what a container restart policy does)."""
+        popen = self.processes(name)[index]
+        if popen.poll() is None:
+            popen.wait(30)
+        self.procs = [p for p in self.procs if p.popen is not popen]
+        self._spawn(name, index)
+        if name in HTTP_SERVICES:
+            self._wait_healthy(name)
+
     def check_alive(self) -> None:
         """Raise naming any service that has exited."""
         for proc in self.procs:
