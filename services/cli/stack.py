@@ -126,8 +126,9 @@ class LocalStack:
         popen = self.processes(name)[index]
         if popen.poll() is None:
             popen.wait(30)
-        self.procs = [p for p in self.procs if p.popen is not popen]
+        position = next(i for i, p in enumerate(self.procs) if p.popen is popen)
         self._spawn(name, index)
+        self.procs[position] = self.procs.pop()  # keep replica order, so indexes stay stable
         if name in HTTP_SERVICES:
             self._wait_healthy(name)
 
