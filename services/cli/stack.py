@@ -149,6 +149,8 @@ class LocalStack:
             "DRAFTLINE_MODEL_DIR": str(cfg.model_dir),
             "DRAFTLINE_INFERENCE_URL": self.url("inference"),
             "DRAFTLINE_HIDDEN_STATES_URL": self.url("inference"),
+            # A local stack is a demo or a test, often on /tmp: preflight warns instead of refusing.
+            "DRAFTLINE_ALLOW_EPHEMERAL_DATA": "true",
             **cfg.env,
         }
         if name in self.ports:
