@@ -78,7 +78,20 @@ class ControllerSettings(CommonSettings):
     )
 
 
-class GeneratorSettings(CommonSettings):
+class RetrySettings(CommonSettings):
+    """How a worker retries the inference server, and how long it waits while the server is down or full."""
+
+    retry_max_attempts: int = Field(4, ge=1, description="Attempts of one request on transient trouble (1: no retry).")
+    retry_base_delay_s: float = Field(1.0, gt=0, description="First retry delay; it doubles per retry (full jitter).")
+    retry_max_delay_s: float = Field(30.0, gt=0, description="Longest delay between retries or /health polls.")
+    inference_wait_max_s: float = Field(
+        2400.0, ge=0,
+        description="Longest one request waits for a down or full inference server before its sample fails; "
+        "0 never waits. Kept under the 1 h extract-job timeout so a sample fails named, not killed.",
+    )
+
+
+class GeneratorSettings(RetrySettings):
     """RQ worker that asks the inference server (built-in, vLLM or SGLang) for the target's replies."""
 
     inference_url: str = DEFAULT_INFERENCE_URL
@@ -86,7 +99,7 @@ class GeneratorSettings(CommonSettings):
     request_timeout_s: float = Field(600.0, gt=0)
 
 
-class ExtractorSettings(CommonSettings):
+class ExtractorSettings(RetrySettings):
     """RQ worker that tokenizes replies and asks the built-in server for hidden states."""
 
     hidden_states_url: str = DEFAULT_INFERENCE_URL

@@ -1,9 +1,10 @@
 """Client of the built-in server's ``POST /v1/hidden_states``: it runs the target and writes the file.
 
 The server writes the safetensors file itself (on the shared volume, at the path we name) and answers
-with what it wrote, so hidden states never cross the network. Transient trouble is retried a few
-times, then reported as ``InferenceUnavailable``; a 4xx is ``InferenceRejected`` with the server's
-message.
+with what it wrote, so hidden states never cross the network. Trouble is handled as ``shared.retry``
+says: transient trouble is retried with backoff, then reported as ``InferenceUnavailable``; a server that
+is down or full (507) is waited for without spending attempts, up to the policy's wait cap; any other
+4xx is ``InferenceRejected`` with the server's message.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from dataclasses import dataclass
 import httpx
 
 from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
+from shared.retry import (
+    Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, describe, health_url,
+    retry_after_s, server_root, wait_until_up,
+)
 
 log = logging.getLogger(__name__)
 
-RETRY_DELAYS_S = (0.5, 1.0, 2.0)
-RETRYABLE_STATUS = {408, 429}
+# No fixed delays: a client built without ``retry_delays_s`` follows its RetryPolicy.
+RETRY_DELAYS_S: Sequence[float] | None = None
 MESSAGE_LIMIT = 500
 
 
@@ -52,9 +57,7 @@ class HiddenStatesResult:
 
 
 def hidden_states_url(base_url: str) -> str:
-    base = base_url.rstrip("/")
-    base = base[: -len("/v1")] if base.endswith("/v1") else base
-    return f"{base}/v1/hidden_states"
+    return f"{server_root(base_url)}/v1/hidden_states"
 
 
 def _message(response: httpx.Response) -> str:
@@ -72,37 +75,49 @@ def _message(response: httpx.Response) -> str:
 
 
 class HiddenStatesClient:
-    def __init__(self, base_url: str, *, timeout_s: float, retry_delays_s: Sequence[float] = RETRY_DELAYS_S) -> None:
+    """``policy`` decides retries and waiting; ``retry_delays_s`` instead names fixed retry delays and turns
+    waiting off (``RetryPolicy.fixed``). Without either the client uses ``RetryPolicy()``."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, retry_delays_s: Sequence[float] | None = RETRY_DELAYS_S,
+                 policy: RetryPolicy | None = None) -> None:
         self.url = hidden_states_url(base_url)
+        self.server = server_root(base_url)
+        self.health = health_url(base_url)
         self.timeout_s = timeout_s
-        self.retry_delays_s = tuple(retry_delays_s)
+        self.policy = policy or (RetryPolicy.fixed(retry_delays_s) if retry_delays_s is not None else RetryPolicy())
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
                 metadata: dict[str, str]) -> HiddenStatesResult:
         body = {"input_ids": input_ids, "loss_mask": loss_mask, "path": path, "layer_ids": layer_ids,
                 "metadata": metadata}
-        attempts = len(self.retry_delays_s) + 1
-        for attempt in range(attempts):
-            try:
-                return self._once(body)
-            except InferenceUnavailable as exc:
-                if attempt == attempts - 1:
-                    raise InferenceUnavailable(f"{exc} (gave up after {attempts} attempts)") from None
-                log.warning("hidden-states request failed (%s); retry %d/%d", exc, attempt + 1, attempts - 1)
-                time.sleep(self.retry_delays_s[attempt])
-        raise AssertionError("unreachable")
+        retrier, full = Retrier(self.policy, "hidden-states request"), None
+        while True:
+            result = self._once(body)
+            if full is not None and not (isinstance(result, Failed) and result.trouble is Trouble.FULL):
+                full.recovered()
+                full = None
+            if isinstance(result, HiddenStatesResult):
+                return result
+            if not retrier.should_wait(result):
+                time.sleep(retrier.retry_delay_s(result))
+            elif result.trouble is Trouble.DOWN:
+                wait_until_up(self.health, Outage(self.server, "is down", str(result.error), self.policy),
+                              retrier.deadline)
+            else:
+                full = full or Outage(self.server, "has no disk space", str(result.error), self.policy)
+                time.sleep(full.pause_s(retrier.deadline))
 
-    def _once(self, body: dict) -> HiddenStatesResult:
+    def _once(self, body: dict) -> HiddenStatesResult | Failed:
         try:
             response = httpx.post(self.url, json=body, timeout=self.timeout_s)
-        except httpx.TimeoutException as exc:
-            raise InferenceUnavailable(f"{self.url}: timed out ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
-            raise InferenceUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from None
-        if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
-            raise InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {_message(response)}")
-        if response.status_code >= 400:
-            raise InferenceRejected(f"HTTP {response.status_code}: {_message(response)}")
+            return Failed(classify_error(exc), InferenceUnavailable(f"{self.url}: {describe(exc)}"))
+        trouble = classify_status(response.status_code)
+        if trouble is Trouble.PERMANENT:
+            return Failed(trouble, InferenceRejected(f"HTTP {response.status_code}: {_message(response)}"))
+        if trouble is not None:
+            error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {_message(response)}")
+            return Failed(trouble, error, retry_after_s(response))
         try:
             return HiddenStatesResult.from_json(response.json())
         except ValueError:

@@ -1,7 +1,9 @@
 """OpenAI-compatible chat client for the generation server (built-in, vLLM or SGLang).
 
-Transient trouble (no connection, timeouts, 5xx, 408, 429) is retried with backoff and then reported as
-``InferenceUnavailable``; any other 4xx is the request's own fault and becomes ``InferenceRejected``
+What each kind of trouble costs follows ``shared.retry``: transient trouble (timeouts, 5xx, 408, 429, a
+connection reset) is retried with backoff and then reported as ``InferenceUnavailable``; a server that
+is down (nothing listening, name not resolved) or full (507) is waited for, without spending attempts,
+up to the policy's wait cap; any other 4xx is the request's own fault and becomes ``InferenceRejected``
 carrying the server's message.
 """
 
@@ -15,12 +17,16 @@ from dataclasses import dataclass, field
 import httpx
 
 from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
+from shared.retry import (
+    AsyncServerWatch, Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, describe,
+    retry_after_s, server_root,
+)
 from shared.runspec import GenerationConfig
 
 log = logging.getLogger(__name__)
 
-RETRY_DELAYS_S = (0.5, 1.0, 2.0)
-RETRYABLE_STATUS = {408, 429}
+# No fixed delays: a client built without ``retry_delays_s`` follows its RetryPolicy.
+RETRY_DELAYS_S: Sequence[float] | None = None
 MESSAGE_LIMIT = 500
 
 
@@ -44,9 +50,7 @@ class Completion:
 
 def chat_url(base_url: str) -> str:
     """``…/v1/chat/completions`` whether the setting names the server root or its ``/v1``."""
-    base = base_url.rstrip("/")
-    base = base[: -len("/v1")] if base.endswith("/v1") else base
-    return f"{base}/v1/chat/completions"
+    return f"{server_root(base_url)}/v1/chat/completions"
 
 
 def chat_payload(model: str, messages: list[dict], generation: GenerationConfig, seed: int) -> dict:
@@ -94,44 +98,60 @@ def server_message(response: httpx.Response) -> str:
 
 
 class ChatClient:
-    """One client per job: a pooled connection set shared by the job's concurrent requests."""
+    """One client per job: a pooled connection set shared by the job's concurrent requests.
+
+    ``policy`` decides retries and waiting; ``retry_delays_s`` instead names fixed retry delays and turns
+    waiting off (``RetryPolicy.fixed``). Without either the client uses ``RetryPolicy()``."""
 
     def __init__(self, base_url: str, *, timeout_s: float, max_connections: int,
-                 retry_delays_s: Sequence[float] = RETRY_DELAYS_S) -> None:
+                 retry_delays_s: Sequence[float] | None = RETRY_DELAYS_S, policy: RetryPolicy | None = None) -> None:
         self.url = chat_url(base_url)
-        self.retry_delays_s = tuple(retry_delays_s)
+        self.server = server_root(base_url)
+        self.policy = policy or (RetryPolicy.fixed(retry_delays_s) if retry_delays_s is not None else RetryPolicy())
         self._http = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections))
+        self._watch = AsyncServerWatch(base_url, self.policy, self._http)
+        self._full: Outage | None = None
 
     async def __aenter__(self) -> ChatClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self._watch.aclose()
         await self._http.aclose()
 
     async def complete(self, payload: dict) -> Completion:
-        attempts = len(self.retry_delays_s) + 1
-        for attempt in range(attempts):
-            try:
-                return await self._once(payload)
-            except InferenceUnavailable as exc:
-                if attempt == attempts - 1:
-                    raise InferenceUnavailable(f"{exc} (gave up after {attempts} attempts)") from None
-                delay = self.retry_delays_s[attempt]
-                log.warning("chat request failed (%s); retry %d/%d in %.1fs", exc, attempt + 1, attempts - 1, delay)
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+        """Send one chat request until it succeeds, fails permanently, or runs out of attempts or patience."""
+        retrier = Retrier(self.policy, "chat request")
+        while True:
+            result = await self._once(payload)
+            if isinstance(result, Completion):
+                return result
+            if retrier.should_wait(result):
+                await self._wait(result, retrier.deadline)
+            else:
+                await asyncio.sleep(retrier.retry_delay_s(result))
 
-    async def _once(self, payload: dict) -> Completion:
+    async def _wait(self, failed: Failed, deadline: float) -> None:
+        if failed.trouble is Trouble.DOWN:
+            await self._watch.wait(str(failed.error), deadline)
+            return
+        self._full = self._full or Outage(self.server, "has no disk space", str(failed.error), self.policy)
+        await asyncio.sleep(self._full.pause_s(deadline))
+
+    async def _once(self, payload: dict) -> Completion | Failed:
         try:
             response = await self._http.post(self.url, json=payload)
-        except httpx.TimeoutException as exc:
-            raise InferenceUnavailable(f"{self.url}: timed out ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
-            raise InferenceUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from None
-        if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
-            raise InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {server_message(response)}")
-        if response.status_code >= 400:
-            raise InferenceRejected(f"HTTP {response.status_code}: {server_message(response)}")
+            return Failed(classify_error(exc), InferenceUnavailable(f"{self.url}: {describe(exc)}"))
+        trouble = classify_status(response.status_code)
+        if trouble is not Trouble.FULL and self._full is not None:
+            self._full.recovered()
+            self._full = None
+        if trouble is Trouble.PERMANENT:
+            return Failed(trouble, InferenceRejected(f"HTTP {response.status_code}: {server_message(response)}"))
+        if trouble is not None:
+            error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {server_message(response)}")
+            return Failed(trouble, error, retry_after_s(response))
         try:
             body = response.json()
         except ValueError:

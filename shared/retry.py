@@ -1,0 +1,283 @@
+"""How workers treat trouble with the inference server: retry it, wait it out, or give up at once.
+
+Four kinds of trouble, told apart by ``classify_status`` and ``classify_error``:
+
+- *transient* (timeouts, 5xx, 408, 429, a connection reset mid-request): retried with exponential
+  backoff and full jitter, at most ``RetryPolicy.max_attempts`` attempts in all;
+- *permanent* (any other 4xx): the request itself is wrong, so it is never sent again;
+- *down* (connection refused, cannot connect, name not resolved): the server is not there at all.
+  Workers wait for it, polling its ``/health`` with capped backoff, and then carry on; waiting spends no
+  attempt, so an inference restart costs no sample;
+- *full* (507, the inference server's answer when its disk is full): wait and send again later, also
+  without spending attempts.
+
+Waiting has one cap per request, ``RetryPolicy.wait_max_s``; past it the request fails as
+``InferenceUnavailable`` naming how long the server was down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import httpx
+
+from shared.errors import DraftlineError, InferenceUnavailable
+
+log = logging.getLogger(__name__)
+
+# One line per minute of outage keeps the log readable across a long model reload.
+LOG_EVERY_S = 60.0
+HEALTH_TIMEOUT_S = 5.0
+INSUFFICIENT_STORAGE = 507
+TRANSIENT_STATUS = frozenset({408, 429})
+# How the wait cap is set, named in the message of a request that gave up waiting.
+WAIT_SETTING = "DRAFTLINE_INFERENCE_WAIT_MAX_S"
+
+
+class Trouble(str, Enum):
+    TRANSIENT = "transient"
+    PERMANENT = "permanent"
+    DOWN = "down"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts and backoff for transient trouble, and the cap on waiting for a down or full server."""
+
+    max_attempts: int = 4
+    base_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    jitter: bool = True
+    wait_max_s: float = 2400.0  # 0: never wait; a down or full server is then ordinary transient trouble
+
+    @classmethod
+    def from_settings(cls, settings: object) -> RetryPolicy:
+        """From a settings object with the ``retry_*`` and ``inference_wait_max_s`` fields (shared.settings)."""
+        return cls(max_attempts=settings.retry_max_attempts, base_delay_s=settings.retry_base_delay_s,
+                   max_delay_s=settings.retry_max_delay_s, wait_max_s=settings.inference_wait_max_s)
+
+    @classmethod
+    def fixed(cls, delays_s: tuple[float, ...] | list[float]) -> RetryPolicy:
+        """``len(delays_s)`` retries growing from the first delay to the largest, without jitter or waiting.
+
+        For callers that name their delays outright (tests, mostly); (0.5, 1, 2) gives exactly those."""
+        delays = [float(d) for d in delays_s]
+        return cls(max_attempts=len(delays) + 1, base_delay_s=delays[0] if delays else 0.0,
+                   max_delay_s=max(delays, default=0.0), jitter=False, wait_max_s=0.0)
+
+    @property
+    def waits(self) -> bool:
+        return self.wait_max_s > 0
+
+    def backoff_s(self, retry: int, rand: Callable[[], float] = random.random) -> float:
+        """Delay before retry ``retry`` (0 for the first): full jitter over ``min(max, base * 2**retry)``."""
+        ceiling = min(self.max_delay_s, self.base_delay_s * 2 ** min(retry, 62))
+        return ceiling * rand() if self.jitter else ceiling
+
+
+@dataclass(frozen=True)
+class Failed:
+    """One attempt's trouble: its kind, the error that names it, and the server's Retry-After if any."""
+
+    trouble: Trouble
+    error: DraftlineError
+    retry_after_s: float | None = None
+
+
+class Retrier:
+    """One request's way through its policy: after each failed attempt, wait, retry, or raise."""
+
+    def __init__(self, policy: RetryPolicy, what: str = "request") -> None:
+        self.policy = policy
+        self.what = what
+        self.attempt = 1
+        self.deadline: float | None = None  # monotonic time past which waiting ends; set by the first wait
+
+    def should_wait(self, failed: Failed) -> bool:
+        """True when ``failed`` calls for waiting (server down or full); raise a permanent failure's error."""
+        if failed.trouble is Trouble.PERMANENT:
+            raise failed.error
+        if self.policy.waits and failed.trouble in (Trouble.DOWN, Trouble.FULL):
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.policy.wait_max_s
+            return True
+        return False
+
+    def retry_delay_s(self, failed: Failed) -> float:
+        """Seconds before the next attempt; raise ``InferenceUnavailable`` once the attempts are spent."""
+        if self.attempt >= self.policy.max_attempts:
+            raise InferenceUnavailable(f"{failed.error} (gave up after {self.attempt} attempts)") from None
+        delay = self.policy.backoff_s(self.attempt - 1)
+        if failed.retry_after_s is not None:
+            delay = max(delay, min(failed.retry_after_s, self.policy.max_delay_s))
+        log.warning("%s failed (%s); retry %d/%d in %.1fs", self.what, failed.error, self.attempt,
+                    self.policy.max_attempts - 1, delay)
+        self.attempt += 1
+        return delay
+
+
+def classify_status(status: int) -> Trouble | None:
+    """None for a 2xx answer, else the kind of trouble the status means."""
+    if 200 <= status < 300:
+        return None
+    if status == INSUFFICIENT_STORAGE:
+        return Trouble.FULL
+    if status >= 500 or status in TRANSIENT_STATUS:
+        return Trouble.TRANSIENT
+    return Trouble.PERMANENT
+
+
+def classify_error(exc: httpx.TransportError) -> Trouble:
+    """No connection at all (refused, unreachable, unresolved name) is *down*; anything mid-request is transient."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return Trouble.DOWN
+    return Trouble.TRANSIENT
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether the same input can succeed later: only draftline errors that say they are not permanent."""
+    return isinstance(exc, DraftlineError) and not exc.permanent
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The server's ``Retry-After`` in seconds, when it sends one as a number."""
+    try:
+        value = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def server_root(base_url: str) -> str:
+    """The server root whether the setting names it or its ``/v1``."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def health_url(base_url: str) -> str:
+    return f"{server_root(base_url)}/health"
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def up_answer(status: int) -> bool:
+    """A server that answers /health at all is up unless it says it is unhealthy (5xx): a server without
+    the route (404) still takes requests, and the request itself then tells what is wrong."""
+    return status < 500
+
+
+class Outage:
+    """One stretch of time the server is down or full: how long so far, when to log, when to give up."""
+
+    def __init__(self, url: str, what: str, reason: str, policy: RetryPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.what, self.reason, self.policy, self.clock = url, what, reason, policy, clock
+        self.since = clock()
+        self.checks = 0
+        self._logged_at: float | None = None
+
+    def elapsed_s(self) -> float:
+        return self.clock() - self.since
+
+    def pause_s(self, deadline: float | None = None) -> float:
+        """Log (first call, then once a minute) and return how long to wait before the next check;
+        raise ``InferenceUnavailable`` once ``deadline`` (a ``clock`` time) has passed."""
+        now = self.clock()
+        if deadline is not None and now >= deadline:
+            raise self.gave_up()
+        if self._logged_at is None:
+            log.warning("inference server at %s %s (%s); waiting for it", self.url, self.what, self.reason)
+            self._logged_at = now
+        elif now - self._logged_at >= LOG_EVERY_S:
+            log.warning("inference server at %s %s for %s; waiting", self.url, self.what,
+                        format_duration(self.elapsed_s()))
+            self._logged_at = now
+        delay = self.policy.backoff_s(self.checks)
+        self.checks += 1
+        return delay if deadline is None else max(0.0, min(delay, deadline - now))
+
+    def recovered(self) -> None:
+        log.info("inference server at %s is back after %s", self.url, format_duration(self.elapsed_s()))
+
+    def gave_up(self) -> InferenceUnavailable:
+        return InferenceUnavailable(
+            f"inference server at {self.url} {self.what} for {format_duration(self.elapsed_s())} "
+            f"({self.reason}); gave up waiting after {self.policy.wait_max_s:g}s ({WAIT_SETTING})"
+        )
+
+
+def wait_until_up(health: str, outage: Outage, deadline: float, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Poll ``health`` with the outage's capped backoff until the server answers; raise past ``deadline``."""
+    while True:
+        sleep(outage.pause_s(deadline))
+        try:
+            if up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S).status_code):
+                outage.recovered()
+                return
+        except httpx.HTTPError:
+            continue
+
+
+class AsyncServerWatch:
+    """One ``/health`` poller shared by a client's concurrent requests while the server is down.
+
+    Each waiting request keeps its own deadline; the poller itself runs until the server answers (or the
+    watch is closed), so a request that starts waiting late still learns promptly when it is back."""
+
+    def __init__(self, base_url: str, policy: RetryPolicy, http: httpx.AsyncClient) -> None:
+        self.health = health_url(base_url)
+        self.url = server_root(base_url)
+        self.policy = policy
+        self._http = http
+        self._outage: Outage | None = None
+        self._poller: asyncio.Task | None = None
+
+    async def wait(self, reason: str, deadline: float) -> None:
+        if self._poller is None or self._poller.done():
+            self._outage = Outage(self.url, "is down", reason, self.policy)
+            self._poller = asyncio.create_task(self._poll(self._outage))
+        outage, remaining = self._outage, deadline - outage.clock()
+        if remaining <= 0:
+            raise outage.gave_up()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._poller), remaining)
+        except TimeoutError:
+            raise outage.gave_up() from None
+
+    async def _poll(self, outage: Outage) -> None:
+        while True:
+            await asyncio.sleep(outage.pause_s())
+            try:
+                response = await self._http.get(self.health, timeout=HEALTH_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            if up_answer(response.status_code):
+                outage.recovered()
+                return
+
+    async def aclose(self) -> None:
+        if self._poller is not None and not self._poller.done():
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
