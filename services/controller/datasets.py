@@ -11,30 +11,45 @@ Trailing assistant turns are dropped: the target writes the reply to the last us
 yields a ``RowError`` subclass naming the problem instead of stopping the read, so one malformed line
 of a million-row file costs exactly one named failure. Row indices count every row read (bad ones
 included) and become the run's sample ids.
+
+Rows are data, never commands or paths: ``../../etc/passwd`` or ``$(rm -rf /)`` is a prompt like any
+other. A row may carry its own ``id`` (any JSON value; ``7`` and ``"7"`` differ): the first row with an
+id keeps it, even when that row is bad for another reason, and every later row with the same id fails
+as ``DuplicateRow`` naming the first. Whether a prompt fits the target's context is known only with the
+target's tokenizer, so that ``PromptTooLong`` comes from generation or extraction; here a prompt over
+``MAX_PROMPT_BYTES`` and a line over ``MAX_LINE_BYTES`` fail early.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from shared.errors import DatasetError, PromptTooLong, RowError
 
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_BYTES = 256 * 1024
+MAX_LINE_BYTES = 64 * 1024 * 1024  # a JSONL line is read into memory whole only up to this size
 PARQUET_BATCH_ROWS = 1024
-PARQUET_COLUMNS = ("messages", "conversations", "prompt", "system")
+PARQUET_COLUMNS = ("messages", "conversations", "prompt", "system", "id")
+MAX_SCAN_DEPTH = 4  # split files sit at most this many path parts below a dataset directory
+MAX_SCAN_ENTRIES = 100_000  # a directory holding more is not a dataset (the volume root, say)
 DATA_SUFFIXES = (".jsonl", ".parquet")
+UTF8_BOM = b"\xef\xbb\xbf"  # editors on Windows start files with it; JSON forbids it
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 OPENAI_ROLES = {"system", "user", "assistant"}
 
 Row = tuple[int, "list[dict[str, str]] | RowError"]
+Item = "object | RowError"  # a parsed row not yet normalized, or why it could not be parsed
 
 
 class InvalidJson(RowError):
@@ -42,7 +57,15 @@ class InvalidJson(RowError):
 
 
 class InvalidUtf8(RowError):
-    """The line is not valid UTF-8."""
+    """The line, or a text in the row, is not valid UTF-8 (a lone surrogate escape included)."""
+
+
+class RowTooLarge(RowError):
+    """The line is longer than ``MAX_LINE_BYTES``; it is skipped without being read whole."""
+
+
+class DuplicateRow(RowError):
+    """The row's ``id`` is one an earlier row of the dataset already carries."""
 
 
 class EmptyRow(RowError):
@@ -126,7 +149,7 @@ def _plain_messages(prompt: object, system: object) -> list[dict[str, str]]:
         if not isinstance(system, str):
             raise WrongType(f"system is a {type(system).__name__}, expected a string")
         if system.strip():
-            messages.append({"role": "system", "content": system})
+            messages.append({"role": "system", "content": _encodable(system, "system")})
     messages.append({"role": "user", "content": _text(prompt, "prompt")})
     return messages
 
@@ -162,7 +185,16 @@ def _text(content: object, where: str) -> str:
         raise WrongType(f"{where}.content is a {type(content).__name__}, expected a string")
     if not content.strip():
         raise EmptyContent(f"{where} has empty content")
-    return content
+    return _encodable(content, where)
+
+
+def _encodable(text: str, where: str) -> str:
+    """JSON escapes can spell a lone surrogate (``"\\ud800"``), which no UTF-8 file or tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidUtf8(f"{where} holds {text[exc.start]!r} at character {exc.start}, not valid Unicode text") from None
+    return text
 
 
 def _finish(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -178,27 +210,63 @@ def _finish(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return messages
 
 
-def _checked(row: object) -> list[dict[str, str]] | RowError:
+class RowIds:
+    """The explicit ``id`` of every row read so far, as a 64-bit digest of its canonical JSON (a fixed
+    ~100 bytes per row whatever the id's size; a false match needs ~4e9 distinct ids)."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, int] = {}
+
+    def claim(self, row: object, index: int) -> None:
+        """Record ``row``'s id for row ``index``; DuplicateRow when an earlier row holds it."""
+        if not isinstance(row, dict) or row.get("id") is None:
+            return
+        canonical = json.dumps(row["id"], sort_keys=True, default=repr)
+        key = int.from_bytes(hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+        first = self._first.setdefault(key, index)
+        if first != index:
+            shown = canonical if len(canonical) <= 80 else canonical[:77] + "..."
+            raise DuplicateRow(f"id {shown} repeats the id of row {first}")
+
+
+def _checked(row: object, index: int, ids: RowIds) -> list[dict[str, str]] | RowError:
     try:
+        ids.claim(row, index)
         return normalize_row(row)
     except RowError as exc:
         return exc
 
 
-# ---- file readers -----------------------------------------------------------------------------
+# ---- file readers: each yields parsed rows (or why one could not be parsed), in file order ----
 
 
-def _jsonl_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+def _jsonl_rows(path: Path) -> Iterator[Item]:
     try:
         handle = open(path, "rb")
     except OSError as exc:
         raise DatasetError(f"{path}: cannot open ({exc.strerror})") from exc
     with handle:
-        for number, raw in enumerate(handle, start=1):
-            yield _jsonl_line(raw, number)
+        number = 0
+        while raw := handle.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                skipped = len(raw) + _skip_line(handle)
+                yield RowTooLarge(f"line {number} is {skipped} bytes, more than the {MAX_LINE_BYTES} byte limit")
+                continue
+            yield _jsonl_line(raw.removeprefix(UTF8_BOM) if number == 1 else raw, number)
 
 
-def _jsonl_line(raw: bytes, number: int) -> list[dict[str, str]] | RowError:
+def _skip_line(handle: BinaryIO) -> int:
+    """Read past the rest of an overlong line in bounded pieces; the bytes skipped."""
+    skipped = 0
+    while piece := handle.readline(1 << 20):
+        skipped += len(piece)
+        if piece.endswith(b"\n"):
+            break
+    return skipped
+
+
+def _jsonl_line(raw: bytes, number: int) -> Item:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -206,13 +274,14 @@ def _jsonl_line(raw: bytes, number: int) -> list[dict[str, str]] | RowError:
     if not text.strip():
         return EmptyRow(f"line {number} is blank")
     try:
-        row = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         return InvalidJson(f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
-    return _checked(row)
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit number, arrays nested thousands deep
+        return InvalidJson(f"line {number}: JSON this reader refuses ({type(exc).__name__}: {str(exc)[:120]})")
 
 
-def _parquet_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+def _parquet_rows(path: Path) -> Iterator[Item]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -220,17 +289,31 @@ def _parquet_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
         parquet = pq.ParquetFile(path)
         names = set(parquet.schema_arrow.names)
         columns = [c for c in PARQUET_COLUMNS if c in names]
-        if not columns:
+        if not set(columns) - {"id"}:
             known = " / ".join(PARQUET_COLUMNS[:3])
             raise DatasetError(f"{path}: no column named {known} (columns: {sorted(names)[:10]})")
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            for row in batch.to_pylist():
-                yield _checked(row)
+            yield from _batch_rows(batch)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{path}: cannot read Parquet ({exc})") from exc
 
 
-def _file_rows(path: Path) -> Iterator[list[dict[str, str]] | RowError]:
+def _batch_rows(batch) -> list[Item]:
+    """The batch as Python rows. Arrow does not check string columns for valid UTF-8 when it reads them,
+    so a bad cell fails the conversion; then each row converts alone and only the bad ones fail."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        rows: list[Item] = []
+        for i in range(batch.num_rows):
+            try:
+                rows.extend(batch.slice(i, 1).to_pylist())
+            except UnicodeDecodeError as exc:
+                rows.append(InvalidUtf8(f"a text cell is not valid UTF-8 (byte {exc.start})"))
+        return rows
+
+
+def _file_rows(path: Path) -> Iterator[Item]:
     if path.suffix == ".jsonl":
         return _jsonl_rows(path)
     if path.suffix == ".parquet":
@@ -249,16 +332,29 @@ def split_files(root: Path, split: str) -> list[Path]:
     """The data files of ``split`` under ``root``: ``train.jsonl``, ``data/train-00000-of-00002.parquet``,
     ``train/0000.parquet`` and the like, in name order so row indices are stable."""
     found = []
-    for path in sorted(root.rglob("*")):
-        if path.suffix not in DATA_SUFFIXES or not path.is_file():
-            continue
-        rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        stem = path.name[: -len(path.suffix)]
+    for rel in sorted(_data_files(root)):
+        stem = rel.name[: -len(rel.suffix)]
         if stem == split or re.match(rf"^{re.escape(split)}[-_.]", stem) or split in rel.parts[:-1]:
-            found.append(path)
+            found.append(root / rel)
     return found
+
+
+def _data_files(root: Path) -> Iterator[Path]:
+    """``.jsonl``/``.parquet`` files (paths relative to ``root``) at most ``MAX_SCAN_DEPTH`` parts down,
+    outside hidden folders. The walk is bounded so that pointing at ``/`` fails by name instead of
+    walking the whole machine; it does not follow folder links (the Hub cache links files only)."""
+    seen = 0
+    for folder, dirs, files in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        seen += len(dirs) + len(files)
+        if seen > MAX_SCAN_ENTRIES:
+            raise DatasetError(f"{root}: more than {MAX_SCAN_ENTRIES} entries; name the dataset's own file or folder")
+        depth = len(rel.parts) + 1
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if depth < MAX_SCAN_DEPTH else []
+        for name in files:
+            path = Path(folder) / name
+            if path.suffix in DATA_SUFFIXES and not name.startswith(".") and path.is_file():
+                yield rel / name
 
 
 def _hub_patterns(split: str) -> list[str]:
@@ -281,9 +377,13 @@ def _hub_snapshot(repo_id: str, split: str) -> Path:
 def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
     """The files to read for ``source``; DatasetError when there are none."""
     path = Path(source)
-    if path.is_file():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as exc:  # a name longer than the filesystem allows, say
+        raise DatasetError(f"dataset {str(source)[:200]!r}: {exc.strerror}") from None
+    if is_file:
         return [path]
-    if path.is_dir():
+    if is_dir:
         root, where = path, str(path)
     elif isinstance(source, str) and looks_like_repo_id(source):
         root, where = _hub_snapshot(source, split), f"dataset repo {source!r}"
@@ -301,11 +401,11 @@ def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = N
     """Yield ``(row_index, messages | RowError)`` for every row of ``source``, at most ``limit`` rows."""
     if limit is not None and limit < 1:
         raise DatasetError(f"limit must be at least 1, got {limit}")
-    index = 0
+    index, ids = 0, RowIds()
     for path in resolve_files(source, split):
         log.info("reading %s", path)
         for item in _file_rows(path):
             if limit is not None and index >= limit:
                 return
-            yield index, item
+            yield index, item if isinstance(item, RowError) else _checked(item, index, ids)
             index += 1
