@@ -255,7 +255,8 @@ class AsyncServerWatch:
         if self._poller is None or self._poller.done():
             self._outage = Outage(self.url, "is down", reason, self.policy)
             self._poller = asyncio.create_task(self._poll(self._outage))
-        outage, remaining = self._outage, deadline - outage.clock()
+        outage = self._outage
+        remaining = deadline - outage.clock()
         if remaining <= 0:
             raise outage.gave_up()
         try:

@@ -4,11 +4,14 @@ It stands in for vLLM or SGLang where a test needs a particular answer: reasonin
 ``reasoning_content`` or ``reasoning``, a 4xx with an OpenAI error body, a 5xx, a short reply. Answers
 are keyed by the last user message's text; each key holds a list of answers used in order (the last one
 repeats), so "503 once, then a reply" is ``[Reply(status=503), Reply("ok")]``. Every request body is
-kept in ``requests`` for assertions. uvicorn runs it in a thread on a free loopback port.
+kept in ``requests`` for assertions. ``GET /health`` answers ``health_status`` and counts itself in
+``health_checks``. uvicorn runs it in a thread on a free loopback port, chosen when the object is made,
+so a test can point a client at a server that is not up yet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ class Reply:
     error: str = "scripted error"
     include_usage: bool = True
     malformed: bool = False  # answer 200 with a body that is not a chat completion
+    delay_s: float = 0.0  # seconds the answer takes, for a slow target
 
     def tokens(self) -> int:
         if self.completion_tokens is not None:
@@ -45,6 +49,8 @@ class OpenAIServer:
         self.requests: list[dict] = []
         self._script: dict[str, list[Reply]] = {}
         self._default = Reply()
+        self.health_status = 200
+        self.health_checks = 0
         self._lock = threading.Lock()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -75,6 +81,12 @@ class OpenAIServer:
     def _app(self) -> FastAPI:
         app = FastAPI()
 
+        @app.get("/health")
+        def health() -> JSONResponse:
+            with self._lock:
+                self.health_checks += 1
+            return JSONResponse(status_code=self.health_status, content={"status": "scripted"})
+
         @app.get("/v1/models")
         def models() -> dict:
             return {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "tests"}]}
@@ -83,6 +95,8 @@ class OpenAIServer:
         async def chat(request: Request) -> JSONResponse:
             body = await request.json()
             reply = self._next(body)
+            if reply.delay_s:
+                await asyncio.sleep(reply.delay_s)
             if reply.malformed:
                 return JSONResponse(content={"object": "not-a-completion"})
             if reply.status != 200:

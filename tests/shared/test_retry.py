@@ -1,0 +1,188 @@
+"""Retry policy, the classification of trouble, and waiting for a down server, against real sockets."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import httpx
+import pytest
+
+from shared.errors import (
+    InferenceRejected, InferenceUnavailable, PromptTooLong, ReplyTooShort, RowError, error_class,
+)
+from shared.retry import (
+    Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, health_url, retryable,
+    wait_until_up,
+)
+from shared.settings import ExtractorSettings, GeneratorSettings, RetrySettings
+from tests.support.openai_server import OpenAIServer
+from tests.support.processes import free_port
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_backoff_doubles_to_the_cap_and_full_jitter_draws_below_it():
+    policy = RetryPolicy(base_delay_s=1.0, max_delay_s=30.0)
+    assert [policy.backoff_s(n, rand=lambda: 1.0) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert policy.backoff_s(3, rand=lambda: 0.25) == 2.0
+    assert policy.backoff_s(500, rand=lambda: 1.0) == 30.0  # no overflow on a very long outage
+    assert RetryPolicy(jitter=False).backoff_s(2, rand=lambda: 0.0) == 4.0
+
+
+def test_fixed_delays_are_reproduced_and_turn_waiting_off():
+    policy = RetryPolicy.fixed((0.5, 1.0, 2.0))
+    assert policy.max_attempts == 4 and not policy.waits
+    assert [policy.backoff_s(n) for n in range(3)] == [0.5, 1.0, 2.0]
+    assert RetryPolicy.fixed(()).max_attempts == 1
+
+
+def test_policy_from_settings_and_its_defaults_are_the_settings_defaults(tmp_path):
+    assert RetryPolicy.from_settings(RetrySettings()) == RetryPolicy()
+    settings = GeneratorSettings(retry_max_attempts=2, retry_base_delay_s=0.1, retry_max_delay_s=3,
+                                 inference_wait_max_s=0)
+    assert RetryPolicy.from_settings(settings) == RetryPolicy(2, 0.1, 3.0, True, 0.0)
+    extractor = ExtractorSettings(model_dir=tmp_path, inference_wait_max_s=60)
+    assert RetryPolicy.from_settings(extractor).wait_max_s == 60
+
+
+def test_environment_sets_the_retry_settings(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRAFTLINE_RETRY_MAX_ATTEMPTS", "7")
+    monkeypatch.setenv("DRAFTLINE_RETRY_BASE_DELAY_S", "0.25")
+    monkeypatch.setenv("DRAFTLINE_RETRY_MAX_DELAY_S", "9")
+    monkeypatch.setenv("DRAFTLINE_INFERENCE_WAIT_MAX_S", "120")
+    assert RetryPolicy.from_settings(GeneratorSettings()) == RetryPolicy(7, 0.25, 9.0, True, 120.0)
+
+
+@pytest.mark.parametrize(("status", "trouble"), [
+    (200, None), (204, None),
+    (400, Trouble.PERMANENT), (401, Trouble.PERMANENT), (404, Trouble.PERMANENT), (413, Trouble.PERMANENT),
+    (422, Trouble.PERMANENT),
+    (408, Trouble.TRANSIENT), (429, Trouble.TRANSIENT), (500, Trouble.TRANSIENT), (502, Trouble.TRANSIENT),
+    (503, Trouble.TRANSIENT), (504, Trouble.TRANSIENT),
+    (507, Trouble.FULL),
+])
+def test_status_classification(status, trouble):
+    assert classify_status(status) is trouble
+
+
+def error_of(url: str, timeout: float = 5.0) -> httpx.TransportError:
+    with pytest.raises(httpx.TransportError) as caught:
+        httpx.get(url, timeout=timeout)
+    return caught.value
+
+
+def test_no_connection_or_no_name_is_down():
+    refused = error_of(f"http://127.0.0.1:{free_port()}/health")
+    unresolved = error_of("http://draftline-no-such-host.invalid:8000/health")
+    assert (classify_error(refused), classify_error(unresolved)) == (Trouble.DOWN, Trouble.DOWN)
+
+
+def one_shot_server(behaviour) -> tuple[int, threading.Thread]:
+    """A raw TCP server that accepts one connection, reads the request, then does ``behaviour(conn)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                behaviour(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return port, thread
+
+
+def test_a_reset_or_a_timeout_mid_request_is_transient():
+    port, thread = one_shot_server(lambda conn: None)  # read the request, close without an answer
+    reset = error_of(f"http://127.0.0.1:{port}/v1/chat/completions")
+    thread.join(5)
+    stop = threading.Event()
+    port, thread = one_shot_server(lambda conn: stop.wait(10))  # read it, never answer
+    slow = error_of(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=0.5)
+    stop.set()
+    thread.join(5)
+    assert isinstance(slow, httpx.ReadTimeout)
+    assert (classify_error(reset), classify_error(slow)) == (Trouble.TRANSIENT, Trouble.TRANSIENT)
+
+
+def test_only_errors_that_say_so_are_retryable():
+    assert retryable(InferenceUnavailable("down"))
+    for permanent in (InferenceRejected("400"), PromptTooLong("long"), RowError("bad row"), ReplyTooShort("short"),
+                      ValueError("bug")):
+        assert not retryable(permanent), error_class(permanent)
+
+
+def test_retrier_spends_attempts_on_transient_trouble_only():
+    retrier = Retrier(RetryPolicy(max_attempts=2, base_delay_s=0.1, max_delay_s=1.0, jitter=False, wait_max_s=60))
+    with pytest.raises(InferenceRejected):
+        retrier.should_wait(Failed(Trouble.PERMANENT, InferenceRejected("HTTP 400: too long")))
+    for _ in range(3):  # waiting for a down or full server is free
+        assert retrier.should_wait(Failed(Trouble.DOWN, InferenceUnavailable("refused")))
+        assert retrier.should_wait(Failed(Trouble.FULL, InferenceUnavailable("507")))
+    transient = Failed(Trouble.TRANSIENT, InferenceUnavailable("HTTP 503: busy"), retry_after_s=0.5)
+    assert not retrier.should_wait(transient)
+    assert retrier.retry_delay_s(transient) == 0.5  # the server's Retry-After beats a shorter backoff
+    with pytest.raises(InferenceUnavailable, match=r"HTTP 503: busy \(gave up after 2 attempts\)"):
+        retrier.retry_delay_s(transient)
+
+
+def test_retrier_without_waiting_treats_a_down_server_as_transient():
+    retrier = Retrier(RetryPolicy.fixed((0.1,)))
+    assert not retrier.should_wait(Failed(Trouble.DOWN, InferenceUnavailable("refused")))
+    assert retrier.retry_delay_s(Failed(Trouble.DOWN, InferenceUnavailable("refused"))) == 0.1
+
+
+def test_outage_logs_once_a_minute_and_gives_up_at_its_deadline(caplog):
+    clock = FakeClock()
+    policy = RetryPolicy(base_delay_s=1.0, max_delay_s=30.0, jitter=False, wait_max_s=600)
+    outage = Outage("http://inference:8000", "is down", "ConnectError: refused", policy, clock=clock)
+    deadline = clock.now + policy.wait_max_s
+    caplog.set_level(logging.WARNING, logger="shared.retry")
+    delays = []
+    with pytest.raises(InferenceUnavailable) as gave_up:
+        for _ in range(100):
+            delays.append(outage.pause_s(deadline))
+            clock.now += delays[-1]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "inference server at http://inference:8000 is down (ConnectError: refused); waiting for it"
+    assert "inference server at http://inference:8000 is down for 3m; waiting" in lines
+    assert 9 <= len(lines) <= 11  # ten minutes of waiting: one line a minute, not one per poll
+    assert len(delays) > len(lines)
+    assert max(delays) == 30.0 and sum(delays) == pytest.approx(600)
+    assert "is down for 10m (ConnectError: refused); gave up waiting after 600s (DRAFTLINE_INFERENCE_WAIT_MAX_S)" \
+        in str(gave_up.value)
+
+
+def test_wait_until_up_polls_health_until_the_server_answers():
+    server = OpenAIServer()
+    policy = RetryPolicy(base_delay_s=0.05, max_delay_s=0.2, wait_max_s=60)
+    outage = Outage(server.url, "is down", "refused", policy)
+    timer = threading.Timer(0.5, server.start)
+    timer.start()
+    try:
+        wait_until_up(health_url(server.url + "/v1"), outage, outage.clock() + policy.wait_max_s)
+        assert server.health_checks == 1
+    finally:
+        timer.join()
+        server.stop()
+
+
+def test_wait_until_up_keeps_waiting_while_health_says_unhealthy_and_gives_up_at_the_cap():
+    with OpenAIServer() as server:
+        server.health_status = 503
+        policy = RetryPolicy(base_delay_s=0.05, max_delay_s=0.1, wait_max_s=0.6)
+        outage = Outage(server.url, "is down", "refused", policy)
+        with pytest.raises(InferenceUnavailable, match="gave up waiting after 0.6s"):
+            wait_until_up(health_url(server.url), outage, outage.clock() + policy.wait_max_s)
+        assert server.health_checks >= 2
