@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import redis
 
 from shared.atomic import atomic_write_json
@@ -24,6 +26,7 @@ RATE_WINDOW_SECONDS = 600.0
 
 ERROR = "error"
 DROPPED = "dropped"
+OUTCOMES = ("done", "failed", "dropped")  # one bitmap per outcome and per-sample stage
 
 
 def runs_key() -> str:
@@ -118,6 +121,29 @@ class RunState:
         pipe.hset(run_key(self.run, "failures"), f"{failure.stage}:{failure.sample_id}", failure.to_json())
         pipe.execute()
 
+    def clear_failure(self, stage: str, sample_id: int) -> None:
+        """Forget a failure so the sample can run again: the volume record first, then Redis."""
+        _check_sample_stage(stage)
+        self.paths.failure(stage, sample_id).unlink(missing_ok=True)
+        pipe = self.conn.pipeline()
+        pipe.setbit(run_key(self.run, f"failed:{stage}"), sample_id, 0)
+        pipe.setbit(run_key(self.run, f"dropped:{stage}"), sample_id, 0)
+        pipe.hdel(run_key(self.run, "failures"), f"{stage}:{sample_id}")
+        pipe.execute()
+
+    def clear_done(self, stage: str, sample_id: int) -> None:
+        """Forget that a sample finished ``stage`` (its output is gone and must be made again)."""
+        _check_sample_stage(stage)
+        self.conn.setbit(run_key(self.run, f"done:{stage}"), sample_id, 0)
+
+    def outcomes(self, stage: str, start: int, stop: int) -> dict[str, np.ndarray]:
+        """``{"done"|"failed"|"dropped": bool array}`` for sample ids ``start..stop-1`` (one round trip)."""
+        _check_sample_stage(stage)
+        pipe = self.conn.pipeline()
+        for outcome in OUTCOMES:
+            pipe.getrange(run_key(self.run, f"{outcome}:{stage}"), start // 8, max(stop - 1, start) // 8)
+        return {o: bits_in_range(raw, start, stop) for o, raw in zip(OUTCOMES, pipe.execute())}
+
     def is_done(self, stage: str, sample_id: int) -> bool:
         return bool(self.conn.getbit(run_key(self.run, f"done:{stage}"), sample_id))
 
@@ -159,6 +185,34 @@ class RunState:
         if keys:
             self.conn.delete(*keys)
         self.conn.srem(runs_key(), self.run)
+
+
+def bits_in_range(raw: bytes, start: int, stop: int) -> np.ndarray:
+    """Bits ``start..stop-1`` of a bitmap, given the bytes from ``start // 8`` on (GETRANGE's answer).
+
+    Redis numbers the bits of a byte from the most significant one, as ``np.unpackbits`` does."""
+    count = max(stop - start, 0)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
+    offset = start % 8
+    window = bits[offset:offset + count]
+    return np.concatenate([window, np.zeros(count - len(window), dtype=bool)]) if len(window) < count else window
+
+
+def bitmap_ids(raw: bytes | None) -> list[int]:
+    """Every id whose bit is set in a whole bitmap (a GET answer)."""
+    if not raw:
+        return []
+    return np.flatnonzero(np.unpackbits(np.frombuffer(raw, dtype=np.uint8))).tolist()
+
+
+def ids_bitmap(ids: Iterable[int]) -> bytes:
+    """A bitmap with exactly ``ids`` set, in Redis' bit order (for SET, then BITOP)."""
+    ids = np.fromiter(ids, dtype=np.int64)
+    if ids.size == 0:
+        return b""
+    bits = np.zeros(int(ids.max()) + 1, dtype=bool)
+    bits[ids] = True
+    return np.packbits(bits).tobytes()
 
 
 def known_runs(conn: redis.Redis) -> list[str]:

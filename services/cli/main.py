@@ -97,6 +97,86 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pick_run(data: Path, run: str | None) -> str:
+    """``run`` if given; else the only run, or the latest one (saying which runs exist)."""
+    from shared.errors import RunNotFound
+    from shared.layout import list_runs
+    from shared.runspec import RunSpec
+
+    if run:
+        return run
+    runs = list_runs(data)
+    if not runs:
+        raise RunNotFound(f"no runs under {Path(data) / 'runs'}")
+    latest = max(runs, key=lambda name: RunSpec.load(data, name).created_at)
+    if len(runs) > 1:
+        sys.stderr.write(f"using the latest run, {latest} (runs: {', '.join(runs)}; name one to choose)\n")
+    return latest
+
+
+def _resume(args: argparse.Namespace) -> int:
+    import json
+
+    from services.controller.reconcile import reconcile_run
+    from shared.queues import connect
+
+    settings = _settings()
+    run = _pick_run(settings.data, args.run)
+    report = reconcile_run(settings.data, connect(settings.redis_url), run, deep=args.deep)
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2, sort_keys=True) + "\n")
+        return 0
+    lines = [f"run {run}: resumed ({'deep' if report.deep else 'quick'} check), state {report.state}",
+             f"  verified  {report.generated:,} replies, {report.extracted:,} hidden-state files "
+             f"({report.adopted:,} adopted into the manifest) of {report.expected:,} samples",
+             f"  redone    {len(report.redone):,} files removed to be made again",
+             *[f"    {r['stage']:<8} sample {r['sample_id']:<8} {r['reason']}" for r in report.redone[:50]],
+             f"  cleaned   {report.temp_removed:,} leftover temp files, {report.failures_cleared:,} stale failure records",
+             f"  failures  {report.failures_kept:,} kept (draftline failures {run})"]
+    if report.named:
+        lines.append(f"  named     {len(report.named):,} rows missing from the prompts: {report.named[:20]}")
+    if report.registered:
+        lines.append("  redis     had lost this run; registered again from the volume")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _failures(args: argparse.Namespace) -> int:
+    import json
+
+    from services.controller.failures import failure_dict, format_failures, list_failures
+
+    settings = _settings()
+    run = _pick_run(settings.data, args.run)
+    failures = list_failures(settings.data, run, stage=args.stage)
+    if args.json:
+        sys.stdout.write(json.dumps([failure_dict(f) for f in failures], indent=2) + "\n")
+    else:
+        sys.stdout.write(format_failures(run, failures) + "\n")
+    return 0
+
+
+def _retry(args: argparse.Namespace) -> int:
+    from services.controller.failures import retry_failures
+    from shared.queues import connect
+
+    settings = _settings()
+    run, ids = args.run, list(args.ids)
+    if run is not None and run.isdigit() and not (Path(settings.data) / "runs" / run / "run.json").is_file():
+        run, ids = None, [int(run), *ids]  # `draftline retry 5 7`: ids of the only or latest run
+    run = _pick_run(settings.data, run)
+    report = retry_failures(settings.data, connect(settings.redis_url), run, stage=args.stage,
+                            sample_ids=ids or None, include_dropped=args.include_dropped)
+    lines = [f"run {run}: {len(report.cleared):,} failures cleared; the controller enqueues them again"]
+    lines += [f"  not retried: {r['stage']} sample {r['sample_id']}: {r['reason']}" for r in report.not_retryable]
+    if report.unknown:
+        lines.append(f"  no failure record for: {', '.join(map(str, report.unknown))}")
+    if report.superseded:
+        lines.append(f"  the run had finished: its drafter and evaluation moved to {report.superseded}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if report.cleared else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from services.cli.demo import run_demo
 
@@ -137,6 +217,25 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", nargs="?")
     status.add_argument("--json", action="store_true", help="the same fields as JSON (keys in the README)")
     status.set_defaults(func=_status)
+
+    resume = sub.add_parser("resume", help="rebuild a run's state from the volume (after a crash or a lost Redis)")
+    resume.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
+    resume.add_argument("--deep", action="store_true", help="read every hidden-state file in full (checksums)")
+    resume.add_argument("--json", action="store_true")
+    resume.set_defaults(func=_resume)
+
+    failures = sub.add_parser("failures", help="every failed or dropped sample of a run, with its error")
+    failures.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
+    failures.add_argument("--stage", choices=("generate", "extract"))
+    failures.add_argument("--json", action="store_true")
+    failures.set_defaults(func=_failures)
+
+    retry = sub.add_parser("retry", help="run failed samples again (all errors of the run, or the ids named)")
+    retry.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
+    retry.add_argument("ids", nargs="*", type=int, help="sample ids (default: every failure of kind error)")
+    retry.add_argument("--stage", choices=("generate", "extract"))
+    retry.add_argument("--include-dropped", action="store_true", help="also retry dropped samples")
+    retry.set_defaults(func=_retry)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the tiny built-in target, as local processes")
     demo.add_argument("--data", default="./data", help="data volume for the demo (default ./data)")

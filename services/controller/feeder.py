@@ -1,23 +1,49 @@
-"""The sliding window between ``prompts.jsonl`` and the generate queue.
+"""Feeding a run's queues by scanning its sample ids against what the run's bitmaps say is settled.
 
-Redis holds at most ``feed_window`` generate jobs of a run at a time; the rest of the prompts stay on
-the volume behind a byte-offset cursor in the run's meta, so a run of millions of rows costs Redis a
-few kilobytes. Generation also pauses while ``extract_backlog`` extractions wait, so replies never
-pile up faster than hidden states can be taken.
+Two cursors per run live in the run's meta, and a resume resets both, so the feeder re-scans:
+
+- **generate**: a byte offset into ``prompts.jsonl``. Ids already settled in generate (done, failed or
+  dropped) are passed over; the rest go out in batches of ``generate_batch``, while fewer than
+  ``feed_window`` of the run's generate jobs wait and fewer than ``extract_backlog`` extractions wait.
+- **extract backfill**: a sample id. Ids whose reply is done but whose extraction is not settled get an
+  extract job while fewer than ``extract_backlog`` extractions wait. The generator queues extractions
+  itself; the backfill catches those lost with Redis or with a crash between the two steps.
+
+When a cursor reaches the end while its stage still has unsettled ids, it starts another pass (at most
+every ``REPASS_INTERVAL_S``; the generate cursor only once none of the run's generate jobs waits or
+runs). No pass duplicates work: generate skips the ids of the run's waiting and running jobs, and extract
+job ids are deterministic and enqueued with ``unique=True``. A job id that still names a *finished* or
+*failed* job (RQ keeps them for a while) is replaced, since its sample is evidently not settled.
+
+A run of millions of rows costs Redis a few kilobytes of queue; the volume holds the rest.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import redis
-from rq.exceptions import DuplicateJobError
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Job, JobStatus
 
-from shared.jobs import EXTRACT_QUEUE, GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, generate_job_id
+from shared.jobs import (
+    EXTRACT_FUNC,
+    EXTRACT_QUEUE,
+    GENERATE_FUNC,
+    GENERATE_QUEUE,
+    ExtractJob,
+    GenerateJob,
+    PromptItem,
+    extract_job_id,
+    generate_job_id,
+)
 from shared.layout import RunPaths
-from shared.queues import queue
+from shared.queues import SERIALIZER, queue
 from shared.runstate import RunState
 from shared.settings import ControllerSettings
 
@@ -25,72 +51,235 @@ log = logging.getLogger(__name__)
 
 # A generate job holds several samples, each up to a long reply with retries; RQ's 180 s default is far too short.
 GENERATE_JOB_TIMEOUT_S = 6 * 3600
+EXTRACT_JOB_TIMEOUT_S = 3600
 RESULT_TTL_S = 3600
 FAILURE_TTL_S = 7 * 24 * 3600
+SCAN_LINES_PER_TICK = 50_000  # prompt lines one tick reads at most, so a tick stays short on huge runs
+SCAN_IDS_PER_TICK = 262_144  # sample ids the backfill checks per tick at most (32 KiB of each bitmap)
+BITMAP_CHUNK = 8192
+REPASS_INTERVAL_S = 60.0
+REPLACEABLE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
+
+# prompts.jsonl lines start with the id (submit.prompt_line), so passing over a settled row parses no JSON.
+_ID_PREFIX = re.compile(rb'^\{"sample_id": (\d+)[,}]')
 
 
-@dataclass(frozen=True)
-class Batch:
-    items: list[PromptItem]
-    end_offset: int  # byte offset just past the batch's last line
+# ---- queues --------------------------------------------------------------------------------------
+
+
+def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, job_id: str, timeout: int) -> bool:
+    """Enqueue under a deterministic id; False while a job of that id waits or runs."""
+    q = queue(queue_name, conn)
+    for _ in range(2):
+        try:
+            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=RESULT_TTL_S,
+                           failure_ttl=FAILURE_TTL_S, unique=True)
+            return True
+        except DuplicateJobError:
+            if not _drop_finished(conn, job_id):
+                return False
+    return False
+
+
+def _drop_finished(conn: redis.Redis, job_id: str) -> bool:
+    """Delete the job ``job_id`` if it already ended; True when the id is free again."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+    except NoSuchJobError:
+        return True
+    if job.get_status(refresh=False) not in REPLACEABLE:
+        return False
+    job.delete()
+    return True
+
+
+def _is_runs(job_id: str, stem: str) -> bool:
+    # Ids end in "_<first sample id>"; comparing everything before that keeps run "a" from counting run "a_b".
+    return job_id.rsplit("_", 1)[0] == stem
 
 
 def waiting_jobs(conn: redis.Redis, run: str) -> int:
     """Generate jobs of ``run`` still waiting in the queue (the queue is bounded, so listing it is cheap)."""
-    # Ids end in "_<first sample id>"; comparing everything before that keeps run "a" from counting run "a_b".
     stem = generate_job_id(run, 0).rsplit("_", 1)[0]
-    return sum(1 for job_id in queue(GENERATE_QUEUE, conn).get_job_ids() if job_id.rsplit("_", 1)[0] == stem)
+    return sum(1 for job_id in queue(GENERATE_QUEUE, conn).get_job_ids() if _is_runs(job_id, stem))
 
 
-def read_batch(paths: RunPaths, offset: int, size: int) -> Batch | None:
-    """Up to ``size`` prompt lines starting at byte ``offset``; None at the end of the file."""
-    items = []
+def inflight_generate(conn: redis.Redis, run: str) -> tuple[int, set[int]]:
+    """(waiting jobs of ``run``, sample ids in its waiting or running generate jobs)."""
+    stem = generate_job_id(run, 0).rsplit("_", 1)[0]
+    q = queue(GENERATE_QUEUE, conn)
+    waiting = [j for j in q.get_job_ids() if _is_runs(j, stem)]
+    running = [j for j in q.started_job_registry.get_job_ids() if _is_runs(j, stem)]
+    ids: set[int] = set()
+    for job in Job.fetch_many(waiting + running, connection=conn, serializer=SERIALIZER):
+        if job is not None and job.args:
+            ids.update(int(item["sample_id"]) for item in job.args[0].get("items", []))
+    return len(waiting), ids
+
+
+def extract_room(settings: ControllerSettings, conn: redis.Redis) -> int:
+    return settings.extract_backlog - queue(EXTRACT_QUEUE, conn).count
+
+
+# ---- bitmaps, read in chunks ---------------------------------------------------------------------
+
+
+class Outcomes:
+    """A run's per-sample outcomes of one stage, fetched from Redis ``BITMAP_CHUNK`` ids at a time."""
+
+    def __init__(self, state: RunState, stage: str) -> None:
+        self.state, self.stage = state, stage
+        self._start, self._bits = -1, {}
+
+    def settled(self, sample_id: int) -> bool:
+        bits, i = self._chunk(sample_id)
+        return bool(bits["done"][i] or bits["failed"][i] or bits["dropped"][i])
+
+    def _chunk(self, sample_id: int) -> tuple[dict[str, np.ndarray], int]:
+        start = sample_id - sample_id % BITMAP_CHUNK
+        if start != self._start:
+            self._start, self._bits = start, self.state.outcomes(self.stage, start, start + BITMAP_CHUNK)
+        return self._bits, sample_id - start
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scan:
+    items: list[PromptItem]
+    offset: int  # byte offset just past the last line looked at
+    lines: int  # lines looked at
+    at_end: bool
+
+
+def scan_prompts(paths: RunPaths, offset: int, size: int, *, skip, max_lines: int) -> Scan:
+    """Up to ``size`` prompts from byte ``offset`` on whose id ``skip`` refuses, reading at most ``max_lines``."""
+    items: list[PromptItem] = []
+    lines = 0
     with open(paths.prompts, "rb") as handle:
         handle.seek(offset)
-        while len(items) < size:
+        while len(items) < size and lines < max_lines:
             line = handle.readline()
             if not line.endswith(b"\n"):
-                break  # end of file (prompts.jsonl is published whole, so never a torn line)
+                return Scan(items, offset, lines, at_end=True)  # prompts.jsonl is published whole: no torn line
+            offset, lines = offset + len(line), lines + 1
+            match = _ID_PREFIX.match(line)
+            sample_id = int(match.group(1)) if match else int(json.loads(line)["sample_id"])
+            if skip(sample_id):
+                continue
             row = json.loads(line)
-            items.append(PromptItem(sample_id=row["sample_id"], messages=row["messages"]))
-        end = handle.tell() if items else offset
-    return Batch(items, end) if items else None
+            items.append(PromptItem(sample_id=sample_id, messages=row["messages"]))
+        at_end = not handle.read(1)
+    return Scan(items, offset, lines, at_end)
 
 
 def enqueue_generate(conn: redis.Redis, job: GenerateJob) -> bool:
-    """Enqueue once per deterministic id; False when that job already exists (a feed repeated after a crash)."""
-    try:
-        queue(GENERATE_QUEUE, conn).enqueue_call(
-            GENERATE_FUNC, args=(job.model_dump(mode="json"),), job_id=generate_job_id(job.run, job.items[0].sample_id),
-            timeout=GENERATE_JOB_TIMEOUT_S, result_ttl=RESULT_TTL_S, failure_ttl=FAILURE_TTL_S, unique=True,
-        )
-    except DuplicateJobError:
-        return False
-    return True
+    """Enqueue once per deterministic id; False when that job already waits or runs."""
+    return enqueue_once(conn, GENERATE_QUEUE, GENERATE_FUNC, job.model_dump(mode="json"),
+                        generate_job_id(job.run, job.items[0].sample_id), GENERATE_JOB_TIMEOUT_S)
 
 
 def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
-    """Top up ``run``'s generate jobs; returns how many were enqueued."""
+    """Top up ``run``'s generate jobs with ids not yet settled; returns how many jobs were enqueued."""
     state = RunState(conn, settings.data, run)
-    paths = RunPaths(settings.data, run)
     meta = state.meta()
-    offset = int(meta.get("feed_offset", 0))
     end = int(meta.get("prompts_bytes", -1))
-    room = settings.feed_window - waiting_jobs(conn, run)
-    enqueued = 0
-    while offset != end and room > 0 and queue(EXTRACT_QUEUE, conn).count < settings.extract_backlog:
-        batch = read_batch(paths, offset, settings.generate_batch)
-        if batch is None:
-            break
-        if enqueue_generate(conn, GenerateJob(run=run, items=batch.items)):
-            enqueued += 1
-            room -= 1
-        offset = batch.end_offset
-        state.set_meta(feed_offset=offset, fed_until=batch.items[-1].sample_id + 1)
+    offset = _generate_cursor(state, meta, end)
+    if offset == end or extract_room(settings, conn) <= 0:
+        return 0
+    waiting, inflight = inflight_generate(conn, run)
+    room = settings.feed_window - waiting
+    gen = Outcomes(state, "generate")
+    skip = lambda sample_id: sample_id in inflight or gen.settled(sample_id)  # noqa: E731
+    enqueued, budget = 0, SCAN_LINES_PER_TICK
+    while room > 0 and budget > 0 and offset != end and extract_room(settings, conn) > 0:
+        scan = scan_prompts(state.paths, offset, settings.generate_batch, skip=skip, max_lines=budget)
+        if scan.items and enqueue_generate(conn, GenerateJob(run=run, items=scan.items)):
+            enqueued, room = enqueued + 1, room - 1
+        offset, budget = (end if scan.at_end else scan.offset), budget - scan.lines
+        state.set_meta(feed_offset=offset, fed_until=_fed_until(scan, meta))
     if enqueued:
         log.info("run %s: fed %d generate jobs (cursor at byte %d)", run, enqueued, offset)
     return enqueued
 
 
+def _fed_until(scan: Scan, meta: dict[str, str]) -> int:
+    return scan.items[-1].sample_id + 1 if scan.items else int(meta.get("fed_until", 0))
+
+
+def _generate_cursor(state: RunState, meta: dict[str, str], end: int) -> int:
+    """The cursor, moved back to the start when a finished pass left unsettled ids nobody is working on."""
+    offset = int(meta.get("feed_offset", 0))
+    if offset == 0 and "feed_pass_at" not in meta:
+        state.set_meta(feed_pass_at=time.time())
+    if offset != end:
+        return offset
+    counts = state.counts("generate")
+    if counts.done + counts.failed + counts.dropped >= int(meta.get("expected", 0)) or not _repass_due(meta, "feed"):
+        return offset
+    waiting, inflight = inflight_generate(state.conn, state.run)
+    if waiting or inflight:
+        return offset
+    log.warning("run %s: generation ended a pass with unsettled samples and no job left; scanning again", state.run)
+    state.set_meta(feed_offset=0, feed_pass_at=time.time())
+    return 0
+
+
+def _repass_due(meta: dict[str, str], name: str) -> bool:
+    return time.time() - float(meta.get(f"{name}_pass_at", 0)) >= REPASS_INTERVAL_S
+
+
 def feed_finished(meta: dict[str, str]) -> bool:
     return "prompts_bytes" in meta and meta.get("feed_offset") == meta.get("prompts_bytes")
+
+
+# ---- extract backfill ----------------------------------------------------------------------------
+
+
+def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
+    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),
+                        extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S)
+
+
+def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
+    """Queue extractions for replies that have none, within the extract backlog; returns how many."""
+    state = RunState(conn, settings.data, run)
+    meta = state.meta()
+    limit = int(meta.get("train_ids", 0))
+    cursor = _extract_cursor(state, meta, limit)
+    room = extract_room(settings, conn)
+    enqueued, stop = 0, min(limit, cursor + SCAN_IDS_PER_TICK)
+    while cursor < stop and enqueued < room:
+        chunk_end = min(stop, cursor + BITMAP_CHUNK)
+        cursor, added = _backfill_chunk(state, cursor, chunk_end, room - enqueued)
+        enqueued += added
+        state.set_meta(extract_cursor=cursor)
+    if enqueued:
+        log.info("run %s: queued %d extractions whose job was missing (cursor at sample %d)", run, enqueued, cursor)
+    return enqueued
+
+
+def _backfill_chunk(state: RunState, start: int, stop: int, room: int) -> tuple[int, int]:
+    """Enqueue for ids ``start..stop-1`` until ``room`` runs out; (next cursor, jobs enqueued)."""
+    gen, ext = state.outcomes("generate", start, stop), state.outcomes("extract", start, stop)
+    wanted = gen["done"] & ~(ext["done"] | ext["failed"] | ext["dropped"])
+    enqueued = 0
+    for index in np.flatnonzero(wanted).tolist():
+        if enqueued >= room:
+            return start + index, enqueued
+        enqueued += enqueue_extract(state.conn, state.run, start + index)
+    return stop, enqueued
+
+
+def _extract_cursor(state: RunState, meta: dict[str, str], limit: int) -> int:
+    cursor = int(meta.get("extract_cursor", 0))
+    if cursor == 0 and "extract_pass_at" not in meta:
+        state.set_meta(extract_pass_at=time.time())
+    if cursor < limit or not _repass_due(meta, "extract"):
+        return cursor
+    gen, ext = state.counts("generate"), state.counts("extract")
+    if ext.done + ext.failed + ext.dropped >= gen.done:
+        return cursor
+    state.set_meta(extract_cursor=0, extract_pass_at=time.time())
+    return 0

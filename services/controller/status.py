@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 
+from services.controller.reconcile import read_finished
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
@@ -20,7 +21,7 @@ from shared.runspec import RunSpec
 from shared.runstate import ERROR, RunState, StageCounts, known_runs, run_key
 
 FAILURES_SHOWN = 50
-FINISHED = {"done", "complete", "completed", "finished", "succeeded", "success"}
+FINISHED = {"done", "complete", "completed", "finished", "succeeded", "success", "skipped"}
 FAILED = {"failed", "error"}
 FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
 
@@ -29,7 +30,10 @@ FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
 
 
 def derive_state(meta: dict[str, str], errors: int) -> str:
-    """One of queued, generating, extracting, training, evaluating, complete, complete_with_failures, failed."""
+    """One of queued, generating, extracting, training, evaluating, complete, complete_with_failures, failed.
+
+    ``errors`` counts the samples that settled without being verified (failed or dropped): a run is
+    "complete" only when every expected sample made it through."""
     stored = meta.get("state") or "queued"
     train, evaluate = meta.get("train_state", "").lower(), meta.get("evaluate_state", "").lower()
     if stored == "failed" or train in FAILED or evaluate in FAILED:
@@ -141,8 +145,11 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
     meta = state.meta()
     if not meta and not state.paths.spec.is_file():
         raise RunNotFound(f"no run {run!r}")
+    finished = read_finished(state.paths) if "expected" not in meta else None
+    if finished is not None:  # Redis lost a finished run: its record on the volume has the final numbers
+        meta = {**meta, "expected": finished["expected"], "state": finished["state"]}
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
-    gen, ext = state.counts("generate"), state.counts("extract")
+    gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
     generate = sample_stage(state, "generate", expected, gen)
     extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext)
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
@@ -152,7 +159,7 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
     etas = [s["eta_seconds"] for s in (generate, extract) if s["eta_seconds"] is not None]
     return {
         "run": run,
-        "state": derive_state(meta, errors["total"]),
+        "state": derive_state(meta, errors["total"] + errors["dropped"]),
         "expected": expected,
         "stages": {"generate": generate, "extract": extract, "train": train, "evaluate": evaluate},
         "errors": errors,
@@ -162,6 +169,12 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
         "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"]},
         "updated_at": time.time(),
     }
+
+
+def _counts(state: RunState, finished: dict | None, stage: str) -> StageCounts:
+    if finished is not None and isinstance(finished.get(stage), dict):
+        return StageCounts(**{k: int(finished[stage].get(k, 0)) for k in ("done", "failed", "dropped")})
+    return state.counts(stage)
 
 
 def list_status(data: Path, conn: redis.Redis) -> list[dict]:

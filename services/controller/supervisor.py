@@ -1,8 +1,13 @@
-"""The controller's loop over runs: keep each run's generate window full, hand settled runs to training.
+"""The controller's loop over runs: rebuild what Redis lost, feed each run, hand settled runs to training,
+and mark finished runs on the volume.
 
 A sample is *settled* when it can no longer change without an operator: generation failed or dropped
 it, or extraction finished or failed it. When every expected sample is settled, the run's train job is
-enqueued exactly once; from then on the trainer owns the run's whole-run stages.
+enqueued exactly once; from then on the trainer owns the run's whole-run stages. When the run reaches
+complete, complete_with_failures or failed, ``runs/<run>/state.json`` marks it finished on the volume.
+
+Every pass first looks for runs on the volume that are not finished there but that Redis does not know
+(a flushed or restarted Redis), and rebuilds them with ``reconcile_run``: the volume is the truth.
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ import threading
 import time
 
 import redis
-from rq.exceptions import DuplicateJobError
 
-from services.controller.feeder import FAILURE_TTL_S, RESULT_TTL_S, feed_finished, feed_run
-from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
-from shared.queues import queue
-from shared.runstate import RunState, known_runs
+from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
+from services.controller.reconcile import TERMINAL_STATES, lost_runs, reconcile_run, reconciling, write_finished
+from services.controller.status import derive_state
+from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
+from shared.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
@@ -27,21 +32,29 @@ TRAIN_JOB_TIMEOUT = -1  # RQ's "never": training runs for hours and reports its 
 
 
 def settled(state: RunState) -> tuple[int, int]:
-    """(settled samples, samples extracted) of a run."""
+    """(settled samples, samples extracted) of a run; a sample counts once whatever its bitmaps say."""
+    keys = [run_key(state.run, f"{outcome}:{stage}") for stage in SAMPLE_STAGES for outcome in ("failed", "dropped")]
+    keys.append(run_key(state.run, "done:extract"))
+    scratch = run_key(state.run, "settled")
+    pipe = state.conn.pipeline()
+    pipe.bitop("OR", scratch, *keys)
+    pipe.bitcount(scratch)
+    pipe.delete(scratch)
+    pipe.bitcount(run_key(state.run, "done:extract"))
+    _, count, _, extracted = pipe.execute()
+    return count, extracted
+
+
+def unverified(state: RunState) -> int:
+    """Settled samples that did not end verified: failures and drops of either stage."""
     gen, ext = state.counts("generate"), state.counts("extract")
-    return gen.failed + gen.dropped + ext.done + ext.failed + ext.dropped, ext.done
+    return gen.failed + gen.dropped + ext.failed + ext.dropped
 
 
 def enqueue_train(conn: redis.Redis, run: str) -> bool:
-    """Enqueue the run's train job; False when a job with its id already exists."""
-    try:
-        queue(TRAIN_QUEUE, conn).enqueue_call(
-            TRAIN_FUNC, args=(TrainJob(run=run).model_dump(mode="json"),), job_id=train_job_id(run),
-            timeout=TRAIN_JOB_TIMEOUT, result_ttl=RESULT_TTL_S, failure_ttl=FAILURE_TTL_S, unique=True,
-        )
-    except DuplicateJobError:
-        return False
-    return True
+    """Enqueue the run's train job; False while a job with its id waits or runs."""
+    return enqueue_once(conn, TRAIN_QUEUE, TRAIN_FUNC, TrainJob(run=run).model_dump(mode="json"), train_job_id(run),
+                        TRAIN_JOB_TIMEOUT)
 
 
 def advance(state: RunState, meta: dict[str, str]) -> None:
@@ -63,17 +76,44 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
     state.set_meta(state="training", train_enqueued_at=time.time())
 
 
+def finish(state: RunState, meta: dict[str, str]) -> None:
+    """Mark a run that reached a terminal state as finished on the volume (once)."""
+    if "finished_at" in meta:
+        return
+    final = derive_state(meta, unverified(state))
+    if final in TERMINAL_STATES:
+        write_finished(state, final)
+        log.info("run %s: finished as %s", state.run, final)
+
+
 def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> None:
+    if reconciling(conn, run):
+        return  # a resume is rebuilding this run's state; feeding now would read half-written bitmaps
     state = RunState(conn, settings.data, run)
     meta = state.meta()
-    if meta.get("state", "queued") not in SAMPLE_PHASES or "train_enqueued_at" in meta:
-        return
-    feed_run(settings, conn, run)
-    advance(state, state.meta())
+    if meta.get("state", "queued") in SAMPLE_PHASES and "train_enqueued_at" not in meta:
+        feed_run(settings, conn, run)
+        backfill_extract(settings, conn, run)
+        advance(state, state.meta())
+    else:
+        finish(state, meta)
+
+
+def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
+    """Reconcile every unfinished run on the volume that Redis has lost."""
+    for run in lost_runs(settings.data, conn):
+        log.warning("run %s: on the volume but lost by Redis; rebuilding its state from the volume", run)
+        try:
+            report = reconcile_run(settings.data, conn, run)
+        except Exception:  # noqa: BLE001 - one run that cannot be rebuilt must not stall the others
+            log.exception("run %s: rebuilding failed", run)
+            continue
+        log.warning("run %s: rebuilt: %s", run, report.summary())
 
 
 def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
     """One pass over every known run; a broken run is logged and the others still advance."""
+    rebuild_lost(settings, conn)
     for run in known_runs(conn):
         try:
             supervise_run(settings, conn, run)

@@ -2,8 +2,9 @@
 
 A sample counts as extracted only after ``verify_hidden_file`` accepts what the server wrote: shapes
 match the tokens we sent, the layer ids are the run's, every value is finite, and the checksum is the
-one the server reported. The run's layer ids are fixed by its first verified sample, so a server
-restarted with other defaults cannot mix layers within one run.
+one the server reported. The verified file is then recorded in its shard's ``manifest.jsonl`` (what a
+resume checks files against) before the sample is marked done. The run's layer ids are fixed by its
+first verified sample, so a server restarted with other defaults cannot mix layers within one run.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from services.extractor.tokenize import build_sample
 from shared import eagle3
 from shared.atomic import read_json
 from shared.errors import DraftlineError, HiddenStateFileError, error_class
-from shared.hidden_file import verify_hidden_file
+from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
+from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import connect
 from shared.runspec import RunSpec
 from shared.runstate import Failure, RunState, run_key
@@ -79,7 +81,8 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
         return "skipped"
     spec = load_spec(settings.data, job.run)
     try:
-        result, info_bytes = _extract(job, spec, state, tokenizer, client)
+        result, info = _extract(job, spec, state, tokenizer, client)
+        _record_manifest(state, job.sample_id, info)
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
         if not isinstance(exc, DraftlineError):
             log.exception("run %s: sample %d: unexpected error", job.run, job.sample_id)
@@ -88,13 +91,13 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
         log.warning("run %s: sample %d extract failed: %s: %s", job.run, job.sample_id, error_class(exc), exc)
         return "failed"
     if state.mark_done("extract", job.sample_id):
-        state.incr("hidden_bytes", info_bytes)
+        state.incr("hidden_bytes", info.nbytes)
     _record_layers(conn, job.run, result)
     return "done"
 
 
 def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer,
-             client: HiddenStatesClient) -> tuple[HiddenStatesResult, int]:
+             client: HiddenStatesClient) -> tuple[HiddenStatesResult, HiddenFileInfo]:
     record = _read_reply(state, job.sample_id)
     reply = record.get("reply") or {}
     input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
@@ -114,7 +117,16 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer,
     if result.layer_convention != eagle3.LAYER_CONVENTION:
         raise MalformedHiddenResponse(f"server reports layer convention {result.layer_convention!r}, "
                                       f"expected {eagle3.LAYER_CONVENTION!r}")
-    return result, info.nbytes
+    return result, info
+
+
+def _record_manifest(state: RunState, sample_id: int, info: HiddenFileInfo) -> None:
+    """Append the verified file to its shard's manifest; a file the manifest cannot name must not stay."""
+    try:
+        append_entry(manifest_path(state.paths, sample_id), ManifestEntry.from_info(sample_id, info))
+    except OSError:
+        info.path.unlink(missing_ok=True)
+        raise
 
 
 def _read_reply(state: RunState, sample_id: int) -> dict:
