@@ -122,7 +122,9 @@ class OpenAIServer:
         return answer
 
     def start(self) -> OpenAIServer:
-        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        # A reply still sleeping for a client that is gone (a killed worker's) must not hold up stop().
+        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-stand-in", daemon=True)
         self._thread.start()

@@ -1,0 +1,141 @@
+"""Put the jobs of dead workers back on their queues, long before RQ's own maintenance would.
+
+RQ notices a dead worker's job only when a live worker's maintenance runs (every 10 minutes) and then
+fails it as ``AbandonedJobError``. Here a started job counts as abandoned as soon as the worker running
+it is gone: its worker hash expired or records a death (a cold shutdown), or its last heartbeat is older
+than ``STALE_HEARTBEAT_S`` while a busy worker heartbeats every ``JOB_MONITORING_INTERVAL_S``. Called
+every few seconds by the supervisor, a killed worker's job is queued again, under the same job id,
+within about 40 seconds. Heartbeat ages compare the worker's clock with ours, so hosts keep their clocks
+in sync (NTP), as RQ itself assumes.
+
+A job whose worker died ``MAX_REQUEUES`` times is failed in RQ instead, so a job that takes its worker
+down (memory, say) cannot do it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.executions import Execution, ExecutionRegistry
+from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
+from rq.queue import Queue
+from rq.utils import utcparse
+
+from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from shared.jobs import QUEUES
+from shared.queues import SERIALIZER, queue
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEUES = 3
+REQUEUES_META = "draftline_requeues"
+# Statuses of a job still held by its worker: queued lasts from the dequeue until the work horse starts.
+HELD = (JobStatus.STARTED, JobStatus.QUEUED)
+
+
+@dataclass(frozen=True)
+class StartedEntry:
+    """One member of a StartedJobRegistry: a job id, an execution id, the raw member for ZREM."""
+
+    job_id: str
+    execution_id: str
+    member: bytes
+
+
+def requeue_abandoned(conn: redis.Redis, queues: Iterable[str] = QUEUES, *,
+                      stale_after_s: float = STALE_HEARTBEAT_S) -> int:
+    """Requeue every started job of ``queues`` whose worker is dead; returns how many were requeued."""
+    requeued = 0
+    now = time.time()
+    for name in queues:
+        q = queue(name, conn)
+        for entry in started_entries(q):
+            worker = worker_of(conn, entry)
+            if worker_alive(conn, worker, now, stale_after_s):
+                continue
+            requeued += reclaim(q, entry, worker)
+    return requeued
+
+
+def started_entries(q: Queue) -> list[StartedEntry]:
+    """The registry's members read as they are: RQ's ``get_job_ids`` would first fail expired ones."""
+    entries = []
+    for member in q.connection.zrange(q.started_job_registry.key, 0, -1):
+        job_id, _, execution_id = member.decode().rpartition(":")
+        if job_id:
+            entries.append(StartedEntry(job_id, execution_id, member))
+    return entries
+
+
+def worker_of(conn: redis.Redis, entry: StartedEntry) -> str:
+    """The name of the worker running ``entry``: from its execution, else from the job hash."""
+    execution_key = Execution(entry.execution_id, entry.job_id, conn).key
+    name = conn.hget(execution_key, "worker_name") or conn.hget(Job.key_for(entry.job_id), "worker_name")
+    return name.decode() if name else ""
+
+
+def worker_alive(conn: redis.Redis, name: str, now: float, stale_after_s: float) -> bool:
+    """A worker lives while its hash exists without a death mark and its last heartbeat is recent."""
+    if not name:
+        return False
+    fields = conn.hmget(DraftlineWorker.redis_worker_namespace_prefix + name, ["last_heartbeat", "death"])
+    heartbeat, death = fields
+    if heartbeat is None or death is not None:
+        return False
+    return now - utcparse(heartbeat.decode()).timestamp() < stale_after_s
+
+
+def reclaim(q: Queue, entry: StartedEntry, worker: str) -> int:
+    """Take ``entry`` off the started registry and queue its job again; 1 when this call did it.
+
+    Removing the registry member is the claim: of two reapers, or a reaper and a worker finishing after
+    all, only the one whose ZREM removed it goes on."""
+    conn = q.connection
+    if not conn.zrem(q.started_job_registry.key, entry.member):
+        return 0
+    try:
+        job = Job.fetch(entry.job_id, connection=conn, serializer=SERIALIZER)
+    except NoSuchJobError:
+        return 0
+    forget_execution(conn, entry, worker)
+    if job.get_status(refresh=False) not in HELD:
+        return 0
+    count = int(job.meta.get(REQUEUES_META, 0)) + 1
+    if count > MAX_REQUEUES:
+        give_up(job, worker)
+        return 0
+    job.meta[REQUEUES_META] = count
+    job.save_meta()
+    with conn.pipeline() as pipe:
+        pipe.lrem(q.intermediate_queue.key, 0, job.id)
+        q.enqueue_job(job, pipeline=pipe)
+        pipe.execute()
+    log.warning("job %s: worker %s is dead; requeued on %s (requeue %d of at most %d)",
+                job.id, worker or "(unknown)", q.name, count, MAX_REQUEUES)
+    return 1
+
+
+def forget_execution(conn: redis.Redis, entry: StartedEntry, worker: str) -> None:
+    """Drop the dead execution's records, so nothing counts it as running any more."""
+    execution = Execution(entry.execution_id, entry.job_id, conn, worker_name=worker)
+    with conn.pipeline() as pipe:
+        pipe.delete(execution.key)
+        pipe.zrem(ExecutionRegistry(job_id=entry.job_id, connection=conn).key, execution.composite_key)
+        if worker:
+            pipe.srem(execution.worker_executions_key, execution.composite_key)
+        pipe.execute()
+
+
+def give_up(job: Job, worker: str) -> None:
+    message = (f"worker died {MAX_REQUEUES + 1} times running this job (last: {worker or 'unknown'}); "
+               "not requeued again")
+    with job.connection.pipeline() as pipe:
+        record_job_failure(job, message, pipe)
+        pipe.execute()
+    log.error("job %s: %s", job.id, message)
