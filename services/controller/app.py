@@ -11,7 +11,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from services.controller.routes import health, runs
+from services.controller.routes import health, preflight, runs
 from services.controller.supervisor import supervise_forever
 from shared.settings import ControllerSettings
 
@@ -41,6 +41,7 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
     app.state.conn = conn
     app.include_router(health.router)
     app.include_router(runs.router)
+    app.include_router(preflight.router)
     app.add_exception_handler(redis.RedisError, _redis_unavailable)
     return app
 

@@ -12,23 +12,52 @@ filling host memory.
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from services.inference.hidden import HiddenJob, WrittenSample, describe_sample, encode_sample, forward_hidden
 from services.inference.model import LoadedModel
 from shared.atomic import atomic_write_bytes
+from shared.disk import format_bytes, volume_usage
+from shared.errors import DraftlineError
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 Item = tuple[HiddenJob, Future]
+# A quota counts as a full disk too: either way the volume has no room for this file right now.
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+class VolumeFull(DraftlineError):
+    """The data volume had no room for a hidden-state file; its temp file is removed, nothing is published."""
+
+    permanent = False
+
+    def __init__(self, job: HiddenJob, cause: OSError) -> None:
+        self.volume = volume_of(job)
+        self.free_bytes, _ = volume_usage(self.volume)
+        super().__init__(
+            f"no space left on the data volume {self.volume} ({self.free_bytes} bytes free, "
+            f"{format_bytes(self.free_bytes)}) while writing {job.relative_path} "
+            f"({job.num_tokens} tokens): {cause.strerror or cause}; nothing was written"
+        )
+
+
+def volume_of(job: HiddenJob) -> Path:
+    """The volume root: the job's absolute path less its volume-relative part."""
+    path = Path(job.path)
+    for _ in Path(job.relative_path).parts:
+        path = path.parent
+    return path
 
 
 class PinnedBuffers:
@@ -227,7 +256,11 @@ class HiddenStatePipeline:
                 self._on_written(len(data))
             fut.set_result(describe_sample(self.loaded, job, data))
         except Exception as exc:
-            log.exception("writing %s failed", job.path)
+            if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                exc = VolumeFull(job, exc)  # atomic_write already removed the temp file
+                log.warning("%s", exc)
+            else:
+                log.exception("writing %s failed", job.path)
             fut.set_exception(exc)
         finally:
             host.row_done()

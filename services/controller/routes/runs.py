@@ -1,4 +1,9 @@
-"""``/runs``: submit a run, list runs, one run's status, its failures."""
+"""``/runs``: submit a run (after preflight), list runs, one run's status, its failures.
+
+Submission runs ``preflight.run_preflight`` first and answers **412** with the failed checks, each naming
+its fix, unless the body says ``"force": true``. A base checkpoint given as a Hub repo id is fetched onto
+the volume by preflight, and the run records that directory, which is where the trainer reads it.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,18 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.controller.preflight import run_preflight
 from services.controller.routes.deps import ConnDep, SettingsDep
 from services.controller.served import served_model
 from services.controller.status import list_status, run_status
-from services.controller.submit import submit_run
+from services.controller.submit import default_run_name, submit_run
+from shared.disk import BYTES_PER_TOKEN_ESTIMATE
 from shared.errors import DatasetError, InferenceUnavailable, RunExists, RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import check_run_name
-from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
 from shared.runstate import RunState
+from shared.settings import ControllerSettings
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
@@ -38,6 +46,7 @@ class SubmitRequest(BaseModel):
     extraction: ExtractionConfig | None = None
     train: TrainConfig | None = None
     evaluate: EvalConfig | None = None
+    force: bool = Field(False, description="Start the run even when preflight checks fail.")
 
     @field_validator("name")
     @classmethod
@@ -60,13 +69,40 @@ def _known_run(run: str) -> str:
         raise HTTPException(status_code=404, detail=f"no run {run!r}") from None
 
 
+def draft_spec(settings: ControllerSettings, body: SubmitRequest, model: str) -> RunSpec:
+    """The run's settings before its dataset is read (row counts stay 0): what preflight checks."""
+    dataset = resolve_dataset(body.dataset, settings.data)
+    return RunSpec(
+        name=check_run_name(body.name or default_run_name(dataset)), dataset=dataset, split=body.split,
+        limit=body.limit, model=model, generation=body.generation or GenerationConfig(),
+        extraction=body.extraction or ExtractionConfig(), train=body.train or TrainConfig(),
+        evaluate=body.evaluate or EvalConfig(),
+    )
+
+
 @router.post("", status_code=201)
 def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dict:
     try:
+        draft = draft_spec(settings, body, body.model or served_model(settings.inference_url))
+    except InferenceUnavailable as exc:
+        raise HTTPException(status_code=503, detail=str(exc)) from None
+    except ValueError as exc:  # an invalid default run name derived from the dataset, say
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    report = run_preflight(settings, spec=draft, force=body.force)
+    if not report.allowed:
+        names = ", ".join(c.name for c in report.errors)
+        raise HTTPException(status_code=412, detail={
+            "message": f"preflight failed ({names}); fix these or submit with \"force\": true",
+            "failed": [asdict(c) for c in report.errors], "checks": [asdict(c) for c in report.checks],
+        })
+    train = draft.train
+    if report.base_checkpoint is not None:
+        train = train.model_copy(update={"base_checkpoint": report.base_checkpoint})
+    try:
         spec = submit_run(
-            settings.data, conn, dataset=resolve_dataset(body.dataset, settings.data), name=body.name,
-            limit=body.limit, model=body.model or served_model(settings.inference_url), split=body.split,
-            generation=body.generation, extraction=body.extraction, train=body.train, evaluate=body.evaluate,
+            settings.data, conn, dataset=draft.dataset, name=draft.name, limit=draft.limit, model=draft.model,
+            split=draft.split, generation=draft.generation, extraction=draft.extraction, train=train,
+            evaluate=draft.evaluate,
         )
     except RunExists as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
@@ -74,8 +110,11 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
         raise HTTPException(status_code=400, detail=str(exc)) from None
     except InferenceUnavailable as exc:
         raise HTTPException(status_code=503, detail=str(exc)) from None
-    except ValueError as exc:  # an invalid default run name derived from the dataset, say
+    except ValueError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from None
+    if report.bytes_per_token:
+        # Until its first sample lands, the supervisor projects the run's disk needs from this.
+        RunState(conn, settings.data, spec.name).set_meta(**{BYTES_PER_TOKEN_ESTIMATE: report.bytes_per_token})
     return spec.model_dump(mode="json")
 
 

@@ -1,4 +1,8 @@
-"""``POST /v1/hidden_states`` (draftline's own): run one sample through the target, write its states."""
+"""``POST /v1/hidden_states`` (draftline's own): run one sample through the target, write its states.
+
+A full volume answers **507 Insufficient Storage** naming the volume and its free bytes; nothing of the
+file remains, and the server keeps serving every other request.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from services.inference.hidden import RESERVED_METADATA, HiddenJob
+from services.inference.pipeline import VolumeFull
 from services.inference.routes.deps import RuntimeDep
 from services.inference.routes.errors import ApiError
 from services.inference.runtime import HIDDEN_ENDPOINT, Runtime
@@ -19,11 +24,16 @@ from shared.layout import resolve_inside
 
 router = APIRouter()
 
+INSUFFICIENT_STORAGE = 507
+
 
 @router.post(HIDDEN_ENDPOINT)
 async def hidden_states(body: HiddenStatesRequest, runtime: RuntimeDep) -> dict[str, Any]:
     job = build_job(runtime, body)
-    written = await asyncio.wrap_future(runtime.pipeline.submit(job))
+    try:
+        written = await asyncio.wrap_future(runtime.pipeline.submit(job))
+    except VolumeFull as exc:
+        raise ApiError(INSUFFICIENT_STORAGE, "InsufficientStorageError", str(exc)) from None
     return dataclasses.asdict(written)
 
 

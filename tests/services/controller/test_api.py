@@ -20,6 +20,8 @@ def controller_env(data, redis_url: str, port: int, inference_url: str) -> dict[
     return {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1",
             "DRAFTLINE_FEED_INTERVAL_S": "0.1", "DRAFTLINE_GENERATE_BATCH": "4", "DRAFTLINE_FEED_WINDOW": "2",
             "DRAFTLINE_INFERENCE_URL": inference_url,
+            # Test volumes live under /tmp: preflight would refuse them as ephemeral without this.
+            "DRAFTLINE_ALLOW_EPHEMERAL_DATA": "true",
             # Tests never reach the Hub: an empty cache, offline, so a repo id fails fast and by name.
             "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(data.parent / "hf-cache")}
 
@@ -54,7 +56,7 @@ def test_health(api):
 
 
 def test_submit_returns_the_run_spec_and_the_supervisor_feeds_it(api):
-    body = {"dataset": dataset(api, "one", bad=(3,)), "name": "one", "model": "m",
+    body = {"dataset": dataset(api, "one", bad=(3,)), "name": "one", "model": "served-name",
             "generation": {"max_tokens": 7}, "evaluate": {"holdout": 2}}
     response = post(api, body)
     assert response.status_code == 201, response.text
@@ -81,13 +83,13 @@ def test_run_without_model_asks_the_inference_server(api):
 
 def test_relative_dataset_path_is_read_from_the_volume(api):
     write_jsonl(api["data"] / "on-volume.jsonl", [{"prompt": f"v{i}"} for i in range(4)])
-    response = post(api, {"dataset": "on-volume.jsonl", "name": "relative", "model": "m", "evaluate": {"holdout": 1}})
+    response = post(api, {"dataset": "on-volume.jsonl", "name": "relative", "model": "served-name", "evaluate": {"holdout": 1}})
     assert response.status_code == 201, response.text
     assert response.json()["dataset"] == str(api["data"] / "on-volume.jsonl")
 
 
 def test_existing_run_is_409(api):
-    body = {"dataset": dataset(api, "twice"), "name": "twice", "model": "m", "evaluate": {"holdout": 1}}
+    body = {"dataset": dataset(api, "twice"), "name": "twice", "model": "served-name", "evaluate": {"holdout": 1}}
     assert post(api, body).status_code == 201
     response = post(api, body)
     assert response.status_code == 409
@@ -95,8 +97,8 @@ def test_existing_run_is_409(api):
 
 
 @pytest.mark.parametrize(("body", "words"), [
-    ({"dataset": "/nowhere/rows.jsonl", "name": "missing", "model": "m"}, "no such file or directory"),
-    ({"dataset": "owner/not-cached-here", "name": "hub", "model": "m"}, "cannot be fetched"),
+    ({"dataset": "/nowhere/rows.jsonl", "name": "missing", "model": "served-name"}, "no such file or directory"),
+    ({"dataset": "owner/not-cached-here", "name": "hub", "model": "served-name"}, "cannot be fetched"),
 ])
 def test_unreadable_dataset_is_400(api, body, words):
     response = post(api, body)
@@ -105,23 +107,23 @@ def test_unreadable_dataset_is_400(api, body, words):
 
 
 def test_dataset_without_valid_rows_is_400(api):
-    response = post(api, {"dataset": dataset(api, "allbad", rows=3, bad=(0, 1, 2)), "name": "allbad", "model": "m"})
+    response = post(api, {"dataset": dataset(api, "allbad", rows=3, bad=(0, 1, 2)), "name": "allbad", "model": "served-name"})
     assert response.status_code == 400
     assert "no valid rows" in response.json()["detail"]
 
 
 @pytest.mark.parametrize("body", [
     {},
-    {"name": "x", "model": "m"},
-    {"dataset": "d.jsonl", "model": "m", "unknown": 1},
-    {"dataset": "d.jsonl", "model": "m", "name": "../escape"},
-    {"dataset": "d.jsonl", "model": "m", "name": ""},
-    {"dataset": "d.jsonl", "model": "m", "limit": 0},
-    {"dataset": "d.jsonl", "model": "m", "limit": "many"},
-    {"dataset": "d.jsonl", "model": "m", "generation": {"max_tokens": 0}},
-    {"dataset": "d.jsonl", "model": "m", "train": {"epochs": "two"}},
-    {"dataset": "d.jsonl", "model": "m", "evaluate": {"holdout": -1, "x": 1}},
-    {"dataset": 5, "model": "m"},
+    {"name": "x", "model": "served-name"},
+    {"dataset": "d.jsonl", "model": "served-name", "unknown": 1},
+    {"dataset": "d.jsonl", "model": "served-name", "name": "../escape"},
+    {"dataset": "d.jsonl", "model": "served-name", "name": ""},
+    {"dataset": "d.jsonl", "model": "served-name", "limit": 0},
+    {"dataset": "d.jsonl", "model": "served-name", "limit": "many"},
+    {"dataset": "d.jsonl", "model": "served-name", "generation": {"max_tokens": 0}},
+    {"dataset": "d.jsonl", "model": "served-name", "train": {"epochs": "two"}},
+    {"dataset": "d.jsonl", "model": "served-name", "evaluate": {"holdout": -1, "x": 1}},
+    {"dataset": 5, "model": "served-name"},
     ["dataset", "d.jsonl"],
     "just a string",
 ])
