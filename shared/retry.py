@@ -158,7 +158,7 @@ def retry_after_s(response: httpx.Response) -> float | None:
 def server_root(base_url: str) -> str:
     """The server root whether the setting names it or its ``/v1``."""
     base = base_url.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
+    return base.removesuffix("/v1")
 
 
 def health_url(base_url: str) -> str:

@@ -110,9 +110,9 @@ def reclaim(q: Queue, entry: StartedEntry, worker: str) -> int:
     if count > MAX_REQUEUES:
         give_up(job, worker)
         return 0
-    job.meta[REQUEUES_META] = count
-    job.save_meta()
+    job.meta[REQUEUES_META] = count  # saved with the job by enqueue_job
     with conn.pipeline() as pipe:
+        pipe.multi()  # RQ's enqueue_job wants a pipeline in transaction mode before any command
         pipe.lrem(q.intermediate_queue.key, 0, job.id)
         q.enqueue_job(job, pipeline=pipe)
         pipe.execute()

@@ -18,8 +18,18 @@ import httpx
 
 from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
 from shared.retry import (
-    Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, describe, health_url,
-    retry_after_s, server_root, wait_until_up,
+    Failed,
+    Outage,
+    Retrier,
+    RetryPolicy,
+    Trouble,
+    classify_error,
+    classify_status,
+    describe,
+    health_url,
+    retry_after_s,
+    server_root,
+    wait_until_up,
 )
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,17 @@ import httpx
 
 from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
 from shared.retry import (
-    AsyncServerWatch, Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, describe,
-    retry_after_s, server_root,
+    AsyncServerWatch,
+    Failed,
+    Outage,
+    Retrier,
+    RetryPolicy,
+    Trouble,
+    classify_error,
+    classify_status,
+    describe,
+    retry_after_s,
+    server_root,
 )
 from shared.runspec import GenerationConfig
 

@@ -12,8 +12,15 @@ from pathlib import Path
 import redis
 from rq.job import Job, JobStatus
 
+from services.controller.reaper import requeue_abandoned
 from services.controller.submit import submit_run
-from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, generate_job_id
+from shared.jobs import (
+    GENERATE_FUNC,
+    GENERATE_QUEUE,
+    GenerateJob,
+    PromptItem,
+    generate_job_id,
+)
 from shared.queues import SERIALIZER, queue
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
@@ -64,7 +71,8 @@ def wait_started(conn: redis.Redis, job_id: str, *workers: ServiceProcess) -> No
 
 def horse_of(worker: ServiceProcess) -> int:
     """The pid of the worker's work horse (its one child process)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.proc.pid)], capture_output=True, text=True)
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.proc.pid)], capture_output=True, text=True,
+                         check=True)
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 1, f"worker {worker.proc.pid} has children {pids}"
     return pids[0]
@@ -115,6 +123,8 @@ def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_ur
             worker.stop(signal.SIGKILL)
         assert "cold shut down" in worker.log()
         wait_for(lambda: gone(horse), "work horse gone", 10)
-    assert job_status(redis_conn, job_id) == JobStatus.STARTED  # left for the reaper, never marked done
+    assert job_status(redis_conn, job_id) == JobStatus.STARTED  # never marked done ...
     assert not state.paths.generated(0).exists()
     assert state.counts("generate").done == 0
+    assert requeue_abandoned(redis_conn) == 1  # ... but left for the reaper: the worker recorded its death
+    assert job_status(redis_conn, job_id) == JobStatus.QUEUED

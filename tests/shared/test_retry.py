@@ -10,10 +10,23 @@ import httpx
 import pytest
 
 from shared.errors import (
-    InferenceRejected, InferenceUnavailable, PromptTooLong, ReplyTooShort, RowError, error_class,
+    InferenceRejected,
+    InferenceUnavailable,
+    PromptTooLong,
+    ReplyTooShort,
+    RowError,
+    error_class,
 )
 from shared.retry import (
-    Failed, Outage, Retrier, RetryPolicy, Trouble, classify_error, classify_status, health_url, retryable,
+    Failed,
+    Outage,
+    Retrier,
+    RetryPolicy,
+    Trouble,
+    classify_error,
+    classify_status,
+    health_url,
+    retryable,
     wait_until_up,
 )
 from shared.settings import ExtractorSettings, GeneratorSettings, RetrySettings

@@ -86,9 +86,9 @@ def test_a_full_disk_507_is_waited_out_and_a_disk_that_stays_full_fails_at_the_c
         assert extract(server.url, NO_RETRIES).bytes == 4096
         assert len(server.hidden_requests) == 3
     policy = RetryPolicy(max_attempts=1, base_delay_s=0.05, max_delay_s=0.1, wait_max_s=0.4)
-    with HiddenStandIn((507, {"detail": "no space left"})) as server:
-        with pytest.raises(InferenceUnavailable, match=r"has no disk space for 0s .*no space left.*gave up waiting"):
-            extract(server.url, policy)
+    with HiddenStandIn((507, {"detail": "no space left"})) as server, \
+            pytest.raises(InferenceUnavailable, match=r"has no disk space for 0s .*no space left.*gave up waiting"):
+        extract(server.url, policy)
 
 
 def test_waiting_for_a_down_server_ends_at_the_cap_and_is_off_with_fixed_delays():

@@ -1,0 +1,150 @@
+"""The reaper gives a dead worker's job back to its queue; a live worker's job, however long, stays its own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from datetime import datetime, timedelta, timezone
+
+import redis
+from rq.job import Job, JobStatus
+from rq.utils import utcformat
+
+from services.controller.reaper import MAX_REQUEUES, REQUEUES_META, requeue_abandoned
+from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from shared.jobs import GENERATE_QUEUE, QUEUES, generate_job_id
+from shared.queues import SERIALIZER, queue
+from tests.services.test_worker import (
+    RUN,
+    gone,
+    horse_of,
+    make_run,
+    wait_for,
+    wait_started,
+)
+from tests.support.openai_server import OpenAIServer, Reply
+from tests.support.processes import ServiceProcess
+
+REAPER_EVERY_S = 5  # the supervisor's pace
+WITHIN_S = 120
+
+
+def fetch(conn: redis.Redis, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+
+
+def test_a_killed_workers_job_is_finished_by_another_worker_and_a_live_long_job_is_left_alone(
+        data_dir, redis_url, redis_conn, tmp_path):
+    state = make_run(data_dir, redis_conn, tmp_path, ["doomed", "patient"])
+    doomed, patient = generate_job_id(RUN, 0), generate_job_id(RUN, 1)
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir)}
+    with OpenAIServer() as server:
+        server.script("doomed", Reply("lost with its worker", delay_s=60), Reply("done by another worker"))
+        server.script("patient", Reply("a long but healthy reply", delay_s=45))
+        env["DRAFTLINE_INFERENCE_URL"] = server.url
+        workers = [ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start() for _ in range(2)]
+        try:
+            wait_started(redis_conn, doomed, *workers)
+            wait_started(redis_conn, patient, *workers)
+            for prompt in ("doomed", "patient"):  # mid-job: the request is in flight
+                wait_for(lambda p=prompt: server.requests_for(p), f"{prompt} request sent", 60, *workers)
+            killed_name = fetch(redis_conn, doomed).worker_name
+            patient_worker = fetch(redis_conn, patient).worker_name
+            [victim] = [w for w in workers if killed_name.endswith(f"-{w.proc.pid}")]
+            horse = horse_of(victim)
+            victim.stop(signal.SIGKILL)  # the worker only: its horse sits in a process group of its own
+            killed_at = time.monotonic()
+            wait_for(lambda: gone(horse), "the dead worker's work horse gone", 10)
+            workers.append(ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start())
+
+            requeued, finished_in = 0, None
+            while True:
+                done = {j for j in (doomed, patient) if fetch(redis_conn, j).get_status() == JobStatus.FINISHED}
+                if doomed in done and finished_in is None:
+                    finished_in = time.monotonic() - killed_at
+                if done == {doomed, patient}:
+                    break
+                assert time.monotonic() - killed_at < WITHIN_S + 60, "\n".join(w.log() for w in workers)
+                requeued += requeue_abandoned(redis_conn)  # what the supervisor does every few seconds
+                time.sleep(REAPER_EVERY_S)
+        finally:
+            for worker in workers:
+                worker.stop(signal.SIGKILL)
+    assert finished_in < WITHIN_S, f"the killed worker's job took {finished_in:.0f}s to finish elsewhere"
+    assert requeued == 1
+    again = fetch(redis_conn, doomed)
+    assert again.meta[REQUEUES_META] == 1 and again.worker_name != killed_name
+    assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "done by another worker"
+    healthy = fetch(redis_conn, patient)
+    assert REQUEUES_META not in healthy.meta and healthy.worker_name == patient_worker
+    assert json.loads(state.paths.generated(1).read_text())["reply"]["content"] == "a long but healthy reply"
+    assert len(server.requests_for("patient")) == 1
+    assert state.counts("generate").done == 2
+
+
+def take(conn: redis.Redis, name: str) -> tuple[DraftlineWorker, Job]:
+    """The next generate job taken by a worker as RQ takes it (dequeue, execution, started), with no
+    process behind it, so a test can then age, mark or delete the worker's records."""
+    q = queue(GENERATE_QUEUE, conn)
+    worker = DraftlineWorker([q], connection=conn, serializer=SERIALIZER, name=name)
+    worker.register_birth()
+    worker.heartbeat()
+    job, _ = q.dequeue_any([q], None, connection=conn, serializer=SERIALIZER)
+    worker.prepare_execution(job)
+    with conn.pipeline() as pipe:
+        job.prepare_for_execution(worker.name, pipe)
+        pipe.execute()
+    return worker, job
+
+
+def started_by_a_worker(conn: redis.Redis, job_id: str = "generate_r_00000000") -> tuple[DraftlineWorker, Job]:
+    queue(GENERATE_QUEUE, conn).enqueue_call("services.generator.jobs.generate", args=({},), job_id=job_id)
+    return take(conn, f"w-{job_id}")
+
+
+def age_heartbeat(conn: redis.Redis, worker: DraftlineWorker, seconds: float) -> None:
+    then = datetime.now(timezone.utc) - timedelta(seconds=seconds)
+    conn.hset(worker.key, "last_heartbeat", utcformat(then))
+
+
+def test_a_fresh_heartbeat_keeps_the_job_and_a_stale_one_gives_it_back_once(redis_conn):
+    worker, job = started_by_a_worker(redis_conn)
+    q = queue(GENERATE_QUEUE, redis_conn)
+    age_heartbeat(redis_conn, worker, STALE_HEARTBEAT_S - 5)
+    assert requeue_abandoned(redis_conn) == 0
+    assert job.id in q.started_job_registry.get_job_ids(cleanup=False) and q.get_job_ids() == []
+    age_heartbeat(redis_conn, worker, STALE_HEARTBEAT_S + 1)
+    assert requeue_abandoned(redis_conn, QUEUES) == 1
+    assert requeue_abandoned(redis_conn, QUEUES) == 0  # claimed once: a second pass finds nothing to do
+    assert q.get_job_ids() == [job.id]
+    assert q.started_job_registry.get_job_ids(cleanup=False) == []
+    assert worker.get_current_executions() == []
+    assert fetch(redis_conn, job.id).get_status() == JobStatus.QUEUED
+
+
+def test_a_cold_shutdowns_job_is_requeued_without_waiting_for_its_heartbeat_to_age(redis_conn):
+    worker, job = started_by_a_worker(redis_conn)
+    worker.register_death()  # what a worker does on its way out, after killing its horse
+    assert requeue_abandoned(redis_conn) == 1
+    assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == [job.id]
+
+
+def test_a_worker_whose_hash_expired_is_dead(redis_conn):
+    worker, _ = started_by_a_worker(redis_conn)
+    redis_conn.delete(worker.key)
+    assert requeue_abandoned(redis_conn, [GENERATE_QUEUE]) == 1
+    assert requeue_abandoned(redis_conn, ["draftline-extract"]) == 0
+
+
+def test_a_job_that_keeps_killing_its_worker_is_failed_after_the_last_requeue(redis_conn):
+    worker, job = started_by_a_worker(redis_conn)
+    for round_ in range(MAX_REQUEUES + 1):
+        if round_:
+            worker, job = take(redis_conn, f"w-round-{round_}")
+        redis_conn.delete(worker.key)
+        assert requeue_abandoned(redis_conn) == (1 if round_ < MAX_REQUEUES else 0), round_
+    job = fetch(redis_conn, job.id)
+    assert job.get_status() == JobStatus.FAILED
+    assert f"worker died {MAX_REQUEUES + 1} times" in job.latest_result().exc_string
+    assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == []
