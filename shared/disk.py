@@ -329,3 +329,10 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
         "bytes_per_token": round(per_token, 1) if per_token else None,
         "checked_at": _number(meta, "disk_checked_at") or None,
     }
+
+
+def format_disk_pause(disk: dict) -> str | None:
+    """The operator line for a run paused for disk space (``disk`` holds ``disk_status``'s keys), else None."""
+    if not disk.get("paused"):
+        return None
+    return f"  PAUSED    extraction waits for disk space: {disk.get('reason')}"

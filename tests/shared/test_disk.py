@@ -100,6 +100,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert reason and str(fs.path) in reason and "short by" in reason
         status = disk.disk_status(redis_conn, RUN)
         assert status["paused"] and status["reason"] == reason
+        assert disk.format_disk_pause(status) == f"  PAUSED    extraction waits for disk space: {reason}"
         assert (status["projected_bytes"], status["bytes_per_token"]) == (99 * 1000 * 100, 100.0)
 
         disk.supervise_disk(settings, redis_conn, RUN)  # still short: stays paused, first pause time kept
@@ -109,6 +110,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert disk.supervise_disk(settings, redis_conn, RUN).ok
         assert disk.paused_reason(redis_conn, RUN) is None
         assert disk.disk_status(redis_conn, RUN)["paused"] is False
+        assert disk.format_disk_pause(disk.disk_status(redis_conn, RUN)) is None
 
 
 def test_free_space_below_the_reserve_pauses_even_a_finished_projection(data_dir, redis_conn):
