@@ -6,6 +6,10 @@ cursors back so it enqueues those samples again: a generate failure re-runs gene
 failure re-runs extraction (and generation too when the sample's reply is gone). By default a retry
 takes errors only; drops (replies too short) are taken when named by id or with ``include_dropped``.
 
+An RQ job of a sample stage that RQ itself failed (its worker died too often, it ran past its timeout,
+an error escaped it) leaves its samples unsettled; ``name_failed_jobs`` names each of them as a
+``JobFailed`` failure of its stage and forgets the job, so they can be retried like any other.
+
 Rows that were malformed at submission are not in ``prompts.jsonl`` and cannot be retried. A run that
 is training or evaluating is refused. A finished run is reopened: its ``drafter/`` and ``eval.json``
 move to ``superseded/<UTC time>/`` (nothing is deleted), and training starts afresh once the retried
@@ -21,6 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.registry import FailedJobRegistry
 
 from services.controller.reconcile import (
     TERMINAL_STATES,
@@ -34,8 +41,9 @@ from services.controller.reconcile import (
 )
 from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
-from shared.jobs import SAMPLE_STAGES
+from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES
 from shared.layout import RunPaths
+from shared.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
 from shared.runstate import DROPPED, Failure, RunState, run_key
 
@@ -157,3 +165,41 @@ def reopen(state: RunState) -> str | None:
         state.conn.hdel(run_key(state.run, "meta"), *stale)
     log.info("run %s: reopened%s", state.run, f"; previous drafter moved to {target}" if moved else "")
     return str(target) if moved else None
+
+
+# ---- jobs RQ failed -----------------------------------------------------------------------------
+
+
+def name_failed_jobs(data: Path, conn: redis.Redis) -> int:
+    """Name the unsettled samples of every failed generate and extract job, then forget the job."""
+    named = 0
+    for queue_name, stage in ((GENERATE_QUEUE, "generate"), (EXTRACT_QUEUE, "extract")):
+        registry = queue(queue_name, conn).failed_job_registry
+        for job_id in registry.get_job_ids():
+            named += _name_job(Path(data), conn, registry, job_id, stage)
+    return named
+
+
+def _name_job(data: Path, conn: redis.Redis, registry: FailedJobRegistry, job_id: str, stage: str) -> int:
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+    except NoSuchJobError:
+        registry.remove(job_id)
+        return 0
+    payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+    run = payload.get("run")
+    ids = [int(item["sample_id"]) for item in payload.get("items", [])]
+    ids += [int(payload["sample_id"])] if "sample_id" in payload else []
+    named = 0
+    if run and RunPaths(data, run).spec.is_file():
+        state = RunState(conn, data, run)
+        result = job.latest_result()
+        reason = ((result.exc_string if result else None) or "no reason recorded").strip().splitlines()[-1]
+        for sample_id in ids:
+            if not any(bits[0] for bits in state.outcomes(stage, sample_id, sample_id + 1).values()):
+                state.mark_failed(Failure(run=run, stage=stage, sample_id=sample_id, error_class="JobFailed",
+                                          message=f"RQ job {job_id} failed: {reason}"))
+                named += 1
+        log.warning("run %s: job %s failed in RQ; %d of its samples named as %s failures", run, job_id, named, stage)
+    registry.remove(job, delete_job=True)
+    return named

@@ -12,8 +12,8 @@ Two cursors per run live in the run's meta, and a resume resets both, so the fee
 When a cursor reaches the end while its stage still has unsettled ids, it starts another pass (at most
 every ``REPASS_INTERVAL_S``; the generate cursor only once none of the run's generate jobs waits or
 runs). No pass duplicates work: generate skips the ids of the run's waiting and running jobs, and extract
-job ids are deterministic and enqueued with ``unique=True``. A job id that still names a *finished* or
-*failed* job (RQ keeps them for a while) is replaced, since its sample is evidently not settled.
+job ids are deterministic and enqueued with ``unique=True``. A job id that still names a *finished*
+job (RQ keeps them for a while) is replaced, since its samples are evidently not settled.
 
 A run of millions of rows costs Redis a few kilobytes of queue; the volume holds the rest.
 """
@@ -58,7 +58,8 @@ SCAN_LINES_PER_TICK = 50_000  # prompt lines one tick reads at most, so a tick s
 SCAN_IDS_PER_TICK = 262_144  # sample ids the backfill checks per tick at most (32 KiB of each bitmap)
 BITMAP_CHUNK = 8192
 REPASS_INTERVAL_S = 60.0
-REPLACEABLE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
+# A failed job is not replaced: its samples are named first (failures.name_failed_jobs), then it is gone.
+REPLACEABLE = {JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED}
 
 # prompts.jsonl lines start with the id (submit.prompt_line), so passing over a settled row parses no JSON.
 _ID_PREFIX = re.compile(rb'^\{"sample_id": (\d+)[,}]')

@@ -181,8 +181,9 @@ class RunIds:
     def expected(self) -> np.ndarray:
         return ~self.held_out
 
-    def in_run(self, sample_id: int) -> bool:
-        return 0 <= sample_id < self.rows and not self.held_out[sample_id]
+    def is_prompt(self, sample_id: int) -> bool:
+        """Only a prompt of the run can have finished work (held-out and malformed rows have none)."""
+        return 0 <= sample_id < self.rows and bool(self.prompts[sample_id])
 
 
 def run_ids(paths: RunPaths, spec: RunSpec) -> RunIds:
@@ -270,7 +271,7 @@ def _run_layers(spec: RunSpec, manifests: dict[Path, dict[int, ManifestEntry]]) 
 def scan_hidden(paths: RunPaths, spec: RunSpec, ids: RunIds, *, deep: bool, cutoff: float,
                 report: ReconcileReport) -> tuple[np.ndarray, int]:
     """(verified mask, bytes of verified files); bad files deleted, entry-less old files adopted or deleted."""
-    files = [(i, p) for i, p in _sample_files(paths.hidden_dir, ".safetensors") if ids.in_run(i)]
+    files = [(i, p) for i, p in _sample_files(paths.hidden_dir, ".safetensors") if ids.is_prompt(i)]
     manifests = {shard: read_manifest(shard / MANIFEST_NAME) for shard in {p.parent for _, p in files}}
     layers = _run_layers(spec, manifests)
     with ThreadPoolExecutor(VERIFY_THREADS) as pool:
@@ -312,7 +313,7 @@ def reply_problem(path: Path, sample_id: int) -> str | None:
 def scan_generated(paths: RunPaths, ids: RunIds, extracted: np.ndarray, *, deep: bool,
                    report: ReconcileReport) -> tuple[np.ndarray, int]:
     """(verified mask, bytes of verified replies); unreadable replies deleted."""
-    files = [(i, p) for i, p in _sample_files(paths.generated_dir, ".json") if ids.in_run(i)]
+    files = [(i, p) for i, p in _sample_files(paths.generated_dir, ".json") if ids.is_prompt(i)]
 
     def check(item: tuple[int, Path]) -> str | None:
         sample_id, path = item

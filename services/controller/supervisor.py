@@ -19,6 +19,7 @@ import time
 import redis
 
 from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
+from services.controller.failures import name_failed_jobs
 from services.controller.reconcile import TERMINAL_STATES, lost_runs, reconcile_run, reconciling, write_finished
 from services.controller.status import derive_state
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
@@ -114,6 +115,7 @@ def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
 def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
     """One pass over every known run; a broken run is logged and the others still advance."""
     rebuild_lost(settings, conn)
+    name_failed_jobs(settings.data, conn)
     for run in known_runs(conn):
         try:
             supervise_run(settings, conn, run)

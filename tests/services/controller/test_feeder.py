@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from rq.job import JobStatus
 
-from services.controller.feeder import feed_finished, feed_run
+from services.controller.feeder import backfill_extract, enqueue_extract, feed_finished, feed_run
 from services.controller.submit import submit_run
 from shared.jobs import (
     EXTRACT_FUNC,
@@ -18,7 +19,7 @@ from shared.jobs import (
 )
 from shared.queues import queue
 from shared.runspec import EvalConfig
-from shared.runstate import RunState
+from shared.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 
@@ -115,3 +116,94 @@ def test_run_names_with_dots_get_valid_distinct_job_ids(data_dir, redis_conn, tm
     ids = queue(GENERATE_QUEUE, redis_conn).get_job_ids()
     assert len(set(ids)) == 4
     assert generate_job_id("data.v2", 4) in ids and generate_job_id("data_v2", 4) in ids
+
+
+# ---- the feeder as a scanner: settled ids, in-flight ids, the extract backfill, large resumed runs ----
+
+
+def enqueued_ids(conn, queue_name: str) -> list[int]:
+    q = queue(queue_name, conn)
+    ids = []
+    for job_id in q.get_job_ids():
+        payload = q.fetch_job(job_id).args[0]
+        ids += [item["sample_id"] for item in payload["items"]] if "items" in payload else [payload["sample_id"]]
+    return ids
+
+
+def test_ids_settled_in_generate_are_never_fed(data_dir, redis_conn, run):
+    state = RunState(redis_conn, data_dir, run)
+    for sample_id in (0, 1, 2, 5):
+        state.mark_done("generate", sample_id)
+    state.mark_failed(Failure(run=run, stage="generate", sample_id=3, error_class="X", message="m"))
+    state.mark_failed(Failure(run=run, stage="generate", sample_id=6, error_class="X", message="m", kind=DROPPED))
+    assert feed_run(settings(data_dir), redis_conn, run) == 3
+    assert enqueued_ids(redis_conn, GENERATE_QUEUE) == [4, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+def test_a_rescan_skips_the_ids_of_waiting_jobs(data_dir, redis_conn, run):
+    assert feed_run(settings(data_dir), redis_conn, run) == 3  # ids 0-9, 12, 13
+    RunState(redis_conn, data_dir, run).set_meta(feed_offset=0)  # a resume resets the cursor
+    assert feed_run(settings(data_dir, feed_window=5), redis_conn, run) == 2
+    ids = enqueued_ids(redis_conn, GENERATE_QUEUE)
+    assert len(ids) == len(set(ids)) == 20 and ids[-8:] == list(range(14, 22))
+
+
+def test_a_job_id_of_a_finished_job_is_reused_and_a_waiting_one_is_not(redis_conn):
+    q = queue(EXTRACT_QUEUE, redis_conn)
+    assert enqueue_extract(redis_conn, "r", 4) is True
+    assert enqueue_extract(redis_conn, "r", 4) is False  # still waiting: never twice in the queue
+    job = q.fetch_job(extract_job_id("r", 4))
+    q.remove(job)
+    job.set_status(JobStatus.FINISHED)  # ran, yet the sample is not settled (a retry cleared its failure, say)
+    assert enqueue_extract(redis_conn, "r", 4) is True
+    assert q.get_job_ids() == [extract_job_id("r", 4)]
+
+
+def test_backfill_queues_extractions_for_replies_without_one_within_the_backlog(data_dir, redis_conn, run):
+    state = RunState(redis_conn, data_dir, run)
+    for sample_id in range(10):
+        state.mark_done("generate", sample_id)
+    for sample_id in (0, 1, 2):
+        state.mark_done("extract", sample_id)
+    state.mark_failed(Failure(run=run, stage="extract", sample_id=3, error_class="X", message="m"))
+    cfg = settings(data_dir, extract_backlog=4)
+    assert backfill_extract(cfg, redis_conn, run) == 4
+    assert backfill_extract(cfg, redis_conn, run) == 0  # backlog full
+    assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [4, 5, 6, 7]
+    for _ in range(2):
+        queue(EXTRACT_QUEUE, redis_conn).pop_job_id()
+    assert backfill_extract(cfg, redis_conn, run) == 2
+    assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [6, 7, 8, 9]
+    assert backfill_extract(cfg, redis_conn, run) == 0
+
+
+def test_a_resumed_large_run_never_exceeds_the_windows_and_feeds_each_open_id_once(data_dir, redis_conn, tmp_path):
+    from services.controller.reconcile import reconcile_run
+    from tests.services.controller.volume import finish_samples, prompt_rows, submit
+
+    state = submit(data_dir, redis_conn, tmp_path, "big", prompt_rows(5001, bad=(4990,)))  # ids 0..4999
+    finish_samples(state, generated=range(4900), extracted=range(4800))
+    redis_conn.flushall()
+    report = reconcile_run(data_dir, redis_conn, "big")
+    assert (report.generated, report.extracted, report.failures_kept) == (4900, 4800, 1)
+    cfg = settings(data_dir, generate_batch=8, feed_window=3, extract_backlog=40)
+    gen_q, ext_q = queue(GENERATE_QUEUE, redis_conn), queue(EXTRACT_QUEUE, redis_conn)
+    generated, extracted = [], []
+    for _ in range(200):
+        feed_run(cfg, redis_conn, "big")
+        backfill_extract(cfg, redis_conn, "big")
+        assert gen_q.count <= cfg.feed_window and ext_q.count <= cfg.extract_backlog
+        if gen_q.count == ext_q.count == 0:
+            break
+        for job_id in gen_q.get_job_ids()[:2]:  # workers take a few jobs and finish them
+            gen_q.remove(job_id)
+            for item in gen_q.fetch_job(job_id).args[0]["items"]:
+                generated.append(item["sample_id"])
+                state.mark_done("generate", item["sample_id"])
+        for job_id in ext_q.get_job_ids()[:25]:
+            ext_q.remove(job_id)
+            extracted.append(ext_q.fetch_job(job_id).args[0]["sample_id"])
+            state.mark_done("extract", extracted[-1])
+    assert sorted(generated) == [i for i in range(4900, 5000) if i != 4990]
+    assert sorted(extracted) == [i for i in range(4800, 5000) if i != 4990]
+    assert state.counts("extract").done == 4999
