@@ -37,11 +37,13 @@ KEEP_CHECKPOINTS = 2
 
 @dataclass(frozen=True)
 class Position:
-    """Where training stands: optimizer steps taken, and the next batch of which epoch."""
+    """Where training stands: optimizer steps taken, the next batch of which epoch, and the training time
+    spent so far (so ``elapsed_s`` in the log keeps counting across a resume instead of restarting)."""
 
     step: int
     epoch: int
     batch_in_epoch: int
+    elapsed_s: float = 0.0
 
 
 @contextmanager

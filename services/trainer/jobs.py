@@ -25,8 +25,9 @@ from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.evaluate import evaluate_prompts, load_target, read_eval_prompts
 from services.trainer.export import export_drafter, load_drafter
+from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.target_head import read_target_config, text_config
-from services.trainer.train import TrainProgress, pick_device, train_drafter
+from services.trainer.train import TrainProgress, TrainResult, pick_device, train_drafter
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +56,12 @@ def _run_context(run: str) -> tuple[TrainerSettings, Any, RunState, RunPaths]:
 def train(payload: dict) -> dict:
     job = TrainJob.model_validate(payload)
     settings, conn, state, paths = _run_context(job.run)
-    state.set_meta(train_state="running", train_started_at=time.time())
-
-    def report(p: TrainProgress) -> None:
-        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), acc0=round(p.acc[0], 4))
-
     try:
         spec = RunSpec.load(settings.data, job.run)
-        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
-        export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
-                       target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
+        with exclusive_training(paths):
+            result = _train_and_export(spec, settings, state, paths)
+    except TrainingInProgress:
+        raise  # the run's state belongs to the trainer holding the lock
     except Exception as exc:
         state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
         raise
@@ -75,6 +72,18 @@ def train(payload: dict) -> dict:
     )
     log.info("run %s: trained %d steps, exported to %s, evaluation queued", job.run, result.steps, paths.export_dir)
     return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir)}
+
+
+def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState, paths: RunPaths) -> TrainResult:
+    state.set_meta(train_state="running", train_started_at=time.time())
+
+    def report(p: TrainProgress) -> None:
+        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), acc0=round(p.acc[0], 4))
+
+    result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
+    export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
+                   target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
+    return result
 
 
 def evaluate(payload: dict) -> dict:

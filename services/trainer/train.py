@@ -306,7 +306,7 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
     s = prepare(spec, data=data, model_dir=model_dir, device=device)
     train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
-    step, started = s.position.step, time.monotonic()
+    step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     for epoch in range(s.position.epoch, s.cfg.epochs):
         batches = rank_batches(epoch_order(len(s.dataset), s.cfg.seed, epoch), s.cfg.batch_size, s.rank, s.world)
         first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
@@ -322,7 +322,8 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
                 progress(s.result.last)
             if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
                 ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer, scheduler=s.scheduler,
-                                     position=ckpt.Position(step, epoch, index + 1), extra={"total_steps": s.total})
+                                     position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
+                                     extra={"total_steps": s.total})
     s.result.steps = step
     return s.result
 

@@ -140,3 +140,16 @@ def make_run(data_dir: Path, tiny_target: TinyTarget, tiny_samples, eval_message
         return write_run(data_dir, name, tiny_target, tiny_samples, eval_messages, **overrides)
 
     return make
+
+
+@pytest.fixture()
+def job_settings(monkeypatch, redis_url, data_dir, tiny_model_dir):
+    """The job functions called in this process, configured through the environment like the worker."""
+    from services.trainer import jobs
+
+    for name, value in {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+                        "DRAFTLINE_DEVICE": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    jobs.get_settings.cache_clear()
+    yield jobs
+    jobs.get_settings.cache_clear()

@@ -75,19 +75,6 @@ def test_a_corrupt_hidden_state_file_fails_the_train_job_naming_the_file(make_ru
     assert not paths.export_dir.exists() and not redis_conn.exists(Job.key_for(evaluate_job_id("broken")))
 
 
-@pytest.fixture()
-def job_settings(monkeypatch, redis_url, data_dir, tiny_model_dir):
-    """The job functions called in this process, configured through the environment like the worker."""
-    from services.trainer import jobs
-
-    for name, value in {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
-                        "DRAFTLINE_DEVICE": "cpu"}.items():
-        monkeypatch.setenv(name, value)
-    jobs.get_settings.cache_clear()
-    yield jobs
-    jobs.get_settings.cache_clear()
-
-
 def test_evaluation_without_held_out_prompts_fails_naming_the_missing_file(job_settings, make_run, redis_conn, data_dir):
     from shared.errors import DatasetError
 
