@@ -131,7 +131,8 @@ def _resume(args: argparse.Namespace) -> int:
              f"({report.adopted:,} adopted into the manifest) of {report.expected:,} samples",
              f"  redone    {len(report.redone):,} files removed to be made again",
              *[f"    {r['stage']:<8} sample {r['sample_id']:<8} {r['reason']}" for r in report.redone[:50]],
-             f"  cleaned   {report.temp_removed:,} leftover temp files, {report.failures_cleared:,} stale failure records",
+             f"  cleaned   {report.temp_removed:,} leftover temp files, "
+             f"{report.failures_cleared:,} stale failure records",
              f"  failures  {report.failures_kept:,} kept (draftline failures {run})"]
     if report.named:
         lines.append(f"  named     {len(report.named):,} rows missing from the prompts: {report.named[:20]}")

@@ -110,7 +110,8 @@ def inflight_generate(conn: redis.Redis, run: str) -> tuple[int, set[int]]:
     stem = generate_job_id(run, 0).rsplit("_", 1)[0]
     q = queue(GENERATE_QUEUE, conn)
     waiting = [j for j in q.get_job_ids() if _is_runs(j, stem)]
-    running = [j for j in q.started_job_registry.get_job_ids() if _is_runs(j, stem)]
+    # Without cleanup: RQ's cleanup would fail jobs whose worker looks lost, which is the reaper's call.
+    running = [j for j in q.started_job_registry.get_job_ids(cleanup=False) if _is_runs(j, stem)]
     ids: set[int] = set()
     for job in Job.fetch_many(waiting + running, connection=conn, serializer=SERIALIZER):
         if job is not None and job.args:
@@ -239,8 +240,8 @@ def feed_finished(meta: dict[str, str]) -> bool:
 
 
 def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
-    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),
-                        extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S)
+    payload = ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json")
+    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, payload, extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S)
 
 
 def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:

@@ -59,7 +59,8 @@ TERMINAL_STATES = ("complete", "complete_with_failures", "failed")
 STATE_FILE = "state.json"
 GRACE_S = 300.0  # files younger than this may belong to a worker that is still running
 VERIFY_THREADS = 8
-LOCK_TTL_S = 6 * 3600
+LOCK_TTL_S = 300.0  # refreshed as the scans progress; a crashed resume blocks its run this long at most
+LOCK_REFRESH_EVERY = 2000  # files checked between refreshes
 SUBMIT_LOCK = "draftline:submit-lock:{run}"  # held by services.controller.submit while a run is created
 _STEM = re.compile(r"^(\d{8})$")
 
@@ -143,13 +144,25 @@ def reconciling(conn: redis.Redis, run: str) -> bool:
 
 
 @contextmanager
-def _reconcile_lock(conn: redis.Redis, run: str) -> Iterator[None]:
-    if not conn.set(_lock_key(run), str(time.time()), nx=True, ex=LOCK_TTL_S):
+def _reconcile_lock(conn: redis.Redis, run: str) -> Iterator[Callable[[], None]]:
+    """Hold the run's reconcile lock; yields ``refresh``, to be called while a long scan progresses."""
+    key = _lock_key(run)
+    if not conn.set(key, str(time.time()), nx=True, px=int(LOCK_TTL_S * 1000)):
         raise RunBusy(f"run {run!r} is being reconciled right now")
     try:
-        yield
+        yield lambda: conn.pexpire(key, int(LOCK_TTL_S * 1000))
     finally:
-        conn.delete(_lock_key(run))
+        conn.delete(key)
+
+
+def _checked_in_order(pool: ThreadPoolExecutor, check: Callable, items: list, refresh: Callable[[], None]) -> list:
+    """``pool.map(check, items)``, refreshing the lock every ``LOCK_REFRESH_EVERY`` results."""
+    results = []
+    for index, result in enumerate(pool.map(check, items), start=1):
+        results.append(result)
+        if index % LOCK_REFRESH_EVERY == 0:
+            refresh()
+    return results
 
 
 def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
@@ -269,14 +282,16 @@ def _run_layers(spec: RunSpec, manifests: dict[Path, dict[int, ManifestEntry]]) 
 
 
 def scan_hidden(paths: RunPaths, spec: RunSpec, ids: RunIds, *, deep: bool, cutoff: float,
-                report: ReconcileReport) -> tuple[np.ndarray, int]:
+                report: ReconcileReport, refresh: Callable[[], None] = lambda: None) -> tuple[np.ndarray, int]:
     """(verified mask, bytes of verified files); bad files deleted, entry-less old files adopted or deleted."""
     files = [(i, p) for i, p in _sample_files(paths.hidden_dir, ".safetensors") if ids.is_prompt(i)]
     manifests = {shard: read_manifest(shard / MANIFEST_NAME) for shard in {p.parent for _, p in files}}
     layers = _run_layers(spec, manifests)
+    def check(item: tuple[int, Path]) -> _Checked:
+        return _check_hidden(item, manifests[item[1].parent].get(item[0]), deep=deep, cutoff=cutoff, layer_ids=layers)
+
     with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-        checked = list(pool.map(lambda f: _check_hidden(f, manifests[f[1].parent].get(f[0]), deep=deep,
-                                                         cutoff=cutoff, layer_ids=layers), files))
+        checked = _checked_in_order(pool, check, files, refresh)
     done, total = np.zeros(ids.rows, dtype=bool), 0
     for item in checked:
         if item.verdict == "adopt":
@@ -310,8 +325,8 @@ def reply_problem(path: Path, sample_id: int) -> str | None:
     return None
 
 
-def scan_generated(paths: RunPaths, ids: RunIds, extracted: np.ndarray, *, deep: bool,
-                   report: ReconcileReport) -> tuple[np.ndarray, int]:
+def scan_generated(paths: RunPaths, ids: RunIds, extracted: np.ndarray, *, deep: bool, report: ReconcileReport,
+                   refresh: Callable[[], None] = lambda: None) -> tuple[np.ndarray, int]:
     """(verified mask, bytes of verified replies); unreadable replies deleted."""
     files = [(i, p) for i, p in _sample_files(paths.generated_dir, ".json") if ids.is_prompt(i)]
 
@@ -320,7 +335,7 @@ def scan_generated(paths: RunPaths, ids: RunIds, extracted: np.ndarray, *, deep:
         return None if not deep and extracted[sample_id] and path.exists() else reply_problem(path, sample_id)
 
     with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-        problems = list(pool.map(check, files))
+        problems = _checked_in_order(pool, check, files, refresh)
     done, total = np.zeros(ids.rows, dtype=bool), 0
     for (sample_id, path), problem in zip(files, problems):
         if problem is None:
@@ -533,16 +548,19 @@ def reconcile_run(data: Path, conn: redis.Redis, run: str, *, deep: bool = False
     data = Path(data)
     spec = RunSpec.load(data, run)
     paths = RunPaths(data, run)
-    with _reconcile_lock(conn, run):
+    with _reconcile_lock(conn, run) as refresh:
         report = ReconcileReport(run=run, deep=deep, resumed_at=time.time())
         cutoff = report.resumed_at - grace_s
         report.temp_removed = remove_stale_temps(paths, cutoff)
         ids = run_ids(paths, spec)
-        extracted, hidden_bytes = scan_hidden(paths, spec, ids, deep=deep, cutoff=cutoff, report=report)
-        generated, generated_bytes = scan_generated(paths, ids, extracted, deep=deep, report=report)
+        extracted, hidden_bytes = scan_hidden(paths, spec, ids, deep=deep, cutoff=cutoff, report=report,
+                                              refresh=refresh)
+        generated, generated_bytes = scan_generated(paths, ids, extracted, deep=deep, report=report,
+                                                    refresh=refresh)
         done = {"generate": generated, "extract": extracted}
         failures = scan_failures(paths, ids, done, report)
         name_missing_rows(paths, ids, failures, report)
+        refresh()
         publish(conn, paths, ids, done, failures)
         sizes = {"hidden_bytes": hidden_bytes, "generated_bytes": generated_bytes}
         restore_meta(RunState(conn, data, run), spec, ids, sizes, report)

@@ -18,8 +18,8 @@ import time
 
 import redis
 
-from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
 from services.controller.failures import name_failed_jobs
+from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
 from services.controller.reconcile import TERMINAL_STATES, lost_runs, reconcile_run, reconciling, write_finished
 from services.controller.status import derive_state
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id

@@ -9,12 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from services.controller.reconcile import (
-    lost_runs,
-    merge_bitmap,
-    read_finished,
-    reconcile_run,
-)
+from services.controller.reconcile import lost_runs, merge_bitmap, read_finished, reconcile_run
 from services.controller.status import run_status
 from services.controller.supervisor import supervise_once
 from shared.errors import RunNotFound
@@ -23,7 +18,7 @@ from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.queues import queue
 from shared.runstate import DROPPED, Failure, RunState, bitmap_ids, known_runs, run_key
 from shared.settings import ControllerSettings
-from tests.services.controller.volume import finish_samples, prompt_rows, submit, write_hidden, write_manifest
+from tests.services.controller.volume import finish_samples, prompt_rows, submit, write_hidden
 
 RUN = "rec"
 

@@ -29,7 +29,8 @@ def submit(data: Path, conn: redis.Redis, tmp_path: Path, name: str, rows: list,
            **config) -> RunState:
     """Submit ``rows`` as run ``name`` (``config``: generation=..., extraction=..., as submit_run takes)."""
     dataset = write_jsonl(tmp_path / f"{name}.jsonl", rows)
-    submit_run(data, conn, dataset=str(dataset), name=name, model="m", evaluate=EvalConfig(holdout=holdout), **config)
+    config.setdefault("evaluate", EvalConfig(holdout=holdout))
+    submit_run(data, conn, dataset=str(dataset), name=name, model="m", **config)
     return RunState(conn, data, name)
 
 
