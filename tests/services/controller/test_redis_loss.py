@@ -2,8 +2,9 @@
 
 Real processes: the built-in inference server on the tiny target, the controller (its supervisor),
 generator, extractor and trainer workers, and a scripted OpenAI-compatible server for the replies. Redis
-is flushed while samples are being extracted; the controller notices the run is gone, rebuilds it from
-the volume by itself, and the run completes with every sample verified exactly once.
+is flushed while samples are being extracted, and two finished hidden-state files are damaged; the
+controller notices the run is gone, rebuilds it from the volume by itself (redoing the damaged files),
+and the run completes with every sample verified exactly once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
-from shared.runstate import RunState
+from shared.runstate import RunState, bitmap_ids, run_key
 from tests.services.controller.volume import prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import ServiceProcess, free_port
@@ -74,16 +75,20 @@ def test_a_flushed_redis_is_rebuilt_by_the_controller_and_the_run_completes(data
                    train=TrainConfig(epochs=1, batch_size=8, ttt_steps=2, draft_vocab_size=64, max_length=64),
                    evaluate=EvalConfig(holdout=1, max_new_tokens=8, draft_steps=2))
     wait_for(lambda: state.counts("extract").done >= 4, procs, 120, "the first extractions")
-    before = state.counts("extract").done
+    truncated, unreadable = (state.paths.hidden(i) for i in bitmap_ids(redis_conn.get(run_key(RUN, "done:extract")))[:2])
+    # The crash that loses Redis also damages two finished files; the rebuild must notice and redo them.
+    truncated.write_bytes(truncated.read_bytes()[:-5])
+    raw = unreadable.read_bytes()
+    unreadable.write_bytes(raw[:8] + b"\x00" + raw[9:])
     redis_conn.flushall()
-    assert before < 38, "the run finished before Redis was lost; nothing was tested"
+    assert len(list(state.paths.hidden_dir.rglob("*.safetensors"))) < 38, "the run ended before Redis was lost"
 
     def finished() -> bool:
         return read_finished(state.paths) is not None
 
     wait_for(finished, procs, 240, "the run to finish")
     controller_log = next(p for p in procs if p.name == "controller").log()
-    assert "lost by Redis; rebuilding" in controller_log
+    assert "lost by Redis; rebuilding" in controller_log and " 2 redone" in controller_log
 
     status = httpx.get(f"{stack['controller']}/runs/{RUN}", timeout=30).json()
     assert status["state"] == "complete_with_failures" == read_finished(state.paths)["state"]
