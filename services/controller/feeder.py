@@ -99,14 +99,9 @@ def _is_runs(job_id: str, stem: str) -> bool:
     return job_id.rsplit("_", 1)[0] == stem
 
 
-def waiting_jobs(conn: redis.Redis, run: str) -> int:
-    """Generate jobs of ``run`` still waiting in the queue (the queue is bounded, so listing it is cheap)."""
-    stem = generate_job_id(run, 0).rsplit("_", 1)[0]
-    return sum(1 for job_id in queue(GENERATE_QUEUE, conn).get_job_ids() if _is_runs(job_id, stem))
-
-
 def inflight_generate(conn: redis.Redis, run: str) -> tuple[int, set[int]]:
-    """(waiting jobs of ``run``, sample ids in its waiting or running generate jobs)."""
+    """(waiting jobs of ``run``, sample ids in its waiting or running generate jobs); both are bounded by
+    the feed window and the number of workers, so listing them is cheap."""
     stem = generate_job_id(run, 0).rsplit("_", 1)[0]
     q = queue(GENERATE_QUEUE, conn)
     waiting = [j for j in q.get_job_ids() if _is_runs(j, stem)]
@@ -186,7 +181,9 @@ def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
     """Top up ``run``'s generate jobs with ids not yet settled; returns how many jobs were enqueued."""
     state = RunState(conn, settings.data, run)
     meta = state.meta()
-    end = int(meta.get("prompts_bytes", -1))
+    if "prompts_bytes" not in meta:
+        return 0  # the run's meta is gone with Redis; the supervisor rebuilds it before anything is fed
+    end = int(meta["prompts_bytes"])
     offset = _generate_cursor(state, meta, end)
     if offset == end or extract_room(settings, conn) <= 0:
         return 0

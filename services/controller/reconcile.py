@@ -61,6 +61,7 @@ GRACE_S = 300.0  # files younger than this may belong to a worker that is still 
 VERIFY_THREADS = 8
 LOCK_TTL_S = 300.0  # refreshed as the scans progress; a crashed resume blocks its run this long at most
 LOCK_REFRESH_EVERY = 2000  # files checked between refreshes
+REBUILD_BACKOFF_S = 60.0
 SUBMIT_LOCK = "draftline:submit-lock:{run}"  # held by services.controller.submit while a run is created
 _STEM = re.compile(r"^(\d{8})$")
 
@@ -165,6 +166,15 @@ def _checked_in_order(pool: ThreadPoolExecutor, check: Callable, items: list, re
     return results
 
 
+def _backoff_key(run: str) -> str:
+    return f"draftline:rebuild-backoff:{run}"
+
+
+def back_off(conn: redis.Redis, run: str) -> None:
+    """Leave a run that could not be rebuilt alone for a while instead of failing on it every tick."""
+    conn.set(_backoff_key(run), str(time.time()), ex=int(REBUILD_BACKOFF_S))
+
+
 def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
     """Unfinished runs on the volume whose Redis state is gone (not registered, or meta without ``expected``)."""
     known = set(known_runs(conn))
@@ -172,7 +182,7 @@ def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
     for run in list_runs(Path(data)):
         if read_finished(RunPaths(Path(data), run)) is not None:
             continue
-        if conn.exists(SUBMIT_LOCK.format(run=run)) or reconciling(conn, run):
+        if conn.exists(SUBMIT_LOCK.format(run=run), _lock_key(run), _backoff_key(run)):
             continue
         if run in known and conn.hexists(run_key(run, "meta"), "expected"):
             continue

@@ -20,7 +20,15 @@ import redis
 
 from services.controller.failures import name_failed_jobs
 from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
-from services.controller.reconcile import TERMINAL_STATES, lost_runs, reconcile_run, reconciling, write_finished
+from services.controller.reconcile import (
+    REBUILD_BACKOFF_S,
+    TERMINAL_STATES,
+    back_off,
+    lost_runs,
+    reconcile_run,
+    reconciling,
+    write_finished,
+)
 from services.controller.status import derive_state
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.runstate import RunState, known_runs, run_key
@@ -107,7 +115,8 @@ def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
         try:
             report = reconcile_run(settings.data, conn, run)
         except Exception:  # noqa: BLE001 - one run that cannot be rebuilt must not stall the others
-            log.exception("run %s: rebuilding failed", run)
+            log.exception("run %s: rebuilding failed; trying again in %.0fs", run, REBUILD_BACKOFF_S)
+            back_off(conn, run)
             continue
         log.warning("run %s: rebuilt: %s", run, report.summary())
 

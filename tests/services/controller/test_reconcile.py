@@ -208,3 +208,13 @@ def test_a_run_being_submitted_is_left_to_its_submitter(data_dir, redis_conn, st
     redis_conn.flushall()
     redis_conn.set(f"draftline:submit-lock:{RUN}", "1")
     assert lost_runs(data_dir, redis_conn) == []
+
+
+def test_a_run_that_cannot_be_rebuilt_is_named_and_left_alone_for_a_while(data_dir, redis_conn, state, caplog):
+    state.paths.prompts.unlink()  # a volume damaged beyond what a resume can repair
+    redis_conn.flushall()
+    supervise_once(cfg(data_dir), redis_conn)
+    assert "run rec: rebuilding failed" in caplog.text
+    assert lost_runs(data_dir, redis_conn) == []  # backing off instead of failing every tick
+    redis_conn.delete(f"draftline:rebuild-backoff:{RUN}")
+    assert lost_runs(data_dir, redis_conn) == [RUN]
