@@ -7,7 +7,9 @@ enqueued exactly once; from then on the trainer owns the run's whole-run stages.
 complete, complete_with_failures or failed, ``runs/<run>/state.json`` marks it finished on the volume.
 
 Every pass first looks for runs on the volume that are not finished there but that Redis does not know
-(a flushed or restarted Redis), and rebuilds them with ``reconcile_run``: the volume is the truth.
+(a flushed or restarted Redis), and rebuilds them with ``reconcile_run``: the volume is the truth. It
+then requeues the jobs of dead workers (``reaper``) and names the samples of jobs RQ failed, so no
+sample is stuck in a job nobody runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import redis
 
 from services.controller.failures import name_failed_jobs
+from services.controller.reaper import requeue_abandoned
 from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
 from services.controller.reconcile import (
     REBUILD_BACKOFF_S,
@@ -121,10 +124,23 @@ def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
         log.warning("run %s: rebuilt: %s", run, report.summary())
 
 
+def housekeeping(settings: ControllerSettings, conn: redis.Redis) -> None:
+    """Before feeding: rebuild lost runs, requeue dead workers' jobs, name the samples of failed jobs."""
+    steps = (("rebuilding lost runs", lambda: rebuild_lost(settings, conn)),
+             ("requeueing abandoned jobs", lambda: requeue_abandoned(conn)),
+             ("naming failed jobs", lambda: name_failed_jobs(settings.data, conn)))
+    for what, step in steps:
+        try:
+            step()
+        except redis.ConnectionError:
+            raise  # Redis is gone: the whole pass waits for it
+        except Exception:  # noqa: BLE001 - one broken step must not stop feeding
+            log.exception("supervisor: %s failed", what)
+
+
 def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
     """One pass over every known run; a broken run is logged and the others still advance."""
-    rebuild_lost(settings, conn)
-    name_failed_jobs(settings.data, conn)
+    housekeeping(settings, conn)
     for run in known_runs(conn):
         try:
             supervise_run(settings, conn, run)
