@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,7 +151,7 @@ class Scan:
     at_end: bool
 
 
-def scan_prompts(paths: RunPaths, offset: int, size: int, *, skip, max_lines: int) -> Scan:
+def scan_prompts(paths: RunPaths, offset: int, size: int, *, skip: Callable[[int], bool], max_lines: int) -> Scan:
     """Up to ``size`` prompts from byte ``offset`` on whose id ``skip`` refuses, reading at most ``max_lines``."""
     items: list[PromptItem] = []
     lines = 0
@@ -190,7 +191,10 @@ def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
     waiting, inflight = inflight_generate(conn, run)
     room = settings.feed_window - waiting
     gen = Outcomes(state, "generate")
-    skip = lambda sample_id: sample_id in inflight or gen.settled(sample_id)  # noqa: E731
+
+    def skip(sample_id: int) -> bool:
+        return sample_id in inflight or gen.settled(sample_id)
+
     enqueued, budget = 0, SCAN_LINES_PER_TICK
     while room > 0 and budget > 0 and offset != end and extract_room(settings, conn) > 0:
         scan = scan_prompts(state.paths, offset, settings.generate_batch, skip=skip, max_lines=budget)
