@@ -213,14 +213,24 @@ def expected_layer_ids(spec: RunSpec, target_config: dict) -> list[int]:
     return eagle3.check_layer_ids(list(ids), layers)
 
 
+def base_checkpoint_dir(data: Path, value: str) -> Path:
+    """The base checkpoint's directory on the volume; CheckpointFormatError naming the value otherwise (a
+    run submitted with ``force`` can carry any string here: a NUL byte, a 300-character name)."""
+    try:
+        base = resolve_inside(data, value)
+        found = base.is_dir()
+    except (ValueError, OSError) as exc:  # PathOutsideVolume is a DraftlineError and passes through
+        raise CheckpointFormatError(f"base checkpoint {value[:200]!r}: not a usable path ({exc})") from None
+    if not found:
+        raise CheckpointFormatError(f"base checkpoint {value!r}: no directory at {base} (download it onto the volume first)")
+    return base
+
+
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
                   embed: torch.Tensor, files: list[Path]) -> Eagle3Drafter:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
     if cfg.base_checkpoint:
-        base = resolve_inside(data, cfg.base_checkpoint)
-        if not base.is_dir():
-            raise CheckpointFormatError(f"base checkpoint {cfg.base_checkpoint!r}: no directory at {base} (download it onto the volume first)")
-        drafter = load_drafter(base, model_dir, embed=embed)
+        drafter = load_drafter(base_checkpoint_dir(data, cfg.base_checkpoint), model_dir, embed=embed)
         if list(drafter.config.layer_ids) != layer_ids:
             raise CheckpointFormatError(f"base checkpoint reads layers {list(drafter.config.layer_ids)}, this run extracted {layer_ids}")
         log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)

@@ -95,3 +95,17 @@ def test_fine_tuning_keeps_the_base_checkpoints_vocabulary(make_run, tiny_model_
     assert tuned.drafter.config.draft_vocab_size == 128
     assert torch.equal(tuned.drafter.d2t, base.drafter.d2t) and torch.equal(tuned.drafter.t2d, base.drafter.t2d)
     assert not same_weights(tuned.drafter, base.drafter)  # it trained on from the base weights
+
+
+@pytest.mark.parametrize(("value", "error", "words"), [
+    ("a\x00b", "CheckpointFormatError", "not a usable path"),
+    ("b" * 300, "CheckpointFormatError", "not a usable path"),
+    ("not/there", "CheckpointFormatError", "no directory"),
+    ("../../etc", "PathOutsideVolume", "outside the data volume"),
+])
+def test_a_hostile_base_checkpoint_fails_by_name_before_training(make_run, tiny_model_dir, value, error, words):
+    paths = make_run(train={"base_checkpoint": value})
+    with pytest.raises(Exception) as info:
+        train(paths, tiny_model_dir)
+    assert type(info.value).__name__ == error and words in str(info.value)
+    assert not paths.checkpoints_dir.exists() and not paths.train_log.exists()
