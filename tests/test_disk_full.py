@@ -22,10 +22,7 @@ from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from tests.support.tmpfs import mounted_tmpfs
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.xfail(strict=True, reason="needs supervisor/extractor wiring"),
-]
+pytestmark = pytest.mark.slow
 
 RUN = "diskfull"
 SAMPLES = 30

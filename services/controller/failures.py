@@ -26,6 +26,7 @@ from pathlib import Path
 
 import redis
 from rq.exceptions import NoSuchJobError
+from rq.executions import ExecutionRegistry
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
@@ -201,5 +202,8 @@ def _name_job(data: Path, conn: redis.Redis, registry: FailedJobRegistry, job_id
                                           message=f"RQ job {job_id} failed: {reason}"))
                 named += 1
         log.warning("run %s: job %s failed in RQ; %d of its samples named as %s failures", run, job_id, named, stage)
+    # RQ's execution records can outlive the executions after its own cleanup failed the job; drop them
+    # first, or removing the job raises and stalls every later supervisor pass.
+    conn.delete(ExecutionRegistry(job_id=job.id, connection=conn).key)
     registry.remove(job, delete_job=True)
     return named

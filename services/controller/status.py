@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from services.controller.reconcile import read_finished
+from shared.disk import disk_status, format_disk_pause
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
@@ -164,7 +165,7 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
         "stages": {"generate": generate, "extract": extract, "train": train, "evaluate": evaluate},
         "errors": errors,
         "failures": first_failures(conn, run),
-        "disk": disk_usage(data, meta),
+        "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
         "eta_seconds": max(etas) if etas else None,
         "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"]},
         "updated_at": time.time(),
@@ -227,6 +228,8 @@ def format_status(status: dict) -> str:
         f"  disk      {_bytes(disk['used_bytes'])} used, {_bytes(disk['free_bytes'])} free of "
         f"{_bytes(disk['total_bytes'])} ({disk['path']}); this run {_bytes(disk['run_bytes'])}",
     ]
+    if pause := format_disk_pause(disk):
+        lines.append(pause)
     if status["drafter"]["export_path"]:
         lines.append(f"  drafter   {status['drafter']['export_path']}")
     if status["failures"]:

@@ -33,6 +33,7 @@ from services.controller.reconcile import (
     write_finished,
 )
 from services.controller.status import derive_state
+from shared.disk import supervise_disk
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
@@ -104,7 +105,9 @@ def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> 
     state = RunState(conn, settings.data, run)
     meta = state.meta()
     if meta.get("state", "queued") in SAMPLE_PHASES and "train_enqueued_at" not in meta:
-        feed_run(settings, conn, run)
+        # A run projected to outgrow the volume stops taking new prompts; extraction waits in the workers.
+        if supervise_disk(settings, conn, run).ok:
+            feed_run(settings, conn, run)
         backfill_extract(settings, conn, run)
         advance(state, state.meta())
     else:

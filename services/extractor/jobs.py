@@ -20,11 +20,13 @@ from services.extractor.client import HiddenStatesClient, HiddenStatesResult, Ma
 from services.extractor.tokenize import build_sample
 from shared import eagle3
 from shared.atomic import read_json
+from shared.disk import record_landed, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import connect
+from shared.retry import RetryPolicy
 from shared.runspec import RunSpec
 from shared.runstate import Failure, RunState, run_key
 from shared.settings import ExtractorSettings, load_settings
@@ -69,7 +71,8 @@ def extract(payload: dict) -> str:
     """RQ entry point (``shared.jobs.EXTRACT_FUNC``)."""
     job = ExtractJob.model_validate(payload)
     settings = worker_settings()
-    client = HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s)
+    client = HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s,
+                                policy=RetryPolicy.from_settings(settings))
     return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), client)
 
 
@@ -79,6 +82,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     state = RunState(conn, settings.data, job.run)
     if state.is_done("extract", job.sample_id):
         return "skipped"
+    wait_for_headroom(conn, settings.data, job.run)  # a paused run's samples wait here instead of failing
     spec = load_spec(settings.data, job.run)
     try:
         result, info = _extract(job, spec, state, tokenizer, client)
@@ -91,7 +95,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
         log.warning("run %s: sample %d extract failed: %s: %s", job.run, job.sample_id, error_class(exc), exc)
         return "failed"
     if state.mark_done("extract", job.sample_id):
-        state.incr("hidden_bytes", info.nbytes)
+        record_landed(state, info.nbytes, info.num_tokens)
     _record_layers(conn, job.run, result)
     return "done"
 

@@ -22,6 +22,7 @@ from shared.atomic import atomic_write_json
 from shared.errors import InferenceRejected, InferenceUnavailable, ReplyTooShort, error_class
 from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
 from shared.queues import connect, queue
+from shared.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec
 from shared.runstate import DROPPED, ERROR, Failure, RunState
 from shared.settings import GeneratorSettings, load_settings
@@ -76,8 +77,11 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
 async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
                         retry_delays_s: Sequence[float]) -> list[str]:
     limit = asyncio.Semaphore(settings.concurrency)
+    # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
+    policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
     async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
-                          max_connections=settings.concurrency, retry_delays_s=retry_delays_s) as client:
+                          max_connections=settings.concurrency, retry_delays_s=retry_delays_s,
+                          policy=policy) as client:
         return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
 
 

@@ -51,7 +51,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "loss"}
     assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "acceptance_length"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
-    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes"}
+    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
+                                   "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}
     assert set(status["drafter"]) == {"export_path", "acceptance_length"}
     assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
 
