@@ -132,10 +132,10 @@ class LocalStack:
         if name in HTTP_SERVICES:
             self._wait_healthy(name)
 
-    def check_alive(self) -> None:
-        """Raise naming any service that has exited."""
+    def check_alive(self, name: str | None = None) -> None:
+        """Raise naming any service (or any replica of ``name``) that has exited."""
         for proc in self.procs:
-            if proc.popen.poll() is not None:
+            if (name is None or proc.name == name) and proc.popen.poll() is not None:
                 raise StackError(f"{proc.name} exited with {proc.popen.returncode}; log: {proc.log_path}\n{_tail(proc.log_path)}")
 
     # ---- internals ------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class LocalStack:
         url = self.url(name) + HTTP_SERVICES[name]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.check_alive()
+            self.check_alive(name)
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
                     log.info("%s healthy at %s", name, self.url(name))

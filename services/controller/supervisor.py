@@ -21,8 +21,13 @@ import time
 import redis
 
 from services.controller.failures import name_failed_jobs
+from services.controller.feeder import (
+    backfill_extract,
+    enqueue_once,
+    feed_finished,
+    feed_run,
+)
 from services.controller.reaper import requeue_abandoned
-from services.controller.feeder import backfill_extract, enqueue_once, feed_finished, feed_run
 from services.controller.reconcile import (
     REBUILD_BACKOFF_S,
     TERMINAL_STATES,
@@ -30,9 +35,11 @@ from services.controller.reconcile import (
     lost_runs,
     reconcile_run,
     reconciling,
+    remove_stale_temps,
     write_finished,
 )
 from services.controller.status import derive_state
+from shared.atomic import temp_files
 from shared.disk import supervise_disk
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.runstate import RunState, known_runs, run_key
@@ -84,6 +91,9 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
         state.set_meta(state="failed", error="no sample made it through extraction; nothing to train on")
         log.error("run %s: every sample failed before training", state.run)
         return
+    # Every sample is settled, so any temp file left in the sample stages is a killed writer's debris.
+    if removed := remove_stale_temps(state.paths, cutoff=time.time()):
+        log.info("run %s: removed %d temp files left by killed writers", state.run, removed)
     if enqueue_train(state.conn, state.run):
         log.info("run %s: all %d samples settled (%d extracted); train job enqueued", state.run, expected, extracted)
     state.set_meta(state="training", train_enqueued_at=time.time())
@@ -95,6 +105,8 @@ def finish(state: RunState, meta: dict[str, str]) -> None:
         return
     final = derive_state(meta, unverified(state))
     if final in TERMINAL_STATES:
+        for debris in temp_files(state.paths.root):  # no writer of this run remains; a finished run has none
+            debris.unlink(missing_ok=True)
         write_finished(state, final)
         log.info("run %s: finished as %s", state.run, final)
 
