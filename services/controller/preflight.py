@@ -436,16 +436,17 @@ def format_preflight(report: PreflightReport) -> str:
 def spec_from_request(settings: ControllerSettings, body: dict) -> RunSpec:
     """The RunSpec a ``POST /runs`` body would create, built without reading the dataset. Without a model
     name and without an answering server the model stays empty; the inference check then names the server."""
-    from services.controller.routes.runs import SubmitRequest, draft_spec
+    from services.controller.routes.runs import SubmitRequest
     from services.controller.served import served_model
+    from services.controller.start import draft_spec
     from shared.errors import InferenceUnavailable
 
-    request = SubmitRequest.model_validate(body)
+    body = SubmitRequest.model_validate(body)
     try:
-        model = request.model or served_model(settings.inference_url)
+        model = body.model or served_model(settings.inference_url)
     except InferenceUnavailable:
         model = ""
-    return draft_spec(settings, request, model)
+    return draft_spec(settings, body.run_request(model))
 
 
 def preflight_main(args: argparse.Namespace) -> int:
