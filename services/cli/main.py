@@ -35,24 +35,10 @@ def _settings():
     return load_settings(ControllerSettings)
 
 
-def _served_model(inference_url: str) -> str:
-    """The first model the generation server lists (vLLM, SGLang and ours answer /v1/models)."""
-    import httpx
-
-    from shared.errors import InferenceUnavailable
-
-    try:
-        response = httpx.get(f"{inference_url.rstrip('/')}/v1/models", timeout=10)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError) as exc:
-        raise InferenceUnavailable(
-            f"cannot learn the served model from {inference_url}/v1/models ({exc}); pass --model or set DRAFTLINE_INFERENCE_URL"
-        ) from None
-
-
 def _run(args: argparse.Namespace) -> int:
-    from services.controller.submit import submit_run
+    from services.controller.preflight import format_preflight
+    from services.controller.served import served_model
+    from services.controller.start import PreflightFailed, RunRequest, start_run
     from shared.queues import connect
     from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
 
@@ -61,21 +47,29 @@ def _run(args: argparse.Namespace) -> int:
                   "temperature": args.temperature}
     train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
              "base_checkpoint": args.base_checkpoint}
-    spec = submit_run(
-        settings.data,
-        connect(settings.redis_url),
-        dataset=args.dataset,
-        name=args.name,
-        limit=args.limit,
-        split=args.split,
-        model=args.model or _served_model(settings.inference_url),
+    request = RunRequest(
+        dataset=args.dataset, name=args.name, limit=args.limit, split=args.split,
+        model=args.model or served_model(settings.inference_url),
         generation=GenerationConfig(**{k: v for k, v in generation.items() if v is not None}),
         train=TrainConfig(**{k: v for k, v in train.items() if v is not None}),
         evaluate=EvalConfig(holdout=args.holdout) if args.holdout is not None else None,
     )
+    try:
+        spec, report = start_run(settings, connect(settings.redis_url), request, force=args.force)
+    except PreflightFailed as exc:
+        sys.stderr.write(format_preflight(exc.report) + "\n")
+        return 1
+    if report.warnings:
+        sys.stderr.write(format_preflight(report) + "\n")
     sys.stdout.write(f"run {spec.name}: {spec.rows} rows read, {spec.train_ids} sample ids queued for generation\n")
     sys.stdout.write(f"follow it with: draftline status {spec.name}\n")
     return 0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    from services.controller.preflight import preflight_main
+
+    return preflight_main(args)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -212,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-vocab-size", type=int)
     run.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
     run.add_argument("--holdout", type=int, help="rows held out for evaluation")
+    run.add_argument("--force", action="store_true", help="start even when preflight checks fail")
     run.set_defaults(func=_run)
+
+    preflight = sub.add_parser("preflight", help="check Redis, the inference server, the volume, disk, GPU, checkpoint")
+    preflight.add_argument("--run-config", help="a JSON body as POST /runs takes, to check a planned run too")
+    preflight.add_argument("--force", action="store_true", help="report as a forced run would be judged")
+    preflight.add_argument("--json", action="store_true")
+    preflight.set_defaults(func=_preflight)
 
     status = sub.add_parser("status", help="progress of one run or all: done/total, errors, rate, ETA, disk")
     status.add_argument("run", nargs="?")
