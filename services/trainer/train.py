@@ -230,7 +230,8 @@ def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_confi
                   embed: torch.Tensor, files: list[Path]) -> Eagle3Drafter:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
     if cfg.base_checkpoint:
-        drafter = load_drafter(base_checkpoint_dir(data, cfg.base_checkpoint), model_dir, embed=embed)
+        base = base_checkpoint_dir(data, cfg.base_checkpoint)
+        drafter = load_drafter(base, model_dir, embed=embed)
         if list(drafter.config.layer_ids) != layer_ids:
             raise CheckpointFormatError(f"base checkpoint reads layers {list(drafter.config.layer_ids)}, this run extracted {layer_ids}")
         log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)
