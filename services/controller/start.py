@@ -15,7 +15,7 @@ import redis
 from services.controller.preflight import PreflightReport, run_preflight
 from services.controller.submit import default_run_name, submit_run
 from shared.disk import BYTES_PER_TOKEN_ESTIMATE
-from shared.errors import DraftlineError
+from shared.errors import DatasetError, DraftlineError
 from shared.layout import check_run_name
 from shared.runspec import (
     EvalConfig,
@@ -55,9 +55,12 @@ class RunRequest:
 def resolve_dataset(dataset: str, data: Path) -> str:
     """Relative paths name files on the volume when such a file exists; anything else passes through."""
     path = Path(dataset)
-    if not path.is_absolute() and (Path(data) / path).exists():
-        return str(Path(data) / path)
-    return dataset
+    try:
+        on_volume = not path.is_absolute() and (Path(data) / path).exists()
+    except OSError as exc:  # a name the file system refuses (ENAMETOOLONG) names no file anywhere
+        raise DatasetError(f"dataset {dataset[:80]!r}{'…' if len(dataset) > 80 else ''}: not a readable path ({exc.strerror or exc}) and not a "
+                           "Hugging Face repo id") from None
+    return str(Path(data) / path) if on_volume else dataset
 
 
 def draft_spec(settings: ControllerSettings, request: RunRequest) -> RunSpec:

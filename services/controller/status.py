@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from services.controller.reconcile import read_finished
-from shared.disk import disk_status, format_disk_pause
+from shared.disk import disk_status, format_bytes, format_disk_pause
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
@@ -186,14 +186,6 @@ def list_status(data: Path, conn: redis.Redis) -> list[dict]:
 # ---- text ----------------------------------------------------------------------------------------
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
@@ -225,8 +217,8 @@ def format_status(status: dict) -> str:
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
         f"{errors['dropped']:,} dropped",
         f"  ETA       {_duration(status['eta_seconds'])}",
-        f"  disk      {_bytes(disk['used_bytes'])} used, {_bytes(disk['free_bytes'])} free of "
-        f"{_bytes(disk['total_bytes'])} ({disk['path']}); this run {_bytes(disk['run_bytes'])}",
+        f"  disk      {format_bytes(disk['used_bytes'])} used, {format_bytes(disk['free_bytes'])} free of "
+        f"{format_bytes(disk['total_bytes'])} ({disk['path']}); this run {format_bytes(disk['run_bytes'])}",
     ]
     if pause := format_disk_pause(disk):
         lines.append(pause)
