@@ -14,7 +14,7 @@ from shared.layout import RunPaths
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class GenerationConfig(_Frozen):
@@ -22,7 +22,8 @@ class GenerationConfig(_Frozen):
     min_completion_tokens: int = Field(16, ge=0, description="Shorter replies are dropped, each named.")
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = Field(0, description="Per-sample seed is seed + sample_id, so a rerun asks the same question.")
+    seed: int = Field(0, ge=0, le=2**62, description="Per-sample seed is seed + sample_id, so a rerun asks the same "
+                      "question; bounded so the sum fits the int64 servers take.")
 
 
 class ExtractionConfig(_Frozen):

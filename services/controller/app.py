@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import redis
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.controller.routes import health, preflight, runs
@@ -43,7 +44,23 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
     app.include_router(runs.router)
     app.include_router(preflight.router)
     app.add_exception_handler(redis.RedisError, _redis_unavailable)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     return app
+
+
+def _text(value: object) -> str:
+    """``value`` as text that always encodes: a lone surrogate becomes its backslash escape."""
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _error_entry(err: dict) -> dict:
+    loc = [part if isinstance(part, int) else _text(part) for part in err.get("loc", ())]
+    return {"type": _text(err.get("type", "")), "loc": loc, "msg": _text(err.get("msg", "invalid"))}
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # The offending input is left out: NaN, Infinity or a lone surrogate in it cannot be rendered as JSON.
+    return JSONResponse(status_code=422, content={"detail": [_error_entry(err) for err in exc.errors()]})
 
 
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:

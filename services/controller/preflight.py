@@ -387,11 +387,15 @@ def check_base_checkpoint(settings: ControllerSettings, value: str, facts: Facts
     data = Path(settings.data).resolve()
     try:
         local = resolve_inside(data, value)
+        is_dir = local.is_dir()
     except PathOutsideVolume:
         return Check(name, False, ERROR, f"{value!r} is outside the data volume {data}; the trainer reads base "
                      "checkpoints from the volume only",
                      f"copy the checkpoint directory under {data} and name it relative to the volume"), None
-    if not local.is_dir():
+    except (ValueError, OSError) as exc:  # a NUL byte, or a name too long for the file system
+        return Check(name, False, ERROR, f"{value[:80]!r} is not a usable path: {exc}",
+                     "name the checkpoint directory relative to the volume, or give its Hub repo id"), None
+    if not is_dir:
         if not looks_like_repo_id(value):
             return Check(name, False, ERROR, f"{value!r}: no directory at {local}, and not a Hugging Face repo id "
                          "(owner/name)", "copy the drafter onto the volume, or give its Hub repo id"), None

@@ -58,8 +58,9 @@ def resolve_dataset(dataset: str, data: Path) -> str:
     try:
         on_volume = not path.is_absolute() and (Path(data) / path).exists()
     except OSError as exc:  # a name the file system refuses (ENAMETOOLONG) names no file anywhere
-        raise DatasetError(f"dataset {dataset[:80]!r}{'…' if len(dataset) > 80 else ''}: not a readable path ({exc.strerror or exc}) and not a "
-                           "Hugging Face repo id") from None
+        shown = dataset[:80] + ("…" if len(dataset) > 80 else "")
+        raise DatasetError(f"dataset {shown!r}: not a readable path ({exc.strerror or exc}) and not a Hugging Face "
+                           "repo id") from None
     return str(Path(data) / path) if on_volume else dataset
 
 

@@ -9,6 +9,30 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_SEED = 2**63 - 1
+MAX_METADATA_BYTES = 64 << 10  # the safetensors header holds the metadata; a large one is refused, not written
+# tokenizer.apply_chat_template's own parameters: a client passing these (its own `chat_template` above all)
+# would run its template or change what the call returns, so they are refused as template variables.
+TEMPLATE_PARAMETERS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_utf8(value: Any, where: str) -> None:
+    """Refuse text that UTF-8 cannot encode (a lone surrogate), in ``value`` or anything it holds."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} holds text that is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_utf8(key, where)
+            check_utf8(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            check_utf8(item, where)
 
 
 class ContentPart(BaseModel):
@@ -31,6 +55,11 @@ class ChatMessage(BaseModel):
             if part.type != "text" or part.text is None:
                 raise ValueError(f"content parts of type {part.type!r} are not supported; send text")
         return content
+
+    @model_validator(mode="after")
+    def _encodable(self) -> ChatMessage:
+        check_utf8(self.model_dump(), "a message")  # the tokenizer cannot take a lone surrogate
+        return self
 
     def template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -85,6 +114,14 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("logprobs are not supported")
         return logprobs
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        refused = sorted(TEMPLATE_PARAMETERS.intersection(kwargs or {}))
+        if refused:
+            raise ValueError(f"chat_template_kwargs may not set {refused}: they are the template call's own parameters")
+        return kwargs
+
     @property
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -106,6 +143,15 @@ class HiddenStatesRequest(BaseModel):
         if not path.endswith(SAFETENSORS_SUFFIX) or PurePath(path).name == SAFETENSORS_SUFFIX:
             raise ValueError(f"path must name a {SAFETENSORS_SUFFIX} file")
         return path
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_text_metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
+        check_utf8(metadata, "metadata")
+        size = sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata holds {size} bytes of keys and values; at most {MAX_METADATA_BYTES} fit")
+        return metadata
 
     @model_validator(mode="after")
     def _mask_matches_tokens(self) -> HiddenStatesRequest:

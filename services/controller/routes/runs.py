@@ -36,7 +36,8 @@ class SubmitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset: str = Field(
-        ..., min_length=1, description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id."
+        ..., min_length=1, max_length=4096,
+        description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id.",
     )
     name: str | None = None
     limit: int | None = Field(None, ge=1)

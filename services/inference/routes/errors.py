@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import DraftlineError
 
@@ -28,6 +29,8 @@ class ApiError(Exception):
 
 
 def error_response(status: int, error_type: str, message: str) -> JSONResponse:
+    # A message may echo the client's text; a lone surrogate in it becomes its escape so the body encodes.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
     return JSONResponse(body, status_code=status)
 
@@ -49,6 +52,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return error_response(400, "BadRequestError", validation_message(list(exc.errors())))
 
 
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # FastAPI refuses a body that does not parse (not UTF-8, nested too deep) with its own HTTPException.
+    error_type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+    return error_response(exc.status_code, error_type, str(exc.detail))
+
+
 async def _draftline_error(request: Request, exc: DraftlineError) -> JSONResponse:
     # A permanent error is the request's fault; a transient one is worth retrying later.
     status = 400 if exc.permanent else 503
@@ -63,5 +72,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DraftlineError, _draftline_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
@@ -37,13 +38,26 @@ async def hidden_states(body: HiddenStatesRequest, runtime: RuntimeDep) -> dict[
     return dataclasses.asdict(written)
 
 
+def resolve_inside_writable(volume: Path, path: str) -> Path:
+    """``path`` on the volume, where a file can be written: not a directory, and under directories only."""
+    try:
+        target = resolve_inside(volume, path)  # PathOutsideVolume answers 400
+        is_dir = target.is_dir()
+        blocking = next((p for p in target.parents if volume in p.parents and p.exists() and not p.is_dir()), None)
+    except (ValueError, OSError) as exc:  # a NUL byte, or a name too long for the file system
+        raise ApiError(400, "BadRequestError", f"path {path[:300]!r} is not usable: {exc}") from None
+    if is_dir:
+        raise ApiError(400, "BadRequestError", f"path {path!r} is a directory")
+    if blocking is not None:
+        raise ApiError(400, "BadRequestError", f"path {path!r}: {blocking.relative_to(volume)} is a file, not a folder")
+    return target
+
+
 def build_job(runtime: Runtime, body: HiddenStatesRequest) -> HiddenJob:
     """Check the request against the target and the volume; nothing is written unless all of it holds."""
     loaded = runtime.loaded
     volume = runtime.settings.data.resolve()
-    target = resolve_inside(volume, body.path)  # PathOutsideVolume answers 400
-    if target.is_dir():
-        raise ApiError(400, "BadRequestError", f"path {body.path!r} is a directory")
+    target = resolve_inside_writable(volume, body.path)
     if len(body.input_ids) > loaded.context_length:
         raise PromptTooLong(f"{len(body.input_ids)} tokens exceed the model's context of {loaded.context_length}")
     too_big = [t for t in body.input_ids if t >= loaded.vocab_size]

@@ -1,9 +1,7 @@
 """Hostile requests to the controller's API get a 4xx that says why, never a 500, and leave nothing behind.
 
 Part one sends hand-written bodies to a real ``draftline serve controller`` process; part two sends
-generated bodies (hypothesis) to the same app in-process. Cases that still answer 500 (or accept a body
-that can only fail later) are strict xfails whose reason names the fix: when the fix lands they pass,
-and strict mode then asks for the marker to go.
+generated bodies (hypothesis) to the same app in-process.
 """
 
 from __future__ import annotations
@@ -26,27 +24,6 @@ from tests.support.processes import ServiceProcess, free_port
 
 JSON = {"content-type": "application/json"}
 GOOD_ROWS = [{"prompt": f"question {i}"} for i in range(6)]
-
-FIX_NON_FINITE = ("500: NaN/Infinity fail validation and FastAPI's default 422 handler echoes them in `input`, which "
-                  "JSONResponse refuses to render. Fix in services/controller/app.py: a RequestValidationError handler "
-                  "that keeps only type/loc/msg of each error (strings through encode('utf-8','backslashreplace')), and "
-                  "allow_inf_nan=False on the run-config models in shared/runspec.py")
-FIX_SURROGATE = ("500: a lone surrogate (\\ud800) fails str validation and the default 422 handler echoes it; UTF-8 "
-                 "cannot encode it. Same fix as NaN: a RequestValidationError handler that drops `input` and escapes text")
-FIX_LONG_PATH = ("500: resolve_dataset in services/controller/routes/runs.py calls Path.exists(), which raises OSError "
-                 "(ENAMETOOLONG) for names over 255 bytes. Fix: catch OSError there (treat as 'not on the volume'; "
-                 "datasets.resolve_files then answers DatasetError -> 400), and give SubmitRequest.dataset max_length=4096")
-FIX_BASE_CHECKPOINT = ("500: preflight.check_base_checkpoint calls resolve_inside/is_dir, which raise ValueError (NUL) or "
-                       "OSError (ENAMETOOLONG). Fix: catch (ValueError, OSError) next to PathOutsideVolume there and fail the "
-                       "check with the message")
-FIX_INF_ACCEPTED = ("201: train.lr=Infinity passes gt=0, is stored in run.json and trains NaNs. Fix: allow_inf_nan=False in "
-                    "shared/runspec.py _Frozen.model_config (then 422)")
-FIX_SEED = ("201: generation.seed=10**30 is accepted, and every generate request then fails at the server (seed must fit "
-            "int64). Fix: GenerationConfig.seed Field(0, ge=0, le=2**62) in shared/runspec.py")
-
-
-def known(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +79,8 @@ BAD_POSTS = [
     ("dataset-nul", lambda a: {"json": {**good(a), "dataset": "rows\x00.jsonl", "name": "nul"}}),
     ("dataset-shell", lambda a: {"json": {**good(a), "dataset": "$(touch /tmp/draftline-pwned).jsonl", "name": "shell"}}),
     ("dataset-not-cached-hub-id", lambda a: {"json": {**good(a), "dataset": "owner/not-cached", "name": "hub"}}),
-    pytest.param("dataset-300-chars", lambda a: {"json": {**good(a), "dataset": "d" * 300}}, marks=known(FIX_LONG_PATH)),
-    pytest.param("dataset-20-MB", lambda a: {"json": {**good(a), "dataset": "x" * (20 << 20)}}, marks=known(FIX_LONG_PATH)),
+    ("dataset-300-chars", lambda a: {"json": {**good(a), "dataset": "d" * 300}}),
+    ("dataset-20-MB", lambda a: {"json": {**good(a), "dataset": "x" * (20 << 20)}}),
     ("name-dotdot-slash", lambda a: {"json": good(a, name="../escape")}),
     ("name-dotdot", lambda a: {"json": good(a, name="..")}),
     ("name-absolute", lambda a: {"json": good(a, name="/etc/cron.d/x")}),
@@ -133,20 +110,14 @@ BAD_POSTS = [
     ("holdout-more-than-rows", lambda a: {"json": good(a, name="holdall", evaluate={"holdout": 10**30})}),
     ("base-checkpoint-outside-volume", lambda a: {"json": good(a, name="basex", train={"base_checkpoint": "../../etc"})}),
     ("force-object", lambda a: {"json": good(a, force={"yes": True})}),
-    pytest.param("temperature-nan", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "generation": {"temperature": NaN}}'),
-                 marks=known(FIX_NON_FINITE)),
-    pytest.param("limit-infinity", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "limit": Infinity}'),
-                 marks=known(FIX_NON_FINITE)),
-    pytest.param("lr-infinity", lambda a: raw(json.dumps(good(a, name="lrinf"))[:-1] + ', "train": {"lr": Infinity}}'),
-                 marks=known(FIX_INF_ACCEPTED)),
-    pytest.param("seed-10e30", lambda a: {"json": good(a, name="bigseed", generation={"seed": 10**30})}, marks=known(FIX_SEED)),
-    pytest.param("dataset-lone-surrogate", lambda a: raw('{"dataset": "\\ud800.jsonl", "model": "m"}'), marks=known(FIX_SURROGATE)),
-    pytest.param("name-lone-surrogate", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "name": "\\udfff"}'),
-                 marks=known(FIX_SURROGATE)),
-    pytest.param("base-checkpoint-nul", lambda a: {"json": good(a, name="basenul", train={"base_checkpoint": "a\x00b"})},
-                 marks=known(FIX_BASE_CHECKPOINT)),
-    pytest.param("base-checkpoint-300-chars", lambda a: {"json": good(a, name="baselong", train={"base_checkpoint": "b" * 300})},
-                 marks=known(FIX_BASE_CHECKPOINT)),
+    ("temperature-nan", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "generation": {"temperature": NaN}}')),
+    ("limit-infinity", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "limit": Infinity}')),
+    ("lr-infinity", lambda a: raw(json.dumps(good(a, name="lrinf"))[:-1] + ', "train": {"lr": Infinity}}')),
+    ("seed-10e30", lambda a: {"json": good(a, name="bigseed", generation={"seed": 10**30})}),
+    ("dataset-lone-surrogate", lambda a: raw('{"dataset": "\\ud800.jsonl", "model": "m"}')),
+    ("name-lone-surrogate", lambda a: raw('{"dataset": "d.jsonl", "model": "m", "name": "\\udfff"}')),
+    ("base-checkpoint-nul", lambda a: {"json": good(a, name="basenul", train={"base_checkpoint": "a\x00b"})}),
+    ("base-checkpoint-300-chars", lambda a: {"json": good(a, name="baselong", train={"base_checkpoint": "b" * 300})}),
 ]
 
 
@@ -185,8 +156,8 @@ def test_after_the_hostile_requests_the_api_still_works_and_nothing_was_left_beh
 
 # ---- generated bodies against the app in-process ---------------------------------------------
 
-# Non-finite floats, lone surrogates and names over 255 bytes are left out: they are the known 500s
-# above (strict xfails). Everything else a JSON body can hold is fair game.
+# Non-finite floats, lone surrogates and names over 255 bytes have their own hand-written cases above.
+# Everything else a JSON body can hold is fair game.
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30)
 ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                         max_leaves=8)
