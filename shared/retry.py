@@ -27,7 +27,12 @@ from enum import Enum
 
 import httpx
 
-from shared.errors import DraftlineError, InferenceUnavailable
+from shared.errors import (
+    DraftlineError,
+    InferenceRejected,
+    InferenceUnavailable,
+    PromptTooLong,
+)
 
 log = logging.getLogger(__name__)
 
@@ -282,3 +287,20 @@ class AsyncServerWatch:
                 await self._poller
             except asyncio.CancelledError:
                 pass
+
+
+# How vLLM and SGLang word a prompt that does not fit; the built-in server says error.type "PromptTooLong".
+_CONTEXT_REFUSALS = ("maximum context length", "longer than the maximum model length", "prompttoolong",
+                     "exceeds the model's context", "context length")
+
+
+def rejection(response: httpx.Response, message: str) -> DraftlineError:
+    """The named error for a permanent 4xx: PromptTooLong for a context refusal, else InferenceRejected."""
+    text = f"HTTP {response.status_code}: {message}"
+    try:
+        kind = str(response.json().get("error", {}).get("type", ""))
+    except (ValueError, AttributeError):
+        kind = ""
+    if kind == "PromptTooLong" or any(phrase in message.lower() for phrase in _CONTEXT_REFUSALS):
+        return PromptTooLong(text)
+    return InferenceRejected(text)

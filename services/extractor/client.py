@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
+from shared.errors import DraftlineError, InferenceUnavailable
 from shared.retry import (
     Failed,
     Outage,
@@ -27,6 +27,7 @@ from shared.retry import (
     classify_status,
     describe,
     health_url,
+    rejection,
     retry_after_s,
     server_root,
     wait_until_up,
@@ -124,7 +125,7 @@ class HiddenStatesClient:
             return Failed(classify_error(exc), InferenceUnavailable(f"{self.url}: {describe(exc)}"))
         trouble = classify_status(response.status_code)
         if trouble is Trouble.PERMANENT:
-            return Failed(trouble, InferenceRejected(f"HTTP {response.status_code}: {_message(response)}"))
+            return Failed(trouble, rejection(response, _message(response)))
         if trouble is not None:
             error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {_message(response)}")
             return Failed(trouble, error, retry_after_s(response))

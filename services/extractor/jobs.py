@@ -16,7 +16,11 @@ from pathlib import Path
 
 import redis
 
-from services.extractor.client import HiddenStatesClient, HiddenStatesResult, MalformedHiddenResponse
+from services.extractor.client import (
+    HiddenStatesClient,
+    HiddenStatesResult,
+    MalformedHiddenResponse,
+)
 from services.extractor.tokenize import build_sample
 from shared import eagle3
 from shared.atomic import read_json

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.errors import DraftlineError, InferenceRejected, InferenceUnavailable
+from shared.errors import DraftlineError, InferenceUnavailable
 from shared.retry import (
     AsyncServerWatch,
     Failed,
@@ -27,6 +27,7 @@ from shared.retry import (
     classify_error,
     classify_status,
     describe,
+    rejection,
     retry_after_s,
     server_root,
 )
@@ -157,7 +158,7 @@ class ChatClient:
             self._full.recovered()
             self._full = None
         if trouble is Trouble.PERMANENT:
-            return Failed(trouble, InferenceRejected(f"HTTP {response.status_code}: {server_message(response)}"))
+            return Failed(trouble, rejection(response, server_message(response)))
         if trouble is not None:
             error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {server_message(response)}")
             return Failed(trouble, error, retry_after_s(response))

@@ -16,11 +16,30 @@ from pathlib import Path
 import redis
 from rq.exceptions import DuplicateJobError
 
-from services.generator.client import RETRY_DELAYS_S, ChatClient, Completion, MalformedCompletion, chat_payload
+from services.generator.client import (
+    RETRY_DELAYS_S,
+    ChatClient,
+    Completion,
+    MalformedCompletion,
+    chat_payload,
+)
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
-from shared.errors import InferenceRejected, InferenceUnavailable, ReplyTooShort, error_class
-from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
+from shared.errors import (
+    InferenceRejected,
+    InferenceUnavailable,
+    PromptTooLong,
+    ReplyTooShort,
+    error_class,
+)
+from shared.jobs import (
+    EXTRACT_FUNC,
+    EXTRACT_QUEUE,
+    ExtractJob,
+    GenerateJob,
+    PromptItem,
+    extract_job_id,
+)
 from shared.queues import connect, queue
 from shared.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec
@@ -32,7 +51,7 @@ log = logging.getLogger(__name__)
 EXTRACT_JOB_TIMEOUT_S = 3600
 RESULT_TTL_S = 3600
 FAILURE_TTL_S = 7 * 24 * 3600
-EXPECTED_ERRORS = (InferenceRejected, InferenceUnavailable, MalformedCompletion, ReplyTooShort)
+EXPECTED_ERRORS = (InferenceRejected, InferenceUnavailable, MalformedCompletion, PromptTooLong, ReplyTooShort)
 
 
 @lru_cache(maxsize=1)

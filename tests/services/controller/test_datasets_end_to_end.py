@@ -20,12 +20,6 @@ from tests.support.processes import REPO, ServiceProcess, free_port
 RUN = "hostile"
 LONG_PROMPT = "hello " * 1000  # ~6 KB (far under the byte limit), more tokens than the target's 4,096-token context
 MEDIUM_PROMPT = "hello " * 30  # fits the context, not the run's extraction max_length
-FIX_PROMPT_TOO_LONG = (
-    "The generator names the failure InferenceRejected ('HTTP 400: the prompt has N tokens and the model's context is "
-    "4096 tokens'). Fix in services/generator/client.py (and services/extractor/client.py): when a 4xx body's "
-    "error.type is 'PromptTooLong' (the built-in server), or its message is vLLM's/SGLang's context-length refusal "
-    "('maximum context length', 'longer than the maximum model length'), raise shared.errors.PromptTooLong with the "
-    "server's message; add PromptTooLong to EXPECTED_ERRORS in services/generator/jobs.py")
 
 
 def hostile_rows(sentinel) -> list[tuple[str, bytes]]:
@@ -144,7 +138,6 @@ def test_path_and_shell_like_rows_are_answered_as_ordinary_prompts_and_nothing_r
     assert not settled["sentinel"].exists() and not (REPO / "pwned").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=FIX_PROMPT_TOO_LONG)
 def test_a_row_past_the_targets_context_fails_as_prompt_too_long(settled):
     failure = settled["failures"][ids_of(settled["rows"], "context")[0]]
     assert failure["error_class"] == "PromptTooLong", failure

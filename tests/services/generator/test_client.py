@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from services.generator.client import ChatClient, Completion
-from shared.errors import InferenceRejected, InferenceUnavailable
+from shared.errors import InferenceRejected, InferenceUnavailable, PromptTooLong
 from shared.retry import RetryPolicy
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port
@@ -43,7 +43,7 @@ def test_transient_answers_are_retried_and_permanent_ones_never(server):
     assert (blip.content, slow.content) == ("fine after two retries", "fine after a 408")
     assert isinstance(busy, InferenceUnavailable)
     assert "HTTP 503: overloaded" in str(busy) and "gave up after 3 attempts" in str(busy)
-    assert isinstance(long, InferenceRejected) and "maximum context length is 8 tokens" in str(long)
+    assert isinstance(long, PromptTooLong) and "maximum context length is 8 tokens" in str(long)  # vLLM wording, named
     assert isinstance(bad, InferenceRejected) and "unsupported role" in str(bad)
     counts = {p: len(server.requests_for(p)) for p in ("blip", "busy", "slow", "long", "bad")}
     assert counts == {"blip": 3, "busy": 3, "slow": 2, "long": 1, "bad": 1}

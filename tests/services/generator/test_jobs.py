@@ -60,7 +60,7 @@ def test_each_sample_ends_done_dropped_or_named_and_never_costs_the_others(data_
     assert (counts.done, counts.failed, counts.dropped) == (3, 3, 1)
     failures = {f.sample_id: f for f in state.failures("generate")}
     assert (failures[2].error_class, failures[2].kind) == ("ReplyTooShort", "dropped")
-    assert failures[3].error_class == "InferenceRejected" and "maximum context length is 8 tokens" in failures[3].message
+    assert failures[3].error_class == "PromptTooLong" and "maximum context length is 8 tokens" in failures[3].message
     assert failures[4].error_class == "InferenceUnavailable" and "503" in failures[4].message and "overloaded" in failures[4].message
     assert failures[6].error_class == "MalformedCompletion"
     assert len(server.requests_for("p4")) == len(FAST_RETRIES) + 1  # retried, then named
