@@ -25,6 +25,7 @@ from rq.worker import Worker, WorkerStatus
 
 from services.exporter import names
 from services.exporter.gpu import GpuReader, GpuReading
+from shared.disk import disk_status
 from shared.jobs import (
     QUEUES,
     SAMPLE_STAGES,
@@ -128,6 +129,7 @@ class DraftlineCollector(Collector):
             for stage in names.WHOLE_RUN_STAGES:
                 _whole_run_stage(families, run, meta, stage, in_flight[(run, stage)])
             _run_meta(families, run, meta)
+            _run_disk(families, run, disk_status(self.conn, run))
         _collect_queues(families, self.conn)
 
 
@@ -191,6 +193,16 @@ def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
         value = _number(meta, field)
         if value is not None:
             families.gauge(metric, doc, ["run"]).add_metric([run], value)
+
+
+def _run_disk(families: Families, run: str, disk: dict) -> None:
+    """The supervisor's last disk verdict for the run: paused or not, and the projected bytes still needed."""
+    families.gauge(names.RUN_DISK_PAUSED, "1 while the run's extraction waits for disk space.", ["run"]).add_metric(
+        [run], 1 if disk["paused"] else 0
+    )
+    if disk["projected_bytes"] is not None:
+        families.gauge(names.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
+                       ["run"]).add_metric([run], disk["projected_bytes"])
 
 
 def _number(meta: dict[str, str], field: str) -> float | None:

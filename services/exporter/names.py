@@ -26,6 +26,8 @@ RUN_HIDDEN_BYTES = "draftline_run_hidden_state_bytes"
 TRAIN_STEP = "draftline_train_step"  # a gauge: resuming from a checkpoint may step back
 TRAIN_LOSS = "draftline_train_loss"
 ACCEPTANCE_LENGTH = "draftline_acceptance_length"  # mean tokens accepted per verification step
+RUN_DISK_PAUSED = "draftline_run_disk_paused"  # 1 while the run's extraction waits for disk space
+RUN_PROJECTED_BYTES = "draftline_run_projected_bytes"  # bytes the rest of the run still needs on the volume
 
 # ---- queues and workers: labels queue[, state] ----------------------------------------------------
 QUEUE_JOBS = "draftline_queue_jobs"  # jobs waiting in the queue

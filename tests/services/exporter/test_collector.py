@@ -14,9 +14,20 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.exporter import names
-from services.exporter.collector import DraftlineCollector, Families, collect_gpus, scrape_connection
+from services.exporter.collector import (
+    DraftlineCollector,
+    Families,
+    collect_gpus,
+    scrape_connection,
+)
 from services.exporter.gpu import GpuReader, GpuReading
-from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, TRAIN_QUEUE, extract_job_id, train_job_id
+from shared.jobs import (
+    EXTRACT_QUEUE,
+    GENERATE_QUEUE,
+    TRAIN_QUEUE,
+    extract_job_id,
+    train_job_id,
+)
 from shared.queues import queue
 from shared.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import Samples, parse, value
@@ -236,3 +247,17 @@ def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -
     assert value(samples, names.GPU_MEMORY_TOTAL, gpu="1", name="NVIDIA H200") == 141 << 30
     assert value(samples, names.GPU_POWER, gpu="0", name="NVIDIA H200") == 300.0
     assert value(samples, names.GPU_POWER, gpu="1", name="NVIDIA H200") is None
+
+
+def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_conn, data_dir) -> None:
+    from shared.disk import clear_paused, set_paused, supervise_disk
+    from shared.settings import ControllerSettings
+
+    populate(redis_conn, data_dir)
+    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 0
+    supervise_disk(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn, "r1")
+    assert value(scrape(redis_url, data_dir), names.RUN_PROJECTED_BYTES, run="r1") is not None
+    set_paused(redis_conn, "r1", "projected 2 TiB, 1 TiB free")
+    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 1
+    clear_paused(redis_conn, "r1")
+    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 0
