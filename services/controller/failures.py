@@ -171,6 +171,11 @@ def reopen(state: RunState) -> str | None:
 # ---- jobs RQ failed -----------------------------------------------------------------------------
 
 
+# A job that died of these failed for the infrastructure's sake, not its samples'.
+INFRASTRUCTURE_ERRORS = ("redis.exceptions.ConnectionError", "redis.exceptions.TimeoutError", "ConnectionError: Error",
+                         "TimeoutError: Timeout")
+
+
 def name_failed_jobs(data: Path, conn: redis.Redis) -> int:
     """Name the unsettled samples of every failed generate and extract job, then forget the job."""
     named = 0
@@ -196,6 +201,11 @@ def _name_job(data: Path, conn: redis.Redis, registry: FailedJobRegistry, job_id
         state = RunState(conn, data, run)
         result = job.latest_result()
         reason = ((result.exc_string if result else None) or "no reason recorded").strip().splitlines()[-1]
+        if reason.startswith(INFRASTRUCTURE_ERRORS):
+            # Redis went away under the job: nothing is wrong with its samples, so it runs again.
+            registry.requeue(job)
+            log.warning("run %s: job %s failed on %s; requeued", run, job_id, reason)
+            return 0
         for sample_id in ids:
             if not any(bits[0] for bits in state.outcomes(stage, sample_id, sample_id + 1).values()):
                 state.mark_failed(Failure(run=run, stage=stage, sample_id=sample_id, error_class="JobFailed",

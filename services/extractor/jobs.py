@@ -91,6 +91,8 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     try:
         result, info = _extract(job, spec, state, tokenizer, client)
         _record_manifest(state, job.sample_id, info)
+    except redis.RedisError:
+        raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
         if not isinstance(exc, DraftlineError):
             log.exception("run %s: sample %d: unexpected error", job.run, job.sample_id)

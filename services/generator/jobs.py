@@ -116,6 +116,8 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
         check_length(completion, spec.generation)
     except EXPECTED_ERRORS as exc:
         return await asyncio.to_thread(record_failure, state, sample_id, exc)
+    except redis.RedisError:
+        raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
         log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
         return await asyncio.to_thread(record_failure, state, sample_id, exc)

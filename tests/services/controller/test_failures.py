@@ -19,7 +19,7 @@ from shared.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings, ExtractorSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ServiceProcess, free_port
 
 RUN = "retry"
 
@@ -126,3 +126,18 @@ def test_a_job_rq_failed_names_its_samples(data_dir, redis_conn, tmp_path, monke
     assert (failure.sample_id, failure.error_class) == (1, "JobFailed") and "SettingsError" in failure.message
     assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 0
     assert enqueue_extract(redis_conn, RUN, 1)  # after a retry its job id is free again
+
+
+def test_a_job_that_lost_redis_is_requeued_not_named(data_dir, redis_conn, tmp_path, monkeypatch, tiny_model_dir):
+    state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(2))
+    finish_samples(state, generated=range(2), extracted=[])
+    enqueue_extract(redis_conn, RUN, 1)
+    monkeypatch.setenv("DRAFTLINE_DATA", str(data_dir))
+    monkeypatch.setenv("DRAFTLINE_MODEL_DIR", str(tiny_model_dir))
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # the job's Redis refuses
+    worker = SimpleWorker([queue(EXTRACT_QUEUE, redis_conn)], connection=redis_conn, serializer=SERIALIZER)
+    worker.work(burst=True)
+    assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 1
+    assert name_failed_jobs(data_dir, redis_conn) == 0
+    assert state.failures() == [] and not state.paths.failure("extract", 1).exists()
+    assert queue(EXTRACT_QUEUE, redis_conn).get_job_ids() == [extract_job_id(RUN, 1)]
