@@ -80,6 +80,15 @@ def _status(args: argparse.Namespace) -> int:
 
     settings = _settings()
     conn = connect(settings.redis_url)
+    if args.watch:
+        from services.cli.watch import watch
+
+        run = _pick_run(settings.data, args.run)
+        try:
+            watch(lambda: run_status(settings.data, conn, run), interval_s=args.interval, clear=sys.stdout.isatty())
+        except KeyboardInterrupt:
+            pass
+        return 0
     statuses = [run_status(settings.data, conn, args.run)] if args.run else list_status(settings.data, conn)
     if args.json:
         payload = statuses[0] if args.run else statuses
@@ -218,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="progress of one run or all: done/total, errors, rate, ETA, disk")
     status.add_argument("run", nargs="?")
     status.add_argument("--json", action="store_true", help="the same fields as JSON (keys in the README)")
+    status.add_argument("--watch", action="store_true", help="redraw live progress bars until the run ends")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch")
     status.set_defaults(func=_status)
 
     resume = sub.add_parser("resume", help="rebuild a run's state from the volume (after a crash or a lost Redis)")
