@@ -75,3 +75,20 @@ class RunSpec(_Frozen):
         if not path.is_file():
             raise RunNotFound(f"no run {name!r} under {Path(data) / 'runs'}")
         return cls.model_validate(read_json(path))
+
+
+_CACHE: dict[tuple[str, str], tuple[float, RunSpec]] = {}
+
+
+def cached_spec(data: Path, run: str) -> RunSpec:
+    """RunSpec.load, cached per process for workers that read it per job; a rewritten run.json (new
+    mtime) is read again."""
+    try:
+        mtime = RunPaths(data, run).spec.stat().st_mtime
+    except FileNotFoundError:
+        return RunSpec.load(data, run)  # raises RunNotFound with the path
+    cached = _CACHE.get((str(data), run))
+    if cached is None or cached[0] != mtime:
+        cached = (mtime, RunSpec.load(data, run))
+        _CACHE[(str(data), run)] = cached
+    return cached[1]

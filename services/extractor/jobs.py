@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import redis
 
@@ -31,7 +30,7 @@ from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import connect
 from shared.retry import RetryPolicy
-from shared.runspec import RunSpec
+from shared.runspec import RunSpec, cached_spec
 from shared.runstate import Failure, RunState, run_key
 from shared.settings import ExtractorSettings, load_settings
 
@@ -55,20 +54,8 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-_SPECS: dict[tuple[str, str], tuple[float, RunSpec]] = {}
 
 
-def load_spec(data: Path, run: str) -> RunSpec:
-    """RunSpec.load, cached per process; a rewritten run.json (new mtime) is read again."""
-    try:
-        mtime = (Path(data) / "runs" / run / "run.json").stat().st_mtime
-    except FileNotFoundError:
-        return RunSpec.load(data, run)
-    cached = _SPECS.get((str(data), run))
-    if cached is None or cached[0] != mtime:
-        cached = (mtime, RunSpec.load(data, run))
-        _SPECS[(str(data), run)] = cached
-    return cached[1]
 
 
 def extract(payload: dict) -> str:
@@ -87,7 +74,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     if state.is_done("extract", job.sample_id):
         return "skipped"
     wait_for_headroom(conn, settings.data, job.run)  # a paused run's samples wait here instead of failing
-    spec = load_spec(settings.data, job.run)
+    spec = cached_spec(settings.data, job.run)
     try:
         result, info = _extract(job, spec, state, tokenizer, client)
         _record_manifest(state, job.sample_id, info)

@@ -11,7 +11,6 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 
 import redis
 from rq.exceptions import DuplicateJobError
@@ -42,7 +41,7 @@ from shared.jobs import (
 )
 from shared.queues import connect, queue
 from shared.retry import RetryPolicy
-from shared.runspec import GenerationConfig, RunSpec
+from shared.runspec import GenerationConfig, RunSpec, cached_spec
 from shared.runstate import DROPPED, ERROR, Failure, RunState
 from shared.settings import GeneratorSettings, load_settings
 
@@ -59,20 +58,8 @@ def worker_settings() -> GeneratorSettings:
     return load_settings(GeneratorSettings)
 
 
-_SPECS: dict[tuple[str, str], tuple[float, RunSpec]] = {}
 
 
-def load_spec(data: Path, run: str) -> RunSpec:
-    """RunSpec.load, cached per process; a rewritten run.json (new mtime) is read again."""
-    try:
-        mtime = (Path(data) / "runs" / run / "run.json").stat().st_mtime
-    except FileNotFoundError:
-        return RunSpec.load(data, run)  # raises RunNotFound with the path
-    cached = _SPECS.get((str(data), run))
-    if cached is None or cached[0] != mtime:
-        cached = (mtime, RunSpec.load(data, run))
-        _SPECS[(str(data), run)] = cached
-    return cached[1]
 
 
 def generate(payload: dict) -> dict:
@@ -85,7 +72,7 @@ def generate(payload: dict) -> dict:
 def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redis, *,
                  retry_delays_s: Sequence[float] = RETRY_DELAYS_S) -> dict:
     """Generate every sample of ``job``; returns how many ended done, skipped, dropped or failed."""
-    spec = load_spec(settings.data, job.run)
+    spec = cached_spec(settings.data, job.run)
     state = RunState(conn, settings.data, job.run)
     outcomes = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
     summary = dict(Counter(outcomes))
