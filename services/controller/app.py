@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from services.controller.routes import health, preflight, runs
+from services.controller.routes import health, page, preflight, runs
 from services.controller.supervisor import supervise_forever
 from shared.settings import ControllerSettings
 
@@ -43,6 +43,7 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(preflight.router)
+    app.include_router(page.router)
     app.add_exception_handler(redis.RedisError, _redis_unavailable)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     return app
