@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from services.cli.stack import LocalStack, StackConfig
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
+from tests.support.browser import chromium, dump_dom
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +64,9 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
         status = wait_terminal(stack.url("controller"), stack)
-    return {"status": status, "data": data, "redis_url": redis_server.url}
+        # The status page as a browser renders it, while the real run's services still answer.
+        page = dump_dom(f"{stack.url('controller')}/") if chromium() else None
+    return {"status": status, "data": data, "redis_url": redis_server.url, "page": page}
 
 
 def test_run_completes_and_names_every_malformed_row(finished_run):
@@ -108,3 +112,16 @@ def test_status_command_names_failures_and_matches_the_api(finished_run):
     text = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
     for sample_id in MALFORMED:
         assert str(sample_id) in text
+
+
+def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
+    if finished_run["page"] is None:
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    page, status = finished_run["page"], finished_run["status"]
+    for stage in ("generate", "extract", "train", "evaluate"):
+        row = re.search(rf"<tr data-stage=\"{stage}\">.*?</tr>", page, re.S).group(0)
+        s = status["stages"][stage]
+        assert f"{s['done']} / {s['total']}" in row, (stage, row)
+    assert f">{status['errors']['total']}</b>" in page
+    assert {int(i) for i in re.findall(r'data-sample="(\d+)"', page)} >= set(MALFORMED)
+    assert f"{status['drafter']['acceptance_length']:.2f}" in page
