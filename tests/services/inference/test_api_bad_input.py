@@ -181,15 +181,16 @@ def test_after_the_hostile_requests_the_server_still_serves_and_wrote_nothing_ou
 
 # ---- generated bodies against the app in-process ---------------------------------------------
 
-# Lone surrogates, NUL bytes in paths and `chat_template` overrides have their own hand-written cases
-# above. Each body starts valid and has one part replaced by anything JSON can hold,
-# so the generated requests reach the model and the writer as well as the validators.
-SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
+# Each body starts valid and has one part replaced by anything JSON can hold (NaN, Infinity and lone
+# surrogates included), so the generated requests reach the model and the writer as well as the validators.
+SURROGATE_TEXT = st.builds("{}{}".format, st.text(max_size=8), st.characters(categories=["Cs"]))
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | SURROGATE_TEXT
 ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                         max_leaves=8)
-TEXT = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=30)
-SAFE_NAME = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00/"), min_size=1, max_size=20)
-TEMPLATE_KEYS = st.sampled_from(["enable_thinking", "add_generation_prompt", "continue_final_message", "foo"])
+TEXT = st.text(min_size=1, max_size=30) | SURROGATE_TEXT
+SAFE_NAME = st.text(st.characters(exclude_characters="/"), min_size=1, max_size=20) | SURROGATE_TEXT
+TEMPLATE_KEYS = st.sampled_from(["enable_thinking", "add_generation_prompt", "continue_final_message", "foo", "chat_template",
+                                 "tokenize", "conversation", "tools"])
 
 
 @st.composite
@@ -249,7 +250,7 @@ def run_generated(client: TestClient, route: str, strategy, examples: int) -> di
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(strategy)
     def post(body):
-        response = client.post(route, json=body)
+        response = client.post(route, content=json.dumps(body).encode(), headers=JSON)  # \uXXXX escapes, NaN as NaN
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
         assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:300])
         if response.status_code != 200:
