@@ -91,7 +91,7 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
             response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=120)
             assert response.status_code == 201, response.text
 
-            paused = wait_for("the disk pause", lambda s: disk_status(conn, RUN)["paused"], stack, timeout=120)
+            paused = wait_for("the disk pause", lambda s: s["disk"]["paused"], stack, timeout=120)
             assert paused["disk"]["paused"] is True and paused["disk"]["reason"], paused["disk"]
             shown = disk_status(conn, RUN)
             assert shown["projected_bytes"] > VOLUME_BYTES // 2 and shown["bytes_per_token"] > 4 * 64 * 4

@@ -65,7 +65,7 @@ def run_demo(data: Path, *, timeout_s: float = 600.0) -> dict:
     config = StackConfig(data=data, model_dir=model_dir, log_dir=data / "logs" / f"demo-{stamp}")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with LocalStack(config) as stack:
-        say(f"services up; logs in {config.log_dir}; status page {stack.url('controller')}/")
+        say(f"services up; logs in {config.log_dir}; status page {stack.url('controller')}/status")
         name = f"demo-{stamp}"
         submit(stack.url("controller"), name)
         status = follow(stack, name, timeout_s=timeout_s)

@@ -1,4 +1,4 @@
-"""``/`` and ``/status``: the self-refreshing status page (see ``services.controller.page``)."""
+"""``/status``: the self-refreshing status page (see ``services.controller.page``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ def gpu_reader() -> GpuReader:
     return GpuReader()  # NVML initialises once per process
 
 
-@router.get("/", response_class=HTMLResponse)
 @router.get("/status", response_class=HTMLResponse)
 def status_page(settings: SettingsDep, conn: ConnDep) -> str:
     return render_page(list_status(settings.data, conn), gpu_reader().read())

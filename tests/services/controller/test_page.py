@@ -21,7 +21,7 @@ def test_the_page_shows_the_status_numbers_and_the_failed_ids(data_dir, redis_co
     status = run_status(data_dir, redis_conn, "page")
     app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
     with TestClient(app) as client:
-        response = client.get("/")
+        response = client.get("/status")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     html = response.text
     assert re.search(r"http-equiv='refresh' content='\d+'", html)
