@@ -188,7 +188,8 @@ SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_
 ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                         max_leaves=8)
 TEXT = st.text(min_size=1, max_size=30) | SURROGATE_TEXT
-SAFE_NAME = st.text(st.characters(exclude_characters="/"), min_size=1, max_size=20) | SURROGATE_TEXT
+# A file name the server accepts: no "/", no NUL, no lone surrogate (those come in as the path's junk).
+SAFE_NAME = st.text(st.characters(exclude_characters="/\x00", exclude_categories=["Cs"]), min_size=1, max_size=20)
 TEMPLATE_KEYS = st.sampled_from(["enable_thinking", "add_generation_prompt", "continue_final_message", "foo", "chat_template",
                                  "tokenize", "conversation", "tools"])
 
@@ -220,7 +221,7 @@ def hidden_bodies(draw) -> dict:
     body = {"input_ids": draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)),
             "loss_mask": draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
             "path": "generated/" + draw(SAFE_NAME) + ".safetensors"}
-    part = draw(st.sampled_from(["input_ids", "loss_mask", "path", "layer_ids", "metadata", "one_id", "colour", "nothing"]))
+    part = draw(st.sampled_from(["nothing", "input_ids", "loss_mask", "path", "layer_ids", "metadata", "one_id", "colour"]))
     junk = draw(ANY_JSON)
     if part == "one_id":
         body["input_ids"][draw(st.integers(0, n - 1))] = draw(st.sampled_from([-1, VOCAB, 2**63, 10**30, 1.5, "7x", None, [1]]))
@@ -229,7 +230,8 @@ def hidden_bodies(draw) -> dict:
     elif part == "metadata":
         body[part] = draw(st.dictionaries(st.text(max_size=10), TEXT, max_size=3)) if draw(st.booleans()) else junk
     elif part == "path" and draw(st.booleans()):
-        body[part] = draw(st.sampled_from(["../x.safetensors", "/x.safetensors", ".safetensors", "a/../../b.safetensors"]))
+        body[part] = draw(st.sampled_from(["../x.safetensors", "/x.safetensors", ".safetensors", "a/../../b.safetensors",
+                                           "a\x00b.safetensors", "p" * 300 + ".safetensors"]) | SURROGATE_TEXT.map("{}.safetensors".format))
     elif part != "nothing":
         body[part] = junk
     return body
@@ -269,5 +271,4 @@ def test_generated_chat_requests_never_get_a_500(client):
 
 def test_generated_hidden_state_requests_never_get_a_500(client):
     seen = run_generated(client, HIDDEN, hidden_bodies(), examples=100)
-    # Mostly refusals (a valid hidden-state body is a narrow target); accepted bodies are covered elsewhere.
-    assert seen.get(400) and sum(seen.values()) == 100, seen
+    assert seen.get(200) and seen.get(400), seen  # both accepted and refused bodies were exercised
