@@ -90,6 +90,11 @@ class RunState:
     def expected(self) -> int:
         return int(self.meta().get("expected", 0))
 
+    def note_retry(self, stage: str) -> None:
+        """Count one more attempt at a sample of ``stage`` after a transient error or a lost job."""
+        _check_sample_stage(stage)
+        self.incr(retried_field(stage))
+
     # ---- per-sample outcomes -------------------------------------------------------------------
     def mark_done(self, stage: str, sample_id: int) -> bool:
         """Record a verified sample; True when it was not done before. Clears an earlier failure."""
@@ -213,6 +218,11 @@ def ids_bitmap(ids: Iterable[int]) -> bytes:
     bits = np.zeros(int(ids.max()) + 1, dtype=bool)
     bits[ids] = True
     return np.packbits(bits).tobytes()
+
+
+def retried_field(stage: str) -> str:
+    """The meta field counting retries of a per-sample stage (exported as draftline_stage_retried_total)."""
+    return f"{stage}_retried"
 
 
 def known_runs(conn: redis.Redis) -> list[str]:

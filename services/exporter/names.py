@@ -12,6 +12,7 @@ REDIS_UP = "draftline_redis_up"  # 1 when Redis answered this scrape, else 0
 # ---- per run and stage: labels run, stage --------------------------------------------------------
 STAGE_EXPECTED = "draftline_stage_expected"  # samples (generate, extract) or steps (train, evaluate)
 STAGE_DONE = "draftline_stage_done_total"  # per-sample stages only: a done bit is never cleared
+STAGE_RETRIED = "draftline_stage_retried_total"  # attempts repeated after a transient error or a lost job
 # Failed and dropped are gauges, not counters: a sample that succeeds on a later attempt leaves the failed
 # set (RunState.mark_done clears it), and a counter that goes down reads to Prometheus as a reset.
 STAGE_FAILED = "draftline_stage_failed"  # samples whose latest attempt failed with a named error

@@ -78,7 +78,9 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     state.set_meta(train_state="running", train_started_at=time.time())
 
     def report(p: TrainProgress) -> None:
-        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), acc0=round(p.acc[0], 4))
+        accs = {f"acc{k}": round(a, 4) for k, a in enumerate(p.acc)}
+        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
+                           tokens_per_s=round(p.tokens_per_s, 1), **accs)
 
     result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
     export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,

@@ -68,6 +68,7 @@ class TrainProgress:
     loss: float
     acc: list[float]
     lr: float
+    tokens_per_s: float = 0.0  # loss-mask tokens this rank trained on per second since the session began
 
 
 ProgressFn = Callable[[TrainProgress], None]
@@ -318,6 +319,7 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     s = prepare(spec, data=data, model_dir=model_dir, device=device)
     train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
+    tokens, session_start = 0, time.monotonic()
     for epoch in range(s.position.epoch, s.cfg.epochs):
         batches = rank_batches(epoch_order(len(s.dataset), s.cfg.seed, epoch), s.cfg.batch_size, s.rank, s.world)
         first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
@@ -326,7 +328,9 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
         for index, batch in enumerate(loader, start=first):
             loss, step_losses, accs = train_step(s, batch.to(s.device, torch.float32))
             step += 1
-            s.result.last = TrainProgress(step, s.total, epoch, loss, accs, s.scheduler.get_last_lr()[0])
+            tokens += int(batch.loss_mask.sum())
+            speed = tokens / max(time.monotonic() - session_start, 1e-9)
+            s.result.last = TrainProgress(step, s.total, epoch, loss, accs, s.scheduler.get_last_lr()[0], speed)
             train_log.write({"step": step, "epoch": epoch, "loss": loss, "loss_k": step_losses, "acc": accs,
                              "lr": s.result.last.lr, "elapsed_s": round(time.monotonic() - started, 3)})
             if progress is not None and s.rank == 0:
