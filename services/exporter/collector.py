@@ -9,6 +9,7 @@ GPU series are still served.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import SERIALIZER, queue
-from shared.runstate import RunState, known_runs
+from shared.runstate import RunState, known_runs, retried_field
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ RUN_STAGE = ("run", "stage")
 SCRAPE_CONNECT_TIMEOUT_S = 2.0
 SCRAPE_SOCKET_TIMEOUT_S = 5.0
 WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
+ACCURACY_FIELD = re.compile(rf"{names.META_TRAIN_ACCURACY_PREFIX}(\d+)")
 
 
 def scrape_connection(url: str) -> redis.Redis:
@@ -144,6 +146,10 @@ def _sample_stage(
     families.counter(names.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
         labels, counts.done
     )
+    # 0 until the first retry, so the series exists and rate() over it starts from the run's beginning.
+    families.counter(
+        names.STAGE_RETRIED, "Attempts repeated after a transient error or a lost job.", RUN_STAGE
+    ).add_metric(labels, _number(meta, retried_field(stage)) or 0)
     families.gauge(names.STAGE_FAILED, "Samples whose latest attempt failed with a named error.", RUN_STAGE).add_metric(
         labels, counts.failed
     )
@@ -186,13 +192,31 @@ def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
     series = (
         (names.RUN_HIDDEN_BYTES, names.META_HIDDEN_BYTES, "Bytes of hidden-state files written for the run."),
         (names.TRAIN_STEP, names.META_TRAIN_STEP, "Optimizer steps the trainer has finished."),
+        (names.TRAIN_EPOCH, names.META_TRAIN_EPOCH, "Epoch (from 0) of the trainer's latest logged step."),
         (names.TRAIN_LOSS, names.META_TRAIN_LOSS, "The trainer's latest logged loss."),
+        (names.TRAIN_LEARNING_RATE, names.META_TRAIN_LR, "The trainer's learning rate at its latest logged step."),
+        (names.TRAIN_TOKENS_PER_SECOND, names.META_TRAIN_TOKENS_PER_SECOND,
+         "Loss-mask tokens the trainer trains on per second."),
         (names.ACCEPTANCE_LENGTH, names.META_ACCEPTANCE_LENGTH, "Mean tokens accepted per verification step."),
     )
     for metric, field, doc in series:
         value = _number(meta, field)
         if value is not None:
             families.gauge(metric, doc, ["run"]).add_metric([run], value)
+    _train_accuracy(families, run, meta)
+
+
+def _train_accuracy(families: Families, run: str, meta: dict[str, str]) -> None:
+    """One series per draft position k of the training-time-test unroll (meta ``train_acc<k>``)."""
+    positions = sorted(
+        (int(match.group(1)), field) for field in meta if (match := ACCURACY_FIELD.fullmatch(field))
+    )
+    for k, field in positions:
+        value = _number(meta, field)
+        if value is not None:
+            families.gauge(
+                names.TRAIN_ACCURACY, "Share of draft position k's tokens that match the target, 0 to 1.", ["run", "k"]
+            ).add_metric([run, str(k)], value)
 
 
 def _run_disk(families: Families, run: str, disk: dict) -> None:

@@ -113,14 +113,57 @@ def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> N
     assert value(samples, names.STAGE_EXPECTED, run="r1", stage="evaluate") is None
 
 
+def test_retries_count_per_stage_and_start_at_zero(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    samples = scrape(redis_url, data_dir)
+    # No retry yet: the series exists at 0, so rate() and the dashboards see the run from its start.
+    assert value(samples, names.STAGE_RETRIED, run="r1", stage="generate") == 0
+    assert value(samples, names.STAGE_RETRIED, run="r1", stage="extract") == 0
+    state.note_retry("extract")
+    state.note_retry("extract")
+    state.note_retry("generate")
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.STAGE_RETRIED, run="r1", stage="extract") == 2
+    assert value(samples, names.STAGE_RETRIED, run="r1", stage="generate") == 1
+    # Retries are attempts, not outcomes: the done and failed counts do not move.
+    assert value(samples, names.STAGE_DONE, run="r1", stage="extract") == 1
+    assert value(samples, names.STAGE_FAILED, run="r1", stage="generate") == 1
+
+
+def test_trainer_epoch_accuracy_per_position_lr_and_tokens_per_second(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    # The fields the trainer's progress report writes (services/trainer/jobs.py), through the same call.
+    accs = {f"acc{k}": a for k, a in enumerate([0.61, 0.42, 0.3, 0.21, 0.15, 0.11, 0.08, 0.06, 0.05, 0.04, 0.03])}
+    state.set_progress("train", 40, 120, loss=1.75, epoch=1, lr=0.0005, tokens_per_s=812.5, **accs)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.TRAIN_STEP, run="r1") == 40
+    assert value(samples, names.TRAIN_EPOCH, run="r1") == 1
+    assert value(samples, names.TRAIN_LOSS, run="r1") == 1.75
+    assert value(samples, names.TRAIN_LEARNING_RATE, run="r1") == 0.0005
+    assert value(samples, names.TRAIN_TOKENS_PER_SECOND, run="r1") == 812.5
+    # Two-digit positions too: k is the number after the prefix, not a character of it.
+    for k, acc in enumerate(accs.values()):
+        assert value(samples, names.TRAIN_ACCURACY, run="r1", k=str(k)) == acc
+    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="11") is None
+
+
+def test_trainer_series_are_absent_before_training_starts(redis_url, redis_conn, data_dir) -> None:
+    populate(redis_conn, data_dir)
+    samples = scrape(redis_url, data_dir)
+    for metric in (names.TRAIN_EPOCH, names.TRAIN_ACCURACY, names.TRAIN_LEARNING_RATE, names.TRAIN_TOKENS_PER_SECOND):
+        assert not any(name == metric for name, _ in samples), metric
+
+
 def test_a_malformed_meta_field_is_skipped_not_fatal(redis_url, redis_conn, data_dir) -> None:
     state = populate(redis_conn, data_dir)
-    state.set_meta(train_loss="not-a-number", acceptance_length=3.0)
+    state.set_meta(train_loss="not-a-number", acceptance_length=3.0, train_acc0="nan?", train_acc1=0.5)
     broken = populate(redis_conn, data_dir, "broken")
     broken.set_meta(expected="")
     samples = scrape(redis_url, data_dir)
     assert value(samples, names.TRAIN_LOSS, run="r1") is None
     assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 3.0
+    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="0") is None
+    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="1") == 0.5
     assert value(samples, names.STAGE_EXPECTED, run="broken", stage="generate") == 0
     assert value(samples, names.STAGE_DONE, run="broken", stage="generate") == 4
     assert value(samples, names.REDIS_UP) == 1
