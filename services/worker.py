@@ -4,6 +4,10 @@ Stopping: the first SIGTERM (or SIGINT) lets the current job finish, then the wo
 one, more than a second later, kills the job's work horse and exits at once, leaving the job started
 for ``services.controller.reaper`` to requeue. A worker that dies outright (SIGKILL, a lost host) stops
 heartbeating; its work horse dies with it, and the reaper requeues the job once the heartbeat is stale.
+
+A worker whose data directory is not the controller's volume (``shared.volume``) refuses at start-up and
+before every job: it hands the job it just took back to the front of its queue, stops, and exits with
+``VolumeMismatch`` naming both volumes, instead of writing files that nobody reads.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import redis
-from rq import Worker
+from rq import Queue, Worker
+from rq.exceptions import StopRequested
+from rq.job import Job
 
 from shared.queues import SERIALIZER, connect, queue
 from shared.settings import CommonSettings, configure_logging
+from shared.volume import VolumeMismatch, verify_volume
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +55,40 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def hand_back(job: Job, q: Queue) -> None:
+    """Return a dequeued job that has not started to the front of its queue, as if never taken.
+
+    RQ moves a job from its single queue to an intermediate list when a worker takes it; the job is
+    still ``queued`` until its work horse starts, so putting the id back is all that undoes the take."""
+    pipe = q.connection.pipeline(transaction=True)
+    pipe.lrem(q.intermediate_queue_key, 1, job.id)
+    pipe.lpush(q.key, job.id)
+    pipe.execute()
+
+
 class DraftlineWorker(Worker):
-    """RQ's forking worker, with a work horse that dies with its worker."""
+    """RQ's forking worker: a work horse that dies with its worker, and a volume check before each job."""
+
+    data: Path | None = None  # the data directory to check against the controller's volume; None: no check
+    refused: VolumeMismatch | None = None
 
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
         die_with_parent()
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        if self.data is not None:
+            try:
+                verify_volume(self.data, self.connection)
+            except redis.RedisError as exc:
+                # The job cannot reach Redis either; it fails and is requeued the usual way.
+                log.warning("worker %s: volume not checked before job %s: %s", self.name, job.id, exc)
+            except VolumeMismatch as exc:
+                hand_back(job, queue)
+                log.error("worker %s: job %s handed back untouched: %s", self.name, job.id, exc)
+                self.refused = exc
+                raise StopRequested() from None
+        super().execute_job(job, queue)
 
 
 def wait_for_redis(conn: redis.Redis, *, url: str, max_wait_s: float = 300.0) -> None:
@@ -84,6 +120,7 @@ def run_worker(
     configure_logging(settings.log_level)
     conn = connect(settings.redis_url)
     wait_for_redis(conn, url=settings.redis_url)
+    verify_volume(settings.data, conn)  # refuse before loading anything: a wrong mount is a setup error
     if preload is not None:
         preload()
     name = f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -95,5 +132,8 @@ def run_worker(
         worker_ttl=WORKER_TTL_S,
         job_monitoring_interval=JOB_MONITORING_INTERVAL_S,
     )
-    log.info("worker %s: serving %s", name, ", ".join(queue_names))
+    worker.data = settings.data
+    log.info("worker %s: serving %s from %s", name, ", ".join(queue_names), settings.data)
     worker.work(burst=burst, logging_level=settings.log_level)
+    if worker.refused is not None:
+        raise worker.refused

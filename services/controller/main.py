@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+
 import uvicorn
 
 from services.controller.app import create_app
 from shared.queues import connect
 from shared.settings import ControllerSettings, configure_logging, load_settings
+from shared.volume import keep_claimed, try_claim
 
 
 def main() -> None:
     settings = load_settings(ControllerSettings)
     configure_logging(settings.log_level)
-    app = create_app(settings, connect(settings.redis_url), supervise=True)
+    conn = connect(settings.redis_url)
+    # Workers compare their data directory with this volume's identity before taking jobs.
+    try_claim(settings.data, conn)
+    threading.Thread(target=keep_claimed, args=(settings.data, conn, threading.Event()), name="volume-claim",
+                     daemon=True).start()
+    app = create_app(settings, conn, supervise=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
