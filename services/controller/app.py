@@ -14,11 +14,14 @@ from fastapi.responses import JSONResponse
 
 from services.controller.routes import health, page, preflight, runs
 from services.controller.supervisor import supervise_forever
+from shared.body_limit import BodySizeLimit
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_JOIN_S = 30.0
+# Run requests name their datasets by path or hub id; no body carries data, so 1 MiB is generous.
+MAX_REQUEST_BYTES = 1 << 20
 
 
 def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bool = False) -> FastAPI:
@@ -40,6 +43,7 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
     app = FastAPI(title="draftline controller", lifespan=lifespan)
     app.state.settings = settings
     app.state.conn = conn
+    app.add_middleware(BodySizeLimit, max_bytes=MAX_REQUEST_BYTES)
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(preflight.router)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_SEED = 2**63 - 1
@@ -131,10 +131,11 @@ class HiddenStatesRequest(BaseModel):
     """One sample to run through the target; the states go to ``path`` on the data volume."""
 
     model_config = ConfigDict(extra="forbid")
-    input_ids: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1)
-    loss_mask: list[Annotated[int, Field(ge=0, le=1)]]
+    # Strict: 1.0, "1" and true are not token ids; a client that sends them has a bug worth hearing about.
+    input_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(..., min_length=1)
+    loss_mask: list[Annotated[StrictInt, Field(ge=0, le=1)]]
     path: str = Field(..., min_length=1, description="Relative to the data volume, or absolute inside it.")
-    layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
+    layer_ids: list[StrictInt] | None = Field(None, min_length=3, max_length=3)
     metadata: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("path")

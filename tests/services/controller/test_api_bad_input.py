@@ -129,6 +129,15 @@ def test_a_bad_submission_is_a_4xx_with_a_message(api, case, request_for):
     assert_refused(response)
 
 
+def test_a_body_over_the_size_limit_is_a_413(api):
+    from services.controller.app import MAX_REQUEST_BYTES
+
+    body = json.dumps(good(api, name="huge", padding="x" * MAX_REQUEST_BYTES)).encode()
+    assert_refused(httpx.post(f"{api['url']}/runs", content=body, headers=JSON, timeout=60), range(413, 414))
+    streamed = httpx.post(f"{api['url']}/runs", content=iter([body[:1 << 19], body[1 << 19:]]), headers=JSON, timeout=60)
+    assert_refused(streamed, range(413, 414))
+
+
 BAD_GETS = ["/runs/..", "/runs/../runs/..", "/runs/../../etc/passwd", "/runs/%2e%2e", "/runs/%2e%2e%2f%2e%2e%2fetc%2fpasswd", "/runs/a%2Fb", "/runs/%00", "/runs/%ff",
             "/runs/%ED%A0%80", "/runs/" + "r" * 5000, "/runs/na%C3%AFve", "/runs/$(id)", "/runs/;ls", "/runs/<script>",
             "/runs/nope/failures", "/runs/..%2f..%2fetc/failures", "/runs/x/failures?stage=../../etc",

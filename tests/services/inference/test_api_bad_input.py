@@ -91,6 +91,11 @@ BAD_HIDDEN = [
     ("id-2-63", hidden(input_ids=[1, 2**63, 3])),
     ("id-10e30", hidden(input_ids=[1, 10**30, 3])),
     ("id-fraction", hidden(input_ids=[1, 2.5, 3])),
+    ("id-whole-float", hidden(input_ids=[1, 2.0, 3])),
+    ("id-bool", hidden(input_ids=[1, True, 3])),
+    ("id-digit-string", hidden(input_ids=[1, "2", 3])),
+    ("mask-bool", hidden(loss_mask=[0, True, True])),
+    ("layer-ids-floats", hidden(layer_ids=[1.0, 2.0, 3.0])),
     ("id-nan", raw('{"input_ids": [1, NaN, 3], "loss_mask": [0, 1, 1], "path": "bad-input/nan.safetensors"}')),
     ("id-infinity", raw('{"input_ids": [1, Infinity, 3], "loss_mask": [0, 1, 1], "path": "bad-input/inf.safetensors"}')),
     ("id-object", hidden(input_ids=[1, {"id": 2}, 3])),
@@ -148,6 +153,22 @@ def test_a_bad_hidden_states_request_is_a_4xx_in_openai_shape(server, case, requ
 def test_a_body_that_does_not_parse_is_answered_in_openai_shape(server, content):
     response = httpx.post(server.url + CHAT, content=content, headers=JSON, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["message"]
+
+
+def test_a_body_over_the_size_limit_is_a_413_whether_declared_or_streamed(server):
+    from services.inference.app import MAX_REQUEST_BYTES
+
+    oversized = b'{"messages": [{"role": "user", "content": "' + b"x" * MAX_REQUEST_BYTES + b'"}]}'
+    declared = httpx.post(server.url + CHAT, content=oversized, headers=JSON, timeout=120)
+    assert_refused(declared, range(413, 414))
+
+    def chunks():  # a generator body goes out chunked, with no Content-Length to refuse up front
+        for start in range(0, len(oversized), 1 << 20):
+            yield oversized[start:start + (1 << 20)]
+
+    streamed = httpx.post(server.url + HIDDEN, content=chunks(), headers=JSON, timeout=120)
+    assert_refused(streamed, range(413, 414))
+    assert str(MAX_REQUEST_BYTES) in streamed.json()["error"]["message"]
 
 
 def test_the_prompt_past_the_context_is_named_prompt_too_long(server):
