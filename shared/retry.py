@@ -12,7 +12,9 @@ Four kinds of trouble, told apart by ``classify_status`` and ``classify_error``:
   without spending attempts.
 
 Waiting has one cap per request, ``RetryPolicy.wait_max_s``; past it the request fails as
-``InferenceUnavailable`` naming how long the server was down.
+``InferenceUnavailable`` naming how long the server was down. With several endpoints
+(``shared.endpoints``) a request fails over to another endpoint first (``shared.dispatch``); the server
+counts as down, and is waited for, only when every endpoint is.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import httpx
 
+from shared.endpoints import EndpointPool, server_root
 from shared.errors import (
     DraftlineError,
     InferenceRejected,
@@ -160,12 +163,6 @@ def retry_after_s(response: httpx.Response) -> float | None:
     return value if value >= 0 else None
 
 
-def server_root(base_url: str) -> str:
-    """The server root whether the setting names it or its ``/v1``."""
-    base = base_url.rstrip("/")
-    return base.removesuffix("/v1")
-
-
 def health_url(base_url: str) -> str:
     return f"{server_root(base_url)}/health"
 
@@ -193,9 +190,13 @@ def up_answer(status: int) -> bool:
 class Outage:
     """One stretch of time the server is down or full: how long so far, when to log, when to give up."""
 
-    def __init__(self, url: str, what: str, reason: str, policy: RetryPolicy,
+    def __init__(self, url: str | Sequence[str], what: str, reason: str, policy: RetryPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.url, self.what, self.reason, self.policy, self.clock = url, what, reason, policy, clock
+        urls = [url] if isinstance(url, str) else list(url)
+        self.url = ", ".join(urls)
+        # One server "is down"; of several, every one is, or the request would have gone to another.
+        self.where = f"inference server at {self.url}" if len(urls) == 1 else f"every inference server ({self.url})"
+        self.what, self.reason, self.policy, self.clock = what, reason, policy, clock
         self.since = clock()
         self.checks = 0
         self._logged_at: float | None = None
@@ -210,55 +211,62 @@ class Outage:
         if deadline is not None and now >= deadline:
             raise self.gave_up()
         if self._logged_at is None:
-            log.warning("inference server at %s %s (%s); waiting for it", self.url, self.what, self.reason)
+            log.warning("%s %s (%s); waiting for it", self.where, self.what, self.reason)
             self._logged_at = now
         elif now - self._logged_at >= LOG_EVERY_S:
-            log.warning("inference server at %s %s for %s; waiting", self.url, self.what,
-                        format_duration(self.elapsed_s()))
+            log.warning("%s %s for %s; waiting", self.where, self.what, format_duration(self.elapsed_s()))
             self._logged_at = now
         delay = self.policy.backoff_s(self.checks)
         self.checks += 1
         return delay if deadline is None else max(0.0, min(delay, deadline - now))
 
     def recovered(self) -> None:
-        log.info("inference server at %s is back after %s", self.url, format_duration(self.elapsed_s()))
+        log.info("%s is back after %s", self.where, format_duration(self.elapsed_s()))
 
     def gave_up(self) -> InferenceUnavailable:
         return InferenceUnavailable(
-            f"inference server at {self.url} {self.what} for {format_duration(self.elapsed_s())} "
+            f"{self.where} {self.what} for {format_duration(self.elapsed_s())} "
             f"({self.reason}); gave up waiting after {self.policy.wait_max_s:g}s ({WAIT_SETTING})"
         )
 
 
 def wait_until_up(health: str, outage: Outage, deadline: float, *, sleep: Callable[[float], None] = time.sleep) -> None:
     """Poll ``health`` with the outage's capped backoff until the server answers; raise past ``deadline``."""
+    wait_until_any_up([health], outage, deadline, sleep=sleep)
+
+
+def wait_until_any_up(healths: Sequence[str], outage: Outage, deadline: float, *,
+                      sleep: Callable[[float], None] = time.sleep) -> int:
+    """Poll every URL of ``healths`` with the outage's capped backoff until one answers; return its index.
+    Raise ``InferenceUnavailable`` past ``deadline``."""
     while True:
         sleep(outage.pause_s(deadline))
-        try:
-            if up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S).status_code):
+        for index, health in enumerate(healths):
+            try:
+                up = up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S).status_code)
+            except httpx.HTTPError:
+                continue
+            if up:
                 outage.recovered()
-                return
-        except httpx.HTTPError:
-            continue
+                return index
 
 
 class AsyncServerWatch:
-    """One ``/health`` poller shared by a client's concurrent requests while the server is down.
+    """One ``/health`` poller shared by a client's concurrent requests while every endpoint is down.
 
-    Each waiting request keeps its own deadline; the poller itself runs until the server answers (or the
-    watch is closed), so a request that starts waiting late still learns promptly when it is back."""
+    Each waiting request keeps its own deadline; the poller itself runs until an endpoint answers (or the
+    watch is closed), so a request that starts waiting late still learns promptly when one is back. The
+    endpoint that answers is revived in ``pool``, so the next request goes to it."""
 
-    def __init__(self, base_url: str, policy: RetryPolicy, http: httpx.AsyncClient) -> None:
-        self.health = health_url(base_url)
-        self.url = server_root(base_url)
+    def __init__(self, pool: EndpointPool, policy: RetryPolicy) -> None:
+        self.pool = pool
         self.policy = policy
-        self._http = http
         self._outage: Outage | None = None
         self._poller: asyncio.Task | None = None
 
     async def wait(self, reason: str, deadline: float) -> None:
         if self._poller is None or self._poller.done():
-            self._outage = Outage(self.url, "is down", reason, self.policy)
+            self._outage = Outage(self.pool.urls, "is down", reason, self.policy)
             self._poller = asyncio.create_task(self._poll(self._outage))
         outage = self._outage
         remaining = deadline - outage.clock()
@@ -270,15 +278,18 @@ class AsyncServerWatch:
             raise outage.gave_up() from None
 
     async def _poll(self, outage: Outage) -> None:
-        while True:
-            await asyncio.sleep(outage.pause_s())
-            try:
-                response = await self._http.get(self.health, timeout=HEALTH_TIMEOUT_S)
-            except httpx.HTTPError:
-                continue
-            if up_answer(response.status_code):
-                outage.recovered()
-                return
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as http:
+            while True:
+                await asyncio.sleep(outage.pause_s())
+                for url in self.pool.urls:
+                    try:
+                        response = await http.get(health_url(url))
+                    except httpx.HTTPError:
+                        continue
+                    if up_answer(response.status_code):
+                        outage.recovered()
+                        self.pool.revived(url)
+                        return
 
     async def aclose(self) -> None:
         if self._poller is not None and not self._poller.done():
@@ -304,3 +315,39 @@ def rejection(response: httpx.Response, message: str) -> DraftlineError:
     if kind == "PromptTooLong" or any(phrase in message.lower() for phrase in _CONTEXT_REFUSALS):
         return PromptTooLong(text)
     return InferenceRejected(text)
+
+
+MESSAGE_LIMIT = 500
+
+
+def server_message(response: httpx.Response) -> str:
+    """The error text a server sends: OpenAI ``{"error": {"message"}}``, FastAPI ``{"detail"}``, or the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:MESSAGE_LIMIT] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:MESSAGE_LIMIT]
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])[:MESSAGE_LIMIT]
+    return str(body)[:MESSAGE_LIMIT]
+
+
+def answer_trouble(response: httpx.Response, url: str) -> Failed | None:
+    """None for a 2xx answer, else the attempt's trouble with the error naming ``url`` and the server's text."""
+    trouble = classify_status(response.status_code)
+    if trouble is None:
+        return None
+    message = server_message(response)
+    if trouble is Trouble.PERMANENT:
+        return Failed(trouble, rejection(response, message))
+    error = InferenceUnavailable(f"{url}: HTTP {response.status_code}: {message}")
+    return Failed(trouble, error, retry_after_s(response))
+
+
+def transport_trouble(exc: httpx.TransportError, url: str) -> Failed:
+    """The attempt's trouble when no answer came at all."""
+    return Failed(classify_error(exc), InferenceUnavailable(f"{url}: {describe(exc)}"))

@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.endpoints import EndpointList
 from shared.errors import SettingsError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -54,8 +55,9 @@ class ControllerSettings(CommonSettings):
 
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=1, le=65535)
-    inference_url: str = Field(
-        DEFAULT_INFERENCE_URL, description="Generation server asked for its model name when a run names none."
+    inference_url: EndpointList = Field(
+        DEFAULT_INFERENCE_URL, description="Generation server(s), comma-separated base URLs; asked for the model "
+        "name when a run names none, and checked by preflight (every one must serve the same model)."
     )
     feed_window: int = Field(64, ge=1, description="Most generate jobs waiting in Redis per run.")
     extract_backlog: int = Field(4096, ge=1, description="Generation pauses while this many extractions wait.")
@@ -94,7 +96,10 @@ class RetrySettings(CommonSettings):
 class GeneratorSettings(RetrySettings):
     """RQ worker that asks the inference server (built-in, vLLM or SGLang) for the target's replies."""
 
-    inference_url: str = DEFAULT_INFERENCE_URL
+    inference_url: EndpointList = Field(
+        DEFAULT_INFERENCE_URL, description="Generation server(s): one base URL or several, comma-separated; "
+        "requests are spread over them and fail over when one is down."
+    )
     concurrency: int = Field(8, ge=1, description="Requests in flight per generator worker.")
     request_timeout_s: float = Field(600.0, gt=0)
 
@@ -102,7 +107,10 @@ class GeneratorSettings(RetrySettings):
 class ExtractorSettings(RetrySettings):
     """RQ worker that tokenizes replies and asks the built-in server for hidden states."""
 
-    hidden_states_url: str = DEFAULT_INFERENCE_URL
+    hidden_states_url: EndpointList = Field(
+        DEFAULT_INFERENCE_URL, description="Built-in server(s) for hidden states: one base URL or several, "
+        "comma-separated; requests are spread over them and fail over when one is down."
+    )
     model_dir: Path = Field(..., description="Target model directory (its tokenizer and chat template).")
     request_timeout_s: float = Field(600.0, gt=0)
 

@@ -40,6 +40,7 @@ from shared.disk import (
     target_bytes_per_token,
     volume_usage,
 )
+from shared.endpoints import parse_endpoints
 from shared.errors import DatasetError, DraftlineError, PathOutsideVolume
 from shared.layout import resolve_inside
 from shared.runspec import RunSpec
@@ -145,7 +146,23 @@ def check_redis(settings: ControllerSettings) -> Check:
 
 
 def check_inference(settings: ControllerSettings, spec: RunSpec | None, facts: Facts) -> Check:
-    base = settings.inference_url.rstrip("/")
+    """Every endpoint of ``DRAFTLINE_INFERENCE_URL`` answers and serves the run's model, the same one."""
+    want = spec.model if spec is not None and spec.model else None
+    roots = parse_endpoints(settings.inference_url)
+    first: tuple[str, dict] | None = None  # the first endpoint and its card, which the others must match
+    for root in roots:
+        found = _served_card(root, want, first)
+        if isinstance(found, Check):
+            return found
+        first = first or (root, found)
+    facts.card = first[1]
+    where = roots[0] if len(roots) == 1 else f"all {len(roots)} endpoints ({', '.join(roots)})"
+    return Check("inference server", True, INFO, f"{where} serve{'s' if len(roots) == 1 else ''} "
+                 f"{facts.card['id']!r}")
+
+
+def _served_card(base: str, want: str | None, first: tuple[str, dict] | None) -> dict | Check:
+    """The card of the model ``base`` serves for this run, or the failed check naming ``base``."""
     url = f"{base}/v1/models"
     try:
         response = httpx.get(url, timeout=HTTP_TIMEOUT_S)
@@ -157,7 +174,6 @@ def check_inference(settings: ControllerSettings, spec: RunSpec | None, facts: F
                      "start the inference server (`docker compose up -d inference`, or vllm/sglang with their "
                      "profile) or set DRAFTLINE_INFERENCE_URL to where it listens")
     served = [str(c["id"]) for c in cards]
-    want = spec.model if spec is not None and spec.model else None
     if not served:
         return Check("inference server", False, ERROR, f"{url} lists no model",
                      "start the inference server with the target model loaded")
@@ -165,8 +181,17 @@ def check_inference(settings: ControllerSettings, spec: RunSpec | None, facts: F
         return Check("inference server", False, ERROR, f"{base} serves {served}, the run asks for {want!r}",
                      f"submit the run with model {served[0]!r} (or without a model), or point "
                      f"DRAFTLINE_INFERENCE_URL at a server of {want!r}")
-    facts.card = next(c for c in cards if c["id"] == (want or served[0]))
-    return Check("inference server", True, INFO, f"{base} serves {facts.card['id']!r}")
+    if first is None:
+        return next(c for c in cards if c["id"] == (want or served[0]))
+    first_url, first_card = first
+    card = next((c for c in cards if c["id"] == first_card["id"]), None)
+    fingerprints = {(c.get("draftline") or {}).get("fingerprint") for c in (card or {}, first_card)}
+    if card is None or (None not in fingerprints and len(fingerprints) > 1):
+        return Check("inference server", False, ERROR, f"{base} does not serve the model {first_url} serves "
+                     f"({first_card['id']!r}{', same name, other config' if card else ''}; it serves {served})",
+                     "every endpoint of DRAFTLINE_INFERENCE_URL must serve the same target: fix or drop "
+                     f"{base}")
+    return card
 
 
 def check_fingerprint(settings: ControllerSettings, facts: Facts) -> Check:

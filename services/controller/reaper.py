@@ -9,7 +9,8 @@ within about 40 seconds. Heartbeat ages compare the worker's clock with ours, so
 in sync (NTP), as RQ itself assumes.
 
 A job whose worker died ``MAX_REQUEUES`` times is failed in RQ instead, so a job that takes its worker
-down (memory, say) cannot do it forever.
+down (memory, say) cannot do it forever. Each requeue counts as a retry of every sample of the job
+(``RunState.note_retry``, exported as draftline_stage_retried_total).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
@@ -28,8 +30,9 @@ from rq.queue import Queue
 from rq.utils import utcparse
 
 from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
-from shared.jobs import QUEUES
+from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC, QUEUES
 from shared.queues import SERIALIZER, queue
+from shared.runstate import RunState
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,23 @@ def reclaim(q: Queue, entry: StartedEntry, worker: str) -> int:
         pipe.execute()
     log.warning("job %s: worker %s is dead; requeued on %s (requeue %d of at most %d)",
                 job.id, worker or "(unknown)", q.name, count, MAX_REQUEUES)
+    note_retries(conn, job)
     return 1
+
+
+def note_retries(conn: redis.Redis, job: Job) -> None:
+    """Count one retry per sample of a requeued generate or extract job; train and evaluate jobs have none."""
+    stage = {GENERATE_FUNC: "generate", EXTRACT_FUNC: "extract"}.get(job.func_name)
+    try:
+        payload = job.args[0] if stage and job.args else None
+    except DeserializationError:
+        return
+    if not isinstance(payload, dict) or not isinstance(payload.get("run"), str):
+        return
+    samples = len(payload.get("items") or ()) if stage == "generate" else 1
+    state = RunState(conn, Path(), payload["run"])  # the counter lives in Redis: no volume path is read
+    for _ in range(samples):
+        state.note_retry(stage)
 
 
 def forget_execution(conn: redis.Redis, entry: StartedEntry, worker: str) -> None:

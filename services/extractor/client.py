@@ -1,43 +1,36 @@
 """Client of the built-in server's ``POST /v1/hidden_states``: it runs the target and writes the file.
 
 The server writes the safetensors file itself (on the shared volume, at the path we name) and answers
-with what it wrote, so hidden states never cross the network. Trouble is handled as ``shared.retry``
-says: transient trouble is retried with backoff, then reported as ``InferenceUnavailable``; a server that
-is down or full (507) is waited for without spending attempts, up to the policy's wait cap; any other
-4xx is ``InferenceRejected`` with the server's message.
+with what it wrote, so hidden states never cross the network. ``base_url`` names one built-in server or
+several, comma-separated. Trouble is handled as ``shared.retry`` and ``shared.dispatch`` say: transient
+trouble or a down server fails over to another endpoint, else transient trouble is retried with backoff,
+then reported as ``InferenceUnavailable``; when every endpoint is down, or the disk is full (507), the
+request waits without spending attempts, up to the policy's wait cap; any other 4xx is
+``InferenceRejected`` with the server's message, sent to no other endpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from shared.errors import DraftlineError, InferenceUnavailable
+from shared.dispatch import Dispatcher, http_timeout
+from shared.errors import DraftlineError
 from shared.retry import (
     Failed,
-    Outage,
-    Retrier,
     RetryPolicy,
-    Trouble,
-    classify_error,
-    classify_status,
-    describe,
-    health_url,
-    rejection,
-    retry_after_s,
+    answer_trouble,
     server_root,
-    wait_until_up,
+    transport_trouble,
 )
 
 log = logging.getLogger(__name__)
 
 # No fixed delays: a client built without ``retry_delays_s`` follows its RetryPolicy.
 RETRY_DELAYS_S: Sequence[float] | None = None
-MESSAGE_LIMIT = 500
 
 
 class MalformedHiddenResponse(DraftlineError):
@@ -71,64 +64,39 @@ def hidden_states_url(base_url: str) -> str:
     return f"{server_root(base_url)}/v1/hidden_states"
 
 
-def _message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:MESSAGE_LIMIT]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:MESSAGE_LIMIT]
-        if body.get("detail"):
-            return str(body["detail"])[:MESSAGE_LIMIT]
-    return str(body)[:MESSAGE_LIMIT]
-
-
 class HiddenStatesClient:
-    """``policy`` decides retries and waiting; ``retry_delays_s`` instead names fixed retry delays and turns
-    waiting off (``RetryPolicy.fixed``). Without either the client uses ``RetryPolicy()``."""
+    """``start`` picks the endpoint the first request goes to (a job passes its sample id, so consecutive
+    samples go to consecutive endpoints). ``policy`` decides retries and waiting; ``retry_delays_s``
+    instead names fixed retry delays and turns waiting off (``RetryPolicy.fixed``). Without either the
+    client uses ``RetryPolicy()``."""
 
     def __init__(self, base_url: str, *, timeout_s: float, retry_delays_s: Sequence[float] | None = RETRY_DELAYS_S,
-                 policy: RetryPolicy | None = None) -> None:
-        self.url = hidden_states_url(base_url)
-        self.server = server_root(base_url)
-        self.health = health_url(base_url)
-        self.timeout_s = timeout_s
+                 policy: RetryPolicy | None = None, start: int | None = None) -> None:
+        self.timeout = http_timeout(timeout_s)
         self.policy = policy or (RetryPolicy.fixed(retry_delays_s) if retry_delays_s is not None else RetryPolicy())
+        self._dispatch = Dispatcher(base_url, self.policy, "hidden-states request", start=start)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._dispatch.pool.urls
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
-                metadata: dict[str, str]) -> HiddenStatesResult:
+                metadata: dict[str, str], on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
+        """Ask for one file until it is written, the request fails permanently, or it runs out of attempts
+        or patience; ``on_retry`` is called before each attempt after the first."""
         body = {"input_ids": input_ids, "loss_mask": loss_mask, "path": path, "layer_ids": layer_ids,
                 "metadata": metadata}
-        retrier, full = Retrier(self.policy, "hidden-states request"), None
-        while True:
-            result = self._once(body)
-            if full is not None and not (isinstance(result, Failed) and result.trouble is Trouble.FULL):
-                full.recovered()
-                full = None
-            if isinstance(result, HiddenStatesResult):
-                return result
-            if not retrier.should_wait(result):
-                time.sleep(retrier.retry_delay_s(result))
-            elif result.trouble is Trouble.DOWN:
-                wait_until_up(self.health, Outage(self.server, "is down", str(result.error), self.policy),
-                              retrier.deadline)
-            else:
-                full = full or Outage(self.server, "has no disk space", str(result.error), self.policy)
-                time.sleep(full.pause_s(retrier.deadline))
+        return self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
 
-    def _once(self, body: dict) -> HiddenStatesResult | Failed:
+    def _once(self, root: str, body: dict) -> HiddenStatesResult | Failed:
+        url = hidden_states_url(root)
         try:
-            response = httpx.post(self.url, json=body, timeout=self.timeout_s)
+            response = httpx.post(url, json=body, timeout=self.timeout)
         except httpx.TransportError as exc:
-            return Failed(classify_error(exc), InferenceUnavailable(f"{self.url}: {describe(exc)}"))
-        trouble = classify_status(response.status_code)
-        if trouble is Trouble.PERMANENT:
-            return Failed(trouble, rejection(response, _message(response)))
-        if trouble is not None:
-            error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {_message(response)}")
-            return Failed(trouble, error, retry_after_s(response))
+            return transport_trouble(exc, url)
+        failed = answer_trouble(response, url)
+        if failed is not None:
+            return failed
         try:
             return HiddenStatesResult.from_json(response.json())
         except ValueError:

@@ -62,8 +62,9 @@ def extract(payload: dict) -> str:
     """RQ entry point (``shared.jobs.EXTRACT_FUNC``)."""
     job = ExtractJob.model_validate(payload)
     settings = worker_settings()
+    # Starting at the sample id sends consecutive samples to consecutive endpoints.
     client = HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s,
-                                policy=RetryPolicy.from_settings(settings))
+                                policy=RetryPolicy.from_settings(settings), start=job.sample_id)
     return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), client)
 
 
@@ -102,6 +103,7 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer,
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},
+        on_retry=lambda: state.note_retry("extract"),
     )
     path = state.paths.hidden(job.sample_id)
     try:

@@ -1,35 +1,29 @@
-"""OpenAI-compatible chat client for the generation server (built-in, vLLM or SGLang).
+"""OpenAI-compatible chat client for the generation server (built-in, vLLM or SGLang), over one endpoint or several.
 
-What each kind of trouble costs follows ``shared.retry``: transient trouble (timeouts, 5xx, 408, 429, a
-connection reset) is retried with backoff and then reported as ``InferenceUnavailable``; a server that
-is down (nothing listening, name not resolved) or full (507) is waited for, without spending attempts,
-up to the policy's wait cap; any other 4xx is the request's own fault and becomes ``InferenceRejected``
-carrying the server's message.
+What each kind of trouble costs follows ``shared.retry`` and ``shared.dispatch``: transient trouble
+(timeouts, 5xx, 408, 429, a connection reset) fails over to another endpoint, else is retried with backoff
+and then reported as ``InferenceUnavailable``; a server that is down (nothing listening, name not
+resolved) fails over too, and when every endpoint is down or the disk is full (507) the request waits,
+without spending attempts, up to the policy's wait cap; any other 4xx is the request's own fault and
+becomes ``InferenceRejected`` carrying the server's message, sent to no other endpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
-from shared.errors import DraftlineError, InferenceUnavailable
+from shared.dispatch import Dispatcher, http_timeout
+from shared.errors import DraftlineError
 from shared.retry import (
-    AsyncServerWatch,
     Failed,
-    Outage,
-    Retrier,
     RetryPolicy,
-    Trouble,
-    classify_error,
-    classify_status,
-    describe,
-    rejection,
-    retry_after_s,
+    answer_trouble,
     server_root,
+    transport_trouble,
 )
 from shared.runspec import GenerationConfig
 
@@ -37,7 +31,6 @@ log = logging.getLogger(__name__)
 
 # No fixed delays: a client built without ``retry_delays_s`` follows its RetryPolicy.
 RETRY_DELAYS_S: Sequence[float] | None = None
-MESSAGE_LIMIT = 500
 
 
 class MalformedCompletion(DraftlineError):
@@ -91,77 +84,47 @@ def parse_completion(body: object) -> Completion:
         raise MalformedCompletion(f"not a chat completion ({type(exc).__name__}: {exc}): {str(body)[:200]}") from None
 
 
-def server_message(response: httpx.Response) -> str:
-    """The error text a server sends: OpenAI ``{"error": {"message"}}``, FastAPI ``{"detail"}``, or the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:MESSAGE_LIMIT] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:MESSAGE_LIMIT]
-        for key in ("message", "detail", "error"):
-            if body.get(key):
-                return str(body[key])[:MESSAGE_LIMIT]
-    return str(body)[:MESSAGE_LIMIT]
-
-
 class ChatClient:
     """One client per job: a pooled connection set shared by the job's concurrent requests.
 
-    ``policy`` decides retries and waiting; ``retry_delays_s`` instead names fixed retry delays and turns
-    waiting off (``RetryPolicy.fixed``). Without either the client uses ``RetryPolicy()``."""
+    ``base_url`` names one endpoint or several, comma-separated; ``start`` picks the endpoint the first
+    request goes to (a job passes its first sample id). ``policy`` decides retries and waiting;
+    ``retry_delays_s`` instead names fixed retry delays and turns waiting off (``RetryPolicy.fixed``).
+    Without either the client uses ``RetryPolicy()``."""
 
     def __init__(self, base_url: str, *, timeout_s: float, max_connections: int,
-                 retry_delays_s: Sequence[float] | None = RETRY_DELAYS_S, policy: RetryPolicy | None = None) -> None:
-        self.url = chat_url(base_url)
-        self.server = server_root(base_url)
+                 retry_delays_s: Sequence[float] | None = RETRY_DELAYS_S, policy: RetryPolicy | None = None,
+                 start: int | None = None) -> None:
         self.policy = policy or (RetryPolicy.fixed(retry_delays_s) if retry_delays_s is not None else RetryPolicy())
-        self._http = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections))
-        self._watch = AsyncServerWatch(base_url, self.policy, self._http)
-        self._full: Outage | None = None
+        self._dispatch = Dispatcher(base_url, self.policy, "chat request", start=start)
+        self._http = httpx.AsyncClient(timeout=http_timeout(timeout_s),
+                                       limits=httpx.Limits(max_connections=max_connections))
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._dispatch.pool.urls
 
     async def __aenter__(self) -> ChatClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._watch.aclose()
+        await self._dispatch.aclose()
         await self._http.aclose()
 
-    async def complete(self, payload: dict) -> Completion:
-        """Send one chat request until it succeeds, fails permanently, or runs out of attempts or patience."""
-        retrier = Retrier(self.policy, "chat request")
-        while True:
-            result = await self._once(payload)
-            if isinstance(result, Completion):
-                return result
-            if retrier.should_wait(result):
-                await self._wait(result, retrier.deadline)
-            else:
-                await asyncio.sleep(retrier.retry_delay_s(result))
+    async def complete(self, payload: dict, *, on_retry: Callable[[], object] | None = None) -> Completion:
+        """Send one chat request until it succeeds, fails permanently, or runs out of attempts or patience;
+        ``on_retry`` is called before each attempt after the first."""
+        return await self._dispatch.asend(lambda url: self._once(url, payload), on_retry=on_retry)
 
-    async def _wait(self, failed: Failed, deadline: float) -> None:
-        if failed.trouble is Trouble.DOWN:
-            await self._watch.wait(str(failed.error), deadline)
-            return
-        self._full = self._full or Outage(self.server, "has no disk space", str(failed.error), self.policy)
-        await asyncio.sleep(self._full.pause_s(deadline))
-
-    async def _once(self, payload: dict) -> Completion | Failed:
+    async def _once(self, root: str, payload: dict) -> Completion | Failed:
+        url = chat_url(root)
         try:
-            response = await self._http.post(self.url, json=payload)
+            response = await self._http.post(url, json=payload)
         except httpx.TransportError as exc:
-            return Failed(classify_error(exc), InferenceUnavailable(f"{self.url}: {describe(exc)}"))
-        trouble = classify_status(response.status_code)
-        if trouble is not Trouble.FULL and self._full is not None:
-            self._full.recovered()
-            self._full = None
-        if trouble is Trouble.PERMANENT:
-            return Failed(trouble, rejection(response, server_message(response)))
-        if trouble is not None:
-            error = InferenceUnavailable(f"{self.url}: HTTP {response.status_code}: {server_message(response)}")
-            return Failed(trouble, error, retry_after_s(response))
+            return transport_trouble(exc, url)
+        failed = answer_trouble(response, url)
+        if failed is not None:
+            return failed
         try:
             body = response.json()
         except ValueError:

@@ -85,9 +85,10 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
     limit = asyncio.Semaphore(settings.concurrency)
     # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
     policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
+    # Starting at the batch's first sample id spreads batches over the endpoints from their first request.
     async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
                           max_connections=settings.concurrency, retry_delays_s=retry_delays_s,
-                          policy=policy) as client:
+                          policy=policy, start=job.items[0].sample_id) as client:
         return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
 
 
@@ -99,7 +100,8 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
     seed = spec.generation.seed + sample_id
     try:
         async with limit:
-            completion = await client.complete(chat_payload(spec.model, item.messages, spec.generation, seed))
+            completion = await client.complete(chat_payload(spec.model, item.messages, spec.generation, seed),
+                                               on_retry=lambda: state.note_retry("generate"))
         check_length(completion, spec.generation)
     except EXPECTED_ERRORS as exc:
         return await asyncio.to_thread(record_failure, state, sample_id, exc)
