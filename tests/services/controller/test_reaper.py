@@ -6,6 +6,7 @@ import json
 import signal
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import redis
 from rq.job import Job, JobStatus
@@ -13,8 +14,20 @@ from rq.utils import utcformat
 
 from services.controller.reaper import MAX_REQUEUES, REQUEUES_META, requeue_abandoned
 from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
-from shared.jobs import GENERATE_QUEUE, QUEUES, generate_job_id
+from shared.jobs import (
+    EXTRACT_FUNC,
+    EXTRACT_QUEUE,
+    GENERATE_FUNC,
+    GENERATE_QUEUE,
+    QUEUES,
+    ExtractJob,
+    GenerateJob,
+    PromptItem,
+    extract_job_id,
+    generate_job_id,
+)
 from shared.queues import SERIALIZER, queue
+from shared.runstate import RunState
 from tests.services.test_worker import (
     RUN,
     gone,
@@ -83,10 +96,10 @@ def test_a_killed_workers_job_is_finished_by_another_worker_and_a_live_long_job_
     assert state.counts("generate").done == 2
 
 
-def take(conn: redis.Redis, name: str) -> tuple[DraftlineWorker, Job]:
-    """The next generate job taken by a worker as RQ takes it (dequeue, execution, started), with no
-    process behind it, so a test can then age, mark or delete the worker's records."""
-    q = queue(GENERATE_QUEUE, conn)
+def take(conn: redis.Redis, name: str, queue_name: str = GENERATE_QUEUE) -> tuple[DraftlineWorker, Job]:
+    """The next job of ``queue_name`` taken by a worker as RQ takes it (dequeue, execution, started), with
+    no process behind it, so a test can then age, mark or delete the worker's records."""
+    q = queue(queue_name, conn)
     worker = DraftlineWorker([q], connection=conn, serializer=SERIALIZER, name=name)
     worker.register_birth()
     worker.heartbeat()
@@ -148,3 +161,17 @@ def test_a_job_that_keeps_killing_its_worker_is_failed_after_the_last_requeue(re
     assert job.get_status() == JobStatus.FAILED
     assert f"worker died {MAX_REQUEUES + 1} times" in job.latest_result().exc_string
     assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == []
+
+
+def test_each_requeue_counts_a_retry_of_every_sample_of_the_job(redis_conn):
+    items = [PromptItem(sample_id=i, messages=[{"role": "user", "content": f"p{i}"}]) for i in range(3)]
+    queue(GENERATE_QUEUE, redis_conn).enqueue_call(GENERATE_FUNC, args=(
+        GenerateJob(run="counted", items=items).model_dump(mode="json"),), job_id=generate_job_id("counted", 0))
+    queue(EXTRACT_QUEUE, redis_conn).enqueue_call(EXTRACT_FUNC, args=(
+        ExtractJob(run="counted", sample_id=7).model_dump(mode="json"),), job_id=extract_job_id("counted", 7))
+    workers = [take(redis_conn, "w-gen")[0], take(redis_conn, "w-ext", EXTRACT_QUEUE)[0]]
+    for worker in workers:
+        redis_conn.delete(worker.key)
+    assert requeue_abandoned(redis_conn) == 2
+    meta = RunState(redis_conn, Path(), "counted").meta()
+    assert (float(meta["generate_retried"]), float(meta["extract_retried"])) == (3, 1)

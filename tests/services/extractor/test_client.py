@@ -98,3 +98,19 @@ def test_waiting_for_a_down_server_ends_at_the_cap_and_is_off_with_fixed_delays(
         extract(url, policy)
     with pytest.raises(InferenceUnavailable, match=r"ConnectError.*gave up after 2 attempts"):
         extract(url, RetryPolicy.fixed((0.02,)))
+
+
+def test_a_dead_endpoint_fails_over_to_the_next_and_a_rejection_goes_nowhere_else():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with HiddenStandIn((200, WRITTEN)) as live:
+        retries = []
+        client = HiddenStatesClient(f"{dead},{live.url}/v1", timeout_s=10, policy=NO_RETRIES, start=0)
+        result = client.extract(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], path=WRITTEN["path"], layer_ids=None,
+                                metadata={}, on_retry=lambda: retries.append(1))
+        assert result.sha256 == WRITTEN["sha256"] and retries == [1] and len(live.hidden_requests) == 1
+    with HiddenStandIn((400, {"detail": "path outside the data volume"})) as first, \
+            HiddenStandIn((200, WRITTEN)) as second:
+        client = HiddenStatesClient(f"{first.url},{second.url}", timeout_s=10, policy=NO_RETRIES, start=0)
+        with pytest.raises(InferenceRejected, match="path outside the data volume"):
+            client.extract(input_ids=[1], loss_mask=[1], path="../outside", layer_ids=None, metadata={})
+        assert (len(first.hidden_requests), len(second.hidden_requests)) == (1, 0)

@@ -113,3 +113,36 @@ def test_a_reply_slower_than_the_timeout_is_retried(server):
 
     assert asyncio.run(run()).content == "in time"
     assert len(server.requests_for("slow")) == 2
+
+
+def test_concurrent_requests_spread_over_live_endpoints_and_fail_over_from_a_dead_one():
+    dead = f"http://127.0.0.1:{free_port()}"
+    retries = []
+
+    async def run(a: OpenAIServer, b: OpenAIServer) -> list[Completion]:
+        async with ChatClient(f"{dead},{a.url},{b.url}", timeout_s=10, max_connections=4, policy=NO_RETRIES,
+                              start=0) as client:
+            return await asyncio.gather(*(client.complete(payload(f"q{i}"), on_retry=lambda: retries.append(1))
+                                          for i in range(8)))
+
+    with OpenAIServer() as a, OpenAIServer() as b:
+        answers = asyncio.run(run(a, b))
+        assert all(isinstance(x, Completion) for x in answers)  # no attempt to spare, yet none failed
+        assert len(a.requests) >= 2 and len(b.requests) >= 2 and len(a.requests) + len(b.requests) == 8
+    assert 1 <= len(retries) <= 3  # the requests sent to the dead endpoint before it cooled, each failed over
+
+
+def test_when_every_endpoint_is_down_concurrent_requests_share_one_poller_until_one_is_back(caplog):
+    dead, late = f"http://127.0.0.1:{free_port()}", OpenAIServer()
+    caplog.set_level(logging.INFO, logger="shared.retry")
+    timer = threading.Timer(1.0, late.start)
+    timer.start()
+    try:
+        answers = asyncio.run(ask(f"{dead},{late.url}", NO_RETRIES, *(f"early{i}" for i in range(4))))
+    finally:
+        timer.join()
+        late.stop()
+    assert all(isinstance(a, Completion) for a in answers), answers
+    assert late.health_checks == 1
+    assert any(r.getMessage().startswith(f"every inference server ({dead}, {late.url}) is down (")
+               for r in caplog.records)
