@@ -1,5 +1,6 @@
-"""docker-compose.yml, the Dockerfile and the monitoring files agree with the schema, with the code and
-with each other. Docker itself is not needed: the file is read and interpolated the way Compose does."""
+"""The shipped compose files, the Dockerfile and the monitoring files agree with the schema, with the code
+and with each other. Docker itself is not needed: each file is read, merged (``docker compose -f a -f b``)
+and interpolated the way Compose does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from shared.endpoints import parse_endpoints
 from shared.services import SERVICE_COMMANDS, SERVICE_NAMES
 from shared.settings import ExtractorSettings, GeneratorSettings
 
@@ -27,6 +29,20 @@ DASHBOARDS_DIR = REPO / "grafana" / "dashboards"
 DATASOURCE_UID = "draftline-prometheus"
 SCALABLE = ("generator", "extractor")
 GPU_SERVICES = ("inference", "trainer", "vllm", "sglang")
+WORKER_HOST_FILE = "docker-compose.worker.yml"
+WORKER_HOST_SERVICES = ("inference", "generator", "extractor")
+# Every combination of files the README tells users to run, as `docker compose -f …` lists them.
+PROJECTS = {
+    "main": ("docker-compose.yml",),
+    "gpus": ("docker-compose.yml", "docker-compose.gpus.yml"),
+    "gpus-vllm": ("docker-compose.yml", "docker-compose.gpus-vllm.yml"),
+    "gpus-sglang": ("docker-compose.yml", "docker-compose.gpus-sglang.yml"),
+    "worker": (WORKER_HOST_FILE,),
+    "worker-gpus": (WORKER_HOST_FILE, "docker-compose.gpus.yml"),
+}
+# The GPUs each per-GPU layout hands out; every one of them to exactly one server.
+LAYOUT_GPUS = {"gpus": set(map(str, range(8))), "gpus-vllm": set(map(str, range(8))),
+               "gpus-sglang": set(map(str, range(8)))}
 
 # Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}; $$ is a literal $.
 _REFERENCE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\})")
@@ -36,6 +52,20 @@ EXAMPLE_ENV = {
     "DRAFTLINE_MODEL_DIR_HOST": "/mnt/nvme/models/target",
     "GRAFANA_ADMIN_PASSWORD": "grafana-pw",
 }
+# A worker host's .env: the main host's Redis with its password, and this host's mount of the share.
+WORKER_ENV = {
+    "REDIS_URL": "redis://:s3cret-pw@10.0.0.1:6379/0",
+    "DRAFTLINE_DATA_DIR": "/mnt/draftline",
+    "DRAFTLINE_MODEL_DIR_HOST": "/mnt/draftline/models/target",
+}
+
+
+def shipped_compose_files() -> list[Path]:
+    return sorted(REPO.glob("docker-compose*.yml"))
+
+
+def project_env(project: str) -> dict[str, str]:
+    return WORKER_ENV if PROJECTS[project][0] == WORKER_HOST_FILE else EXAMPLE_ENV
 
 
 class MissingVariable(ValueError):
@@ -43,9 +73,100 @@ class MissingVariable(ValueError):
 
 
 # ---- reading the files the way Compose does -------------------------------------------------------
+class Override:
+    """A value tagged ``!override``: it replaces the merged value instead of merging into it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Reset:
+    """A value tagged ``!reset``: the attribute is removed from the merged model."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's two merge tags."""
+
+
+def _override(loader: yaml.SafeLoader, node: yaml.Node) -> Override:
+    if isinstance(node, yaml.MappingNode):
+        return Override(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Override(loader.construct_sequence(node, deep=True))
+    return Override(loader.construct_scalar(node))
+
+
+ComposeLoader.add_constructor("!override", _override)
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+
+def read_compose(path: Path) -> dict:
+    """One file as YAML: anchors and merge keys resolved, ``${VAR}`` references and merge tags in place."""
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
+
+
+def plain(node: Any) -> Any:
+    """A file's content with merge tags dropped: what the schema sees of one file on its own."""
+    if isinstance(node, Override):
+        return plain(node.value)
+    if isinstance(node, Mapping):
+        return {k: plain(v) for k, v in node.items() if not isinstance(v, Reset)}
+    if isinstance(node, list):
+        return [plain(item) for item in node]
+    return node
+
+
+# Attributes whose later value replaces the earlier one, and sequences whose entries are unique by a key
+# (https://docs.docker.com/reference/compose-file/merge/).
+_REPLACED = ("command", "entrypoint", "test")
+_UNIQUE_BY_TARGET = ("volumes",)
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """``override`` merged into ``base`` by Compose's rules: mappings merge, sequences append (volumes
+    replace the entry with the same target), command/entrypoint/healthcheck test and scalars replace."""
+    if isinstance(override, Override):
+        return plain(override.value)
+    if isinstance(base, Mapping) and isinstance(override, Mapping):
+        merged = dict(base)
+        for k, v in override.items():
+            if isinstance(v, Reset):
+                merged.pop(k, None)
+            else:
+                merged[k] = merge(base[k], v, k) if k in base else plain(v)
+        return merged
+    if isinstance(base, list) and isinstance(override, list) and key not in _REPLACED:
+        if key in _UNIQUE_BY_TARGET:
+            targets = {_mount_target(item) for item in override}
+            return [item for item in base if _mount_target(item) not in targets] + plain(override)
+        return base + plain(override)
+    return plain(override)
+
+
+def _mount_target(volume: Any) -> str:
+    return volume["target"] if isinstance(volume, Mapping) else str(volume).split(":")[1]
+
+
+def load_project(project: str) -> dict:
+    """The files of ``project`` merged in order, ``${VAR}`` references still in place."""
+    merged: dict = {}
+    for name in PROJECTS[project]:
+        merged = merge(merged, read_compose(REPO / name))
+    return merged
+
+
 def load_compose() -> dict:
-    """The file as YAML: anchors and merge keys resolved, ``${VAR}`` references still in place."""
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+    """docker-compose.yml alone (the main host's stack)."""
+    return load_project("main")
+
+
+def all_referenced_variables() -> dict[str, bool]:
+    """Every ``${VAR}`` in any shipped compose file -> whether some reference requires it."""
+    found: dict[str, bool] = {}
+    for path in shipped_compose_files():
+        for name, required in referenced_variables(plain(read_compose(path))).items():
+            found[name] = found.get(name, False) or required
+    return found
 
 
 def strings(node: Any) -> Iterator[str]:
@@ -89,9 +210,8 @@ def _substitute(match: re.Match, env: Mapping[str, str]) -> str:
     missing = value is None or (value == "" and op is not None and op.startswith(":"))
     if op in (":-", "-"):
         return arg if missing else value
-    if op in (":?", "?"):
-        if missing:
-            raise MissingVariable(f"{name}: {arg}")
+    if op in (":?", "?") and missing:
+        raise MissingVariable(f"{name}: {arg}")
     return value or ""
 
 
@@ -108,6 +228,22 @@ def compose(raw: dict) -> dict:
 @pytest.fixture(scope="module")
 def services(compose: dict) -> dict:
     return compose["services"]
+
+
+@pytest.fixture(scope="module", params=list(PROJECTS))
+def project(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def project_services(project: str) -> dict:
+    """The services of ``project`` merged and interpolated with its example .env."""
+    return interpolate(load_project(project), project_env(project))["services"]
+
+
+def draftline_services(services: dict) -> dict[str, dict]:
+    """Services that run a ``draftline`` command (several may run one table entry, e.g. per GPU)."""
+    return {name: service for name, service in services.items() if service.get("command", [""])[0] == "draftline"}
 
 
 def environment(service: dict) -> dict[str, str]:
@@ -129,14 +265,40 @@ def duration_seconds(text: str) -> float:
 
 
 # ---- schema ---------------------------------------------------------------------------------------
-def test_compose_file_matches_the_compose_spec_schema(raw: dict, compose: dict) -> None:
+def schema_errors(doc: dict) -> str:
     import jsonschema
 
-    schema = json.loads(SCHEMA_FILE.read_text())
-    validator = jsonschema.Draft7Validator(schema)
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA_FILE.read_text()))
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+    return "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_compose_file_matches_the_compose_spec_schema(raw: dict, compose: dict) -> None:
     for doc in (raw, compose):
-        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
-        assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+        assert not schema_errors(doc)
+
+
+@pytest.mark.parametrize("path", shipped_compose_files(), ids=lambda p: p.name)
+def test_every_shipped_compose_file_matches_the_schema_on_its_own(path: Path) -> None:
+    assert path.name in {name for files in PROJECTS.values() for name in files}, f"{path.name} is in no project"
+    assert not schema_errors(plain(read_compose(path)))
+
+
+def test_every_merged_project_matches_the_schema(project: str, project_services: dict) -> None:
+    raw = load_project(project)
+    assert not schema_errors(raw)
+    assert not schema_errors(interpolate(raw, project_env(project)))
+
+
+def test_merge_follows_compose_rules() -> None:
+    base = {"services": {"a": {"command": ["x"], "dns": ["1.1.1.1"], "volumes": ["data:/data", "m:/m:ro"],
+                               "environment": {"A": "1"}, "deploy": {"devices": [{"id": "0"}]}}}}
+    override = {"services": {"a": {"command": ["y"], "dns": ["8.8.8.8"], "volumes": ["other:/data"],
+                                   "environment": {"B": "2"}, "deploy": {"devices": Override([{"id": "4"}])},
+                                   "profiles": Reset()}}}
+    a = merge(base, override)["services"]["a"]
+    assert a == {"command": ["y"], "dns": ["1.1.1.1", "8.8.8.8"], "volumes": ["m:/m:ro", "other:/data"],
+                 "environment": {"A": "1", "B": "2"}, "deploy": {"devices": [{"id": "4"}]}}
 
 
 def test_interpolation_stops_without_the_required_secrets_and_paths(raw: dict) -> None:
@@ -156,6 +318,17 @@ def test_every_draftline_service_runs_its_command_from_the_shared_table(services
         assert services[name]["command"] == SERVICE_COMMANDS[name], name
         # `draftline serve NAME` imports services.NAME.main; check the file, not the import (heavy).
         assert (REPO / "services" / name / "main.py").is_file(), f"services/{name}/main.py missing"
+
+
+def test_every_project_runs_only_commands_of_the_shared_table(project_services: dict) -> None:
+    draftline = draftline_services(project_services)
+    assert draftline
+    for name, service in draftline.items():
+        assert service["command"] in SERVICE_COMMANDS.values(), name
+        env = environment(service)
+        assert env["DRAFTLINE_DATA"] == "/data", name
+        assert "data:/data" in service["volumes"], name
+        assert service["image"] == "draftline:local" and service["user"] == "1000:1000", name
 
 
 def test_draftline_services_share_the_common_settings_of_the_anchor(raw: dict, services: dict) -> None:
@@ -199,14 +372,14 @@ def test_model_directory_is_mounted_read_only_where_it_is_read(services: dict) -
         assert environment(services[name])["DRAFTLINE_MODEL_DIR"] == "/models/target", name
 
 
-def test_every_service_runs_as_a_non_root_user(services: dict) -> None:
-    for name, service in services.items():
+def test_every_service_runs_as_a_non_root_user(project_services: dict) -> None:
+    for name, service in project_services.items():
         user = str(service.get("user", ""))
         assert user and user.split(":")[0] not in ("root", "0"), f"{name} runs as {user or 'the image default'}"
 
 
-def test_images_are_pinned(services: dict) -> None:
-    for name, service in services.items():
+def test_images_are_pinned(project_services: dict) -> None:
+    for name, service in project_services.items():
         if "build" in service:
             continue  # built from this repository
         image = service["image"]
@@ -215,15 +388,17 @@ def test_images_are_pinned(services: dict) -> None:
 
 
 # ---- GPUs ------------------------------------------------------------------------------------------
-def test_gpu_reservations_name_the_gpu_capability_and_count_or_ids_never_both(services: dict) -> None:
-    for name, service in services.items():
+def test_gpu_reservations_name_the_gpu_capability_and_count_or_ids_never_both(project_services: dict) -> None:
+    for name, service in project_services.items():
         for device in gpu_devices(service):
             assert device.get("driver") == "nvidia", name
             assert ("count" in device) != ("device_ids" in device), f"{name}: count and device_ids are exclusive"
             if "device_ids" in device:
                 assert device["device_ids"] and all(isinstance(i, str) for i in device["device_ids"]), name
     for name in GPU_SERVICES:
-        assert gpu_devices(services[name]), f"{name} reserves no GPU"
+        if name in project_services:
+            assert gpu_devices(project_services[name]), f"{name} reserves no GPU"
+        assert len(gpu_devices(project_services.get(name, {}))) <= 1, f"{name}: GPU lists merged instead of replaced"
 
 
 def test_generation_servers_are_optional_profiles_on_their_own_gpus(services: dict) -> None:
@@ -243,16 +418,18 @@ def test_generation_servers_are_optional_profiles_on_their_own_gpus(services: di
 
 
 # ---- health and start-up order --------------------------------------------------------------------
-def test_every_service_healthy_dependency_has_a_healthcheck(services: dict) -> None:
+def test_every_service_healthy_dependency_has_a_healthcheck(project_services: dict) -> None:
     checked = 0
-    for name, service in services.items():
+    for name, service in project_services.items():
         for dependency, spec in (service.get("depends_on") or {}).items():
-            assert dependency in services, f"{name} depends on unknown {dependency}"
+            if spec.get("required") is False and dependency not in project_services:
+                continue
+            assert dependency in project_services, f"{name} depends on unknown {dependency}"
             if spec.get("condition") == "service_healthy":
-                check = services[dependency].get("healthcheck") or {}
+                check = project_services[dependency].get("healthcheck") or {}
                 assert check.get("test") and not check.get("disable"), f"{name} waits for {dependency}'s health"
                 checked += 1
-    assert checked >= len(SERVICE_NAMES)
+    assert checked >= 2
 
 
 def test_optional_generation_servers_are_optional_dependencies(services: dict) -> None:
@@ -260,26 +437,142 @@ def test_optional_generation_servers_are_optional_dependencies(services: dict) -
         assert services["generator"]["depends_on"][name]["required"] is False
 
 
-def test_http_healthchecks_ask_the_port_the_service_listens_on(services: dict) -> None:
-    for name in ("inference", "controller", "exporter"):
-        port = environment(services[name])["DRAFTLINE_PORT"]
-        assert services[name]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health", name
-    assert environment(services["inference"])["DRAFTLINE_PORT"] == "8000"
+def test_http_healthchecks_ask_the_port_the_service_listens_on(project_services: dict) -> None:
+    for name, service in draftline_services(project_services).items():
+        if "DRAFTLINE_PORT" in environment(service):
+            port = environment(service)["DRAFTLINE_PORT"]
+            assert service["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health", name
+    assert environment(project_services["inference"])["DRAFTLINE_PORT"] == "8000"
 
 
 # ---- scalable workers -----------------------------------------------------------------------------
-def test_scalable_workers_have_no_fixed_name_or_host_port(services: dict) -> None:
+def test_scalable_workers_have_no_fixed_name_or_host_port(project_services: dict) -> None:
     for name in SCALABLE:
-        assert "container_name" not in services[name], name
-        assert "ports" not in services[name], name
+        assert "container_name" not in project_services[name], name
+        assert "ports" not in project_services[name], name
 
 
-def test_workers_get_time_to_finish_a_job_on_stop(services: dict) -> None:
+def test_workers_get_time_to_finish_a_job_on_stop(project_services: dict) -> None:
     # A job can wait one full request timeout on the inference server; docker stop must not cut it.
     for name, settings in (("generator", GeneratorSettings), ("extractor", ExtractorSettings)):
         timeout = settings.model_fields["request_timeout_s"].default
-        assert duration_seconds(services[name]["stop_grace_period"]) >= timeout, name
-    assert duration_seconds(services["trainer"]["stop_grace_period"]) >= 60
+        assert duration_seconds(project_services[name]["stop_grace_period"]) >= timeout, name
+    if "trainer" in project_services:
+        assert duration_seconds(project_services["trainer"]["stop_grace_period"]) >= 60
+
+
+# ---- one inference server per GPU ------------------------------------------------------------------
+def builtin_servers(services: dict) -> dict[str, dict]:
+    return {name: s for name, s in services.items() if s.get("command") == SERVICE_COMMANDS["inference"]}
+
+
+def generation_engines(services: dict) -> dict[str, dict]:
+    return {name: services[name] for name in ("vllm", "sglang") if name in services}
+
+
+def device_ids(service: dict) -> list[str]:
+    ids = [i for device in gpu_devices(service) for i in device.get("device_ids", [])]
+    return [part for i in ids for part in i.split(",")]  # one entry may name several ("0,1")
+
+
+def url_hosts(value: str) -> list[tuple[str, int]]:
+    return [(urlsplit(root).hostname, urlsplit(root).port) for root in parse_endpoints(value)]
+
+
+def active(services: dict, project: str) -> dict:
+    """The services ``docker compose up`` starts: no profile, or the profile the layout's README line names."""
+    profiles = {"gpus-vllm": "vllm", "gpus-sglang": "sglang"}
+    return {n: s for n, s in services.items() if not s.get("profiles") or profiles.get(project) in s["profiles"]}
+
+
+def test_gpu_servers_are_pinned_to_distinct_gpus(project: str, project_services: dict) -> None:
+    services = active(project_services, project)
+    owners: dict[str, str] = {}
+    for name, service in {**builtin_servers(services), **generation_engines(services)}.items():
+        ids = device_ids(service)
+        assert ids, f"{name} is not pinned to GPUs by device_ids"
+        for gpu in ids:
+            assert gpu not in owners, f"GPU {gpu} serves both {owners[gpu]} and {name}"
+            owners[gpu] = name
+    if project in LAYOUT_GPUS:
+        assert set(owners) == LAYOUT_GPUS[project], f"{project} leaves GPUs unused: {sorted(owners)}"
+    for name in builtin_servers(services):
+        if re.fullmatch(r"inference-\d+", name):
+            assert device_ids(services[name]) == [name.rpartition("-")[2]], f"{name} is not on GPU {name[10:]}"
+
+
+def test_per_gpu_servers_are_the_base_server_on_another_gpu(project: str, project_services: dict) -> None:
+    base = project_services["inference"]
+    ignore = ("deploy", "depends_on")
+    for name, service in builtin_servers(project_services).items():
+        assert {k: v for k, v in service.items() if k not in ignore} == {k: v for k, v in base.items() if k not in ignore
+                                                                         } | {"environment": service["environment"]}, name
+        expected = {k: v for k, v in environment(base).items() if k != "REDIS_URL"}  # the server uses no Redis
+        assert {k: v for k, v in environment(service).items() if k != "REDIS_URL"} == expected, name
+
+
+def test_worker_url_lists_name_exactly_the_servers_that_exist(project: str, project_services: dict) -> None:
+    services = active(project_services, project)
+    servers = {(name, int(environment(s)["DRAFTLINE_PORT"])) for name, s in builtin_servers(services).items()}
+    engines = {(name, int(container_port(s))) for name, s in generation_engines(services).items()}
+    hidden = url_hosts(environment(services["extractor"])["DRAFTLINE_HIDDEN_STATES_URL"])
+    assert set(hidden) == servers and len(hidden) == len(servers)  # hidden states: every built-in server
+    generation = url_hosts(environment(services["generator"])["DRAFTLINE_INFERENCE_URL"])
+    assert set(generation) == (engines or servers), generation  # the engine if one runs, else every server
+    if "controller" in services:
+        assert set(url_hosts(environment(services["controller"])["DRAFTLINE_INFERENCE_URL"])) <= set(generation)
+    for worker, listed in (("extractor", hidden), ("generator", generation)):
+        waits_for = services[worker]["depends_on"]
+        for host, _ in listed:
+            assert waits_for[host]["condition"] == "service_healthy", f"{worker} does not wait for {host}"
+
+
+def test_generation_can_still_be_pointed_elsewhere_in_every_layout(project: str) -> None:
+    env = {**project_env(project), "DRAFTLINE_INFERENCE_URL": "http://vllm:8000"}
+    services = interpolate(load_project(project), env)["services"]
+    assert environment(services["generator"])["DRAFTLINE_INFERENCE_URL"] == "http://vllm:8000"
+
+
+def test_trainer_never_shares_a_gpu_with_vllm_or_sglang(project: str, project_services: dict) -> None:
+    services = active(project_services, project)
+    if "trainer" not in services:
+        return
+    engine_gpus = {gpu for s in generation_engines(services).values() for gpu in device_ids(s)}
+    assert not set(device_ids(services["trainer"])) & engine_gpus
+
+
+# ---- a worker host ---------------------------------------------------------------------------------
+def test_worker_host_runs_workers_only_and_reaches_redis_through_redis_url() -> None:
+    raw = read_compose(REPO / WORKER_HOST_FILE)
+    assert set(raw["services"]) == set(WORKER_HOST_SERVICES)
+    required = {name for name, needed in referenced_variables(raw).items() if needed}
+    assert required == set(WORKER_ENV)
+    services = interpolate(raw, WORKER_ENV)["services"]
+    for name in ("generator", "extractor"):
+        assert environment(services[name])["REDIS_URL"] == WORKER_ENV["REDIS_URL"], name
+        assert raw["services"][name]["environment"]["REDIS_URL"].startswith("${REDIS_URL:?"), name
+    for name, service in services.items():
+        assert "ports" not in service, f"{name}: a worker host publishes nothing"
+        assert "redis" not in (service.get("depends_on") or {}), name
+    for name in WORKER_ENV:
+        with pytest.raises(MissingVariable, match=name):
+            interpolate(raw, {k: v for k, v in WORKER_ENV.items() if k != name})
+
+
+def test_worker_host_binds_its_mount_of_the_shared_data_directory() -> None:
+    compose = interpolate(read_compose(REPO / WORKER_HOST_FILE), WORKER_ENV)
+    data = compose["volumes"]["data"]
+    assert data["driver_opts"] == {"type": "none", "o": "bind", "device": WORKER_ENV["DRAFTLINE_DATA_DIR"]}
+    main = interpolate(load_compose(), EXAMPLE_ENV)["services"]
+    for name, service in compose["services"].items():
+        assert "data:/data" in service["volumes"], name
+        assert environment(service)["DRAFTLINE_DATA"] == environment(main[name])["DRAFTLINE_DATA"] == "/data"
+        # The same service as on the main host, apart from where Redis and the share are.
+        for key in ("image", "build", "user", "init", "restart", "env_file", "command", "stop_grace_period"):
+            assert service.get(key) == main[name].get(key), f"{name}.{key}"
+        for key, value in environment(main[name]).items():
+            if key != "REDIS_URL" and key in environment(service):
+                assert environment(service)[key] == value, f"{name}: {key}"
 
 
 # ---- Prometheus and Grafana -----------------------------------------------------------------------
@@ -380,7 +673,8 @@ def test_every_panel_and_query_names_the_provisioned_datasource_by_uid() -> None
         assert panels, path.name
         for panel in panels:
             assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}, (path.name, panel["title"])
-            assert panel["targets"], (path.name, panel["title"])
+            if panel.get("type") != "row":  # a row only groups the panels below it
+                assert panel["targets"], (path.name, panel["title"])
         refs = list(datasource_refs(dash))
         assert refs and all(ref == {"type": "prometheus", "uid": DATASOURCE_UID} for ref in refs), path.name
 

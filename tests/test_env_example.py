@@ -11,7 +11,13 @@ from pydantic_settings import BaseSettings
 
 import shared.settings
 from shared.settings import env_name, load_settings
-from tests.test_compose import load_compose, referenced_variables
+from tests.test_compose import (
+    WORKER_HOST_FILE,
+    all_referenced_variables,
+    load_compose,
+    read_compose,
+    referenced_variables,
+)
 
 ENV_EXAMPLE = Path(__file__).resolve().parents[1] / ".env.example"
 VARIABLE_LINE = re.compile(r"^(?P<commented>#\s*)?(?P<name>[A-Z][A-Z0-9_]*)=(?P<value>.*)$")
@@ -46,12 +52,12 @@ def test_every_setting_is_documented() -> None:
 
 
 def test_every_compose_variable_is_documented() -> None:
-    missing = set(referenced_variables(load_compose())) - set(documented())
-    assert not missing, f"docker-compose.yml variables without a line in .env.example: {sorted(missing)}"
+    missing = set(all_referenced_variables()) - set(documented())
+    assert not missing, f"compose file variables without a line in .env.example: {sorted(missing)}"
 
 
 def test_nothing_is_documented_that_no_setting_or_compose_file_reads() -> None:
-    read = settings_variables() | set(referenced_variables(load_compose()))
+    read = settings_variables() | set(all_referenced_variables())
     stale = set(documented()) - read
     assert not stale, f".env.example documents variables nothing reads: {sorted(stale)}"
 
@@ -64,6 +70,28 @@ def test_required_compose_variables_are_active_and_empty_until_filled_in() -> No
         assert documented()[name] == ("", True), name
     for name, (_, active) in documented().items():
         assert active == (name in required), f"{name}: only required variables are active lines"
+
+
+def comment_of(name: str) -> str:
+    """The comment lines right above ``name``'s line."""
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    index = next(i for i, line in enumerate(lines) if (m := VARIABLE_LINE.match(line)) and m.group("name") == name)
+    above = []
+    for line in reversed(lines[:index]):
+        if not line.startswith("#") or VARIABLE_LINE.match(line):
+            break
+        above.insert(0, line)
+    return " ".join(above)
+
+
+def test_what_a_worker_host_requires_is_documented_as_required_there() -> None:
+    main_required = {name for name, needed in referenced_variables(load_compose()).items() if needed}
+    worker_required = {name for name, needed in referenced_variables(read_compose(
+        ENV_EXAMPLE.parent / WORKER_HOST_FILE)).items() if needed}
+    assert "REDIS_URL" in worker_required
+    for name in worker_required - main_required:
+        assert "REQUIRED on a worker host" in comment_of(name), name
+        assert WORKER_HOST_FILE in comment_of(name), name
 
 
 def test_every_variable_has_a_comment_above_it() -> None:
