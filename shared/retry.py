@@ -220,8 +220,10 @@ class Outage:
         self.checks += 1
         return delay if deadline is None else max(0.0, min(delay, deadline - now))
 
-    def recovered(self) -> None:
-        log.info("%s is back after %s", self.where, format_duration(self.elapsed_s()))
+    def recovered(self, url: str | None = None) -> None:
+        """Log the end of the outage; ``url`` names the one server of several that came back."""
+        where = f"inference server at {url}" if url else self.where
+        log.info("%s is back after %s", where, format_duration(self.elapsed_s()))
 
     def gave_up(self) -> InferenceUnavailable:
         return InferenceUnavailable(
@@ -247,7 +249,7 @@ def wait_until_any_up(healths: Sequence[str], outage: Outage, deadline: float, *
             except httpx.HTTPError:
                 continue
             if up:
-                outage.recovered()
+                outage.recovered(health.removesuffix("/health") if len(healths) > 1 else None)
                 return index
 
 
@@ -287,7 +289,7 @@ class AsyncServerWatch:
                     except httpx.HTTPError:
                         continue
                     if up_answer(response.status_code):
-                        outage.recovered()
+                        outage.recovered(url if len(self.pool.urls) > 1 else None)
                         self.pool.revived(url)
                         return
 
