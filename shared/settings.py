@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.endpoints import EndpointList
@@ -120,6 +120,19 @@ class TrainerSettings(CommonSettings):
 
     model_dir: Path = Field(..., description="Target model directory (embeddings, lm_head, evaluation).")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    train_procs: int | Literal["auto"] = Field(
+        "auto",
+        description="Training processes (DDP ranks, one per GPU) a train job starts through torchrun; auto: one "
+        "per visible GPU, 1 on the CPU. 1 trains inside the worker.",
+    )
+
+    @field_validator("train_procs", mode="before")
+    @classmethod
+    def _procs(cls, value: object) -> object:
+        # One message for both spellings, instead of one error per member of the union.
+        if value == "auto" or (str(value).isdigit() and int(str(value)) >= 1):
+            return value
+        raise ValueError(f"{value!r} is neither 'auto' nor a whole number of at least 1")
 
 
 class ExporterSettings(CommonSettings):

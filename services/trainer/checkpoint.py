@@ -179,6 +179,19 @@ def read_checkpoint_state(path: Path) -> dict[str, Any]:
     return read_json(file)
 
 
+def load_weights(path: Path, drafter: Eagle3Drafter) -> dict[str, Any]:
+    """Load a checkpoint's weights into ``drafter``, whose config must be the one saved; returns the state."""
+    path = Path(path)
+    state = read_checkpoint_state(path)
+    if state["config"] != drafter.config.to_dict():
+        raise CheckpointFormatError(f"{path}: drafter config {state['config']} differs from this run's {drafter.config.to_dict()}")
+    missing, unexpected = drafter.load_state_dict(load_file(path / MODEL_FILE), strict=False)
+    missing = [m for m in missing if not m.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise CheckpointFormatError(f"{path}: missing {missing}, unexpected {unexpected}")
+    return state
+
+
 def load_checkpoint(
     path: Path,
     *,
@@ -188,14 +201,7 @@ def load_checkpoint(
 ) -> Position:
     """Restore everything ``save_checkpoint`` wrote; the drafter's config must be the one saved."""
     path = Path(path)
-    state = read_checkpoint_state(path)
-    if state["config"] != drafter.config.to_dict():
-        raise CheckpointFormatError(f"{path}: drafter config {state['config']} differs from this run's {drafter.config.to_dict()}")
-    weights = load_file(path / MODEL_FILE)
-    missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    missing = [m for m in missing if not m.startswith("embed_tokens.")]
-    if missing or unexpected:
-        raise CheckpointFormatError(f"{path}: missing {missing}, unexpected {unexpected}")
+    state = load_weights(path, drafter)
     names = [n for n, p in drafter.named_parameters() if p.requires_grad]
     optimizer_from_files(optimizer, names, load_file(path / OPTIMIZER_FILE), state["optimizer"])
     scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})

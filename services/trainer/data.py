@@ -66,6 +66,10 @@ class Batch:
     last_hidden: torch.Tensor  # (B, L, H)
     lengths: torch.Tensor  # (B,) int64
 
+    def without_loss(self) -> Batch:
+        """The same rows with nothing to learn: a stand-in that runs the model but adds no loss or count."""
+        return Batch(self.input_ids, torch.zeros_like(self.loss_mask), self.aux_hidden, self.last_hidden, self.lengths)
+
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         return Batch(
             self.input_ids.to(device),

@@ -3,6 +3,9 @@
 Each takes one JSON payload (shared.jobs.TrainJob / EvaluateJob), reports progress and state in the run's
 Redis metadata, writes results to the volume atomically, and re-raises failures after naming them in the
 metadata so RQ records the job as failed.
+
+``train`` trains in its own process, or with DRAFTLINE_TRAIN_PROCS above 1 in that many torchrun processes
+(launch.py) while it holds the run's lock; it then exports from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.evaluate import evaluate_prompts, load_target, read_eval_prompts
 from services.trainer.export import export_drafter, load_drafter
+from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
+from services.trainer.progress import progress_reporter
 from services.trainer.target_head import read_target_config, text_config
-from services.trainer.train import TrainProgress, TrainResult, pick_device, train_drafter
+from services.trainer.train import TrainResult, pick_device, train_drafter, trained_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +80,14 @@ def train(payload: dict) -> dict:
 
 
 def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState, paths: RunPaths) -> TrainResult:
-    state.set_meta(train_state="running", train_started_at=time.time())
-
-    def report(p: TrainProgress) -> None:
-        accs = {f"acc{k}": round(a, 4) for k, a in enumerate(p.acc)}
-        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
-                           tokens_per_s=round(p.tokens_per_s, 1), **accs)
-
-    result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device, progress=report)
+    procs = train_procs(settings)
+    state.set_meta(train_state="running", train_started_at=time.time(), train_procs=procs)
+    if procs > 1:
+        run_torchrun(spec.name, procs, settings)  # rank 0 reports progress and writes the checkpoints
+        result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
+    else:
+        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,
+                               progress=progress_reporter(state))
     export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
                    target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
     return result

@@ -23,8 +23,13 @@ position t have seen x_0..x_t, and softmax(lm_head(g_t)) is the target's distrib
   equals the target's argmax, counted over all masked positions, so tokens outside the draft vocabulary
   count as misses, as they do at serving time.
 
-The loop is DDP-ready: each rank trains on its slice of every global batch, the objective is one
-``nn.Module`` call (so DDP can wrap it), and only rank 0 writes logs and checkpoints.
+Data parallel (DDP, several processes started by torchrun): each rank trains on its slice of every global
+batch, the objective is one ``nn.Module`` call (so DDP can wrap it), and only rank 0 writes logs and
+checkpoints. The loss of a step is a mean over the *global* batch's masked tokens: ranks hold different
+token counts, so the mean of per-rank means would weight a short sample's tokens more than one process
+does. Each rank therefore divides its token sums by the all-reduced count and scales by the world size,
+which DDP's gradient average undoes; N processes then take the steps one process takes on the same
+global batches, up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from torch.utils.data import DataLoader
 
 from shared import eagle3
 from shared.atomic import atomic_write_text
-from shared.errors import CheckpointFormatError
+from shared.errors import CheckpointFormatError, HiddenStateFileError
+from shared.hidden_file import read_header
 from shared.layout import RunPaths, resolve_inside
 from shared.runspec import RunSpec, TrainConfig
 from services.trainer import checkpoint as ckpt
@@ -68,7 +74,7 @@ class TrainProgress:
     loss: float
     acc: list[float]
     lr: float
-    tokens_per_s: float = 0.0  # loss-mask tokens this rank trained on per second since the session began
+    tokens_per_s: float = 0.0  # loss-mask tokens all ranks trained on per second since the session began
 
 
 ProgressFn = Callable[[TrainProgress], None]
@@ -111,7 +117,12 @@ def make_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: to
 
 
 class TTTObjective(nn.Module):
-    """The whole unroll as one module call, so DDP can wrap it. Returns (loss, loss_k (K,), acc_k (K,))."""
+    """The whole unroll as one module call, so DDP can wrap it.
+
+    Returns this rank's sums, which ``train_step`` turns into means over the global batch: the masked
+    cross-entropy sum of each step (K,) with its graph, and (3, K) counts without one: masked positions,
+    argmax hits and loss-masked predictions per step.
+    """
 
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int) -> None:
         super().__init__()
@@ -129,21 +140,19 @@ class TTTObjective(nn.Module):
             outputs.append(hidden)
         return outputs
 
-    def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.drafter
-        losses, accs = [], []
+        ce_sums, counts = [], []
         for k, hidden in enumerate(self.unroll(batch.input_ids, batch.aux_hidden)):
             logp = d.logits(hidden).float().log_softmax(-1)  # (B, L, Vd)
             learned = shift(batch.loss_mask, k + 2)  # predicted token x_{t+2+k} is one the drafter learns
             mask = learned & shift(targets.in_draft, k + 1)
             ce = -(shift(targets.probs, k + 1) * logp).sum(-1)  # (B, L)
-            losses.append((ce * mask).sum() / mask.sum().clamp(min=1))
+            ce_sums.append((ce * mask).sum())
             with torch.no_grad():
                 hit = d.to_target_ids(logp.argmax(-1)) == shift(targets.argmax, k + 1)  # (B, L)
-                accs.append((hit & learned).sum() / learned.sum().clamp(min=1))
-        step_losses = torch.stack(losses)
-        weights = STEP_DECAY ** torch.arange(self.ttt_steps, device=step_losses.device, dtype=step_losses.dtype)
-        return (weights * step_losses).sum(), step_losses.detach(), torch.stack(accs)
+                counts.append(torch.stack([mask.sum(), (hit & learned).sum(), learned.sum()]))
+        return torch.stack(ce_sums), torch.stack(counts, dim=1).float()  # (K,), (3, K)
 
 
 # ---- schedule, data order, logging -------------------------------------------------------------
@@ -162,7 +171,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rank_batches(order: list[int], batch_size: int, rank: int, world: int) -> list[list[int]]:
-    """Global batches of ``batch_size * world``; this rank's share of each (a short tail repeats a sample)."""
+    """Global batches of ``batch_size * world``; this rank's share of each. A tail shorter than the world
+    leaves some ranks nothing: they get a stand-in sample (``is_filler``) and add no loss."""
     span = batch_size * world
     batches = []
     for start in range(0, len(order), span):
@@ -170,6 +180,12 @@ def rank_batches(order: list[int], batch_size: int, rank: int, world: int) -> li
         mine = chunk[rank::world] or chunk[:1]
         batches.append(mine)
     return batches
+
+
+def is_filler(n: int, batch_size: int, rank: int, world: int, index: int) -> bool:
+    """Whether this rank's share of global batch ``index`` (of ``n`` samples) is a stand-in: every rank must
+    join each step's all-reduces, so it still runs a sample, with its loss mask cleared."""
+    return rank >= n - index * batch_size * world
 
 
 class TrainLog:
@@ -206,6 +222,14 @@ def dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def global_sum(local: torch.Tensor, world: int) -> torch.Tensor:
+    """``local`` summed over every rank (one all-reduce), in float64 so counts and sums stay exact."""
+    total = local.detach().double()
+    if world > 1:
+        dist.all_reduce(total)
+    return total
 
 
 def expected_layer_ids(spec: RunSpec, target_config: dict) -> list[int]:
@@ -290,7 +314,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     total = cfg.epochs * len(rank_batches(list(range(len(files))), cfg.batch_size, rank, world))
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    position = resume(paths, total, drafter, optimizer, scheduler)
+    position = resume(paths, total, world, drafter, optimizer, scheduler)
     session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), optimizer, scheduler,
                       HiddenStateDataset(files, cfg.max_length), total, position, rank, world)
     meta = infos[0].metadata
@@ -300,16 +324,43 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     return session
 
 
-def resume(paths: RunPaths, total: int, drafter: Eagle3Drafter, optimizer: torch.optim.Optimizer,
+def resume(paths: RunPaths, total: int, world: int, drafter: Eagle3Drafter, optimizer: torch.optim.Optimizer,
            scheduler: torch.optim.lr_scheduler.LRScheduler) -> ckpt.Position:
-    """Restore the latest checkpoint, if any; a checkpoint of a differently sized run is an error."""
+    """Restore the latest checkpoint, if any; a checkpoint of a differently sized run is an error, and so is
+    one written by another number of processes (its data position counts global batches of that size)."""
     found = ckpt.latest_checkpoint(paths.checkpoints_dir)
     if found is None:
         return ckpt.Position(0, 0, 0)
-    saved_total = ckpt.read_checkpoint_state(found).get("total_steps")
+    state = ckpt.read_checkpoint_state(found)
+    saved_world = state.get("world_size", 1)
+    if saved_world != world:
+        raise CheckpointFormatError(f"{found}: written by {saved_world} training processes, this run has {world}; "
+                                    f"set DRAFTLINE_TRAIN_PROCS={saved_world} to resume, or remove the checkpoints to start over")
+    saved_total = state.get("total_steps")
     if saved_total != total:
         raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; remove the checkpoints to start over")
     return ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+
+
+def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> TrainResult:
+    """A finished run's result rebuilt from its last checkpoint, as the job that started a multi-process
+    run exports it: the trained weights, the target's embedding, and the target named by the data."""
+    paths = RunPaths(data, spec.name)
+    found = ckpt.latest_checkpoint(paths.checkpoints_dir)
+    if found is None:
+        raise CheckpointFormatError(f"{paths.checkpoints_dir}: no checkpoint to export")
+    drafter = Eagle3Drafter(DrafterConfig(**ckpt.read_checkpoint_state(found)["config"]))
+    state = ckpt.load_weights(found, drafter)
+    step, total = state["position"]["step"], state.get("total_steps")
+    if step != total:
+        raise CheckpointFormatError(f"{found}: training stopped at step {step} of {total}")
+    drafter.load_embedding(load_target_head(model_dir, dtype=None).embed)
+    files = [path for _, path in list_hidden_files(paths)]
+    if not files:
+        raise HiddenStateFileError(f"{paths.hidden_dir}: no hidden-state files")
+    meta = read_header(files[0])[0].get("__metadata__", {})  # the file ``prepare`` takes them from
+    return TrainResult(drafter, step, list(drafter.config.layer_ids), meta.get(eagle3.META_MODEL, spec.model),
+                       meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -326,9 +377,11 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
         workers = 2 if s.device.type == "cuda" else 0  # prefetch file reads while the GPU works
         loader = DataLoader(s.dataset, batch_sampler=batches[first:], collate_fn=collate, num_workers=workers)
         for index, batch in enumerate(loader, start=first):
-            loss, step_losses, accs = train_step(s, batch.to(s.device, torch.float32))
+            if is_filler(len(s.dataset), s.cfg.batch_size, s.rank, s.world, index):
+                batch = batch.without_loss()
+            loss, step_losses, accs, step_tokens = train_step(s, batch.to(s.device, torch.float32))
             step += 1
-            tokens += int(batch.loss_mask.sum())
+            tokens += step_tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
             s.result.last = TrainProgress(step, s.total, epoch, loss, accs, s.scheduler.get_last_lr()[0], speed)
             train_log.write({"step": step, "epoch": epoch, "loss": loss, "loss_k": step_losses, "acc": accs,
@@ -338,18 +391,28 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
             if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
                 ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer, scheduler=s.scheduler,
                                      position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
-                                     extra={"total_steps": s.total})
+                                     extra={"total_steps": s.total, "world_size": s.world})
     s.result.steps = step
     return s.result
 
 
-def train_step(s: Session, batch: Batch) -> tuple[float, list[float], list[float]]:
+def train_step(s: Session, batch: Batch) -> tuple[float, list[float], list[float], int]:
+    """One optimizer step on the global batch; returns its loss, loss_k, acc_k and loss-mask token count."""
     targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
     with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.device.type == "cuda"):
-        loss, step_losses, accs = s.objective(batch, targets)
+        ce_sums, counts = s.objective(batch, targets)  # (K,), (3, K)
+    k = ce_sums.shape[0]
+    total = global_sum(torch.cat([ce_sums.detach(), counts.flatten(), batch.loss_mask.sum().view(1)]), s.world)
+    g_ce, (g_masked, g_hits, g_learned), g_tokens = total[:k], total[k : 4 * k].view(3, k), total[-1]
+    weights = STEP_DECAY ** torch.arange(k, device=total.device, dtype=total.dtype)
+    # DDP averages gradients over ranks; times the world size, the gradient is that of the global mean.
+    denominators = (g_masked.clamp(min=1) / s.world).to(ce_sums.dtype)
+    loss = (weights.to(ce_sums.dtype) * ce_sums / denominators).sum()
     s.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(s.drafter.trainable_parameters(), s.cfg.grad_clip)
     s.optimizer.step()
     s.scheduler.step()
-    return float(loss.detach()), [round(float(x), 6) for x in step_losses], [round(float(x), 6) for x in accs]
+    step_losses, accs = g_ce / g_masked.clamp(min=1), g_hits / g_learned.clamp(min=1)
+    return (float((weights * step_losses).sum()), [round(float(x), 6) for x in step_losses],
+            [round(float(x), 6) for x in accs], int(g_tokens))

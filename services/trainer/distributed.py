@@ -1,0 +1,106 @@
+"""One rank of a multi-process (DDP) training run, as the train job starts it (launch.py):
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m services.trainer.distributed --work-dir DIR RUN
+
+torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous in its environment; the
+settings come from the environment as in the worker. A rank joins the process group (NCCL on GPU
+LOCAL_RANK, gloo on the CPU), trains its slice of every global batch (train.py) and leaves the group.
+Rank 0 alone reports progress to Redis and writes the training log and checkpoints; the job exports from
+the last checkpoint once every rank has exited.
+
+Each rank logs to stderr (which torchrun passes up to the job) and to ``DIR/rank<N>.log``; a rank that
+fails also writes ``DIR/failure_rank<N>.json``, so the job can name the first failure and show that
+rank's own last lines rather than those of the ranks torchrun stopped after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shared.atomic import atomic_write_json
+from shared.errors import SettingsError, error_class
+from shared.queues import connect
+from shared.runspec import RunSpec
+from shared.runstate import RunState
+from shared.settings import TrainerSettings, load_settings
+from services.trainer.progress import progress_reporter
+from services.trainer.train import pick_device, train_drafter
+
+log = logging.getLogger(__name__)
+
+LOG_FILE = "rank{rank}.log"
+FAILURE_FILE = "failure_rank{rank}.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="services.trainer.distributed", description="One rank of a DDP training run.")
+    parser.add_argument("run", help="the run to train")
+    parser.add_argument("--work-dir", type=Path, required=True, help="where each rank writes its log and failure")
+    return parser.parse_args(argv)
+
+
+def torchrun_ranks() -> tuple[int, int]:
+    """(RANK, LOCAL_RANK) from the environment torchrun sets up."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        raise SettingsError("RANK and LOCAL_RANK are unset: start this module through torch.distributed.run") from None
+
+
+def configure_rank_logging(level: str, rank: int, work_dir: Path) -> None:
+    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(work_dir / LOG_FILE.format(rank=rank))]
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), handlers=handlers, force=True,
+                        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """This rank's device: its own GPU (LOCAL_RANK of those visible), or the CPU."""
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return dev
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) -> None:
+    device = rank_device(settings.device, local_rank)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        log.info("rank %d of %d (pid %d) training %s on %s", rank, dist.get_world_size(), os.getpid(), run, device)
+        spec = RunSpec.load(settings.data, run)
+        progress = progress_reporter(RunState(connect(settings.redis_url), settings.data, run)) if rank == 0 else None
+        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress)
+        log.info("rank %d done at step %d", rank, result.steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def write_failure(work_dir: Path, rank: int, exc: BaseException) -> None:
+    atomic_write_json(work_dir / FAILURE_FILE.format(rank=rank),
+                      {"rank": rank, "error_class": error_class(exc), "message": str(exc), "time": time.time()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, local_rank = torchrun_ranks()
+    try:
+        settings = load_settings(TrainerSettings)
+        configure_rank_logging(settings.log_level, rank, args.work_dir)
+        train_rank(args.run, settings, rank, local_rank)
+    except Exception as exc:  # the rank's outer loop: name the failure for the job, then exit non-zero
+        log.exception("rank %d failed", rank)
+        write_failure(args.work_dir, rank, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

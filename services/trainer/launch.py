@@ -1,0 +1,112 @@
+"""Multi-process training for the train job: torchrun as a child of the job, its output forwarded to the
+job's log, its failure turned into one named error.
+
+torchrun runs as ``sys.executable -m torch.distributed.run`` rather than a ``torchrun`` found on PATH,
+which may be missing or belong to another environment, with ``--standalone``: its rendezvous takes a
+free local port, so trainers sharing a host never collide. The child gets the job's settings explicitly
+and dies with the job (``PR_SET_PDEATHSIG``): the run's training lock is the job's, and a trainer left
+running after its job was killed would write checkpoints beside the next one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from shared.atomic import read_json
+from shared.errors import DraftlineError, SettingsError
+from shared.settings import TrainerSettings
+from services.trainer.distributed import FAILURE_FILE, LOG_FILE
+from services.trainer.train import pick_device
+
+log = logging.getLogger(__name__)
+output_log = logging.getLogger("services.trainer.torchrun")
+
+TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class TrainingProcessFailed(DraftlineError):
+    """A multi-process training run failed: the message names the rank that failed first with its error,
+    torchrun's exit status, and ends with that rank's last lines and torchrun's own."""
+
+
+def train_procs(settings: TrainerSettings) -> int:
+    """How many processes train: DRAFTLINE_TRAIN_PROCS, where ``auto`` is one per visible GPU (1 on the CPU)."""
+    on_gpu = pick_device(settings.device).type == "cuda"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if settings.train_procs == "auto":
+        return max(1, gpus)
+    procs = int(settings.train_procs)
+    if on_gpu and procs > gpus:
+        raise SettingsError(f"DRAFTLINE_TRAIN_PROCS={procs}: only {gpus} GPUs are visible to the trainer (one rank per GPU)")
+    return procs
+
+
+def torchrun_command(run: str, procs: int, work_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
+            "-m", "services.trainer.distributed", "--work-dir", str(work_dir), run]
+
+
+def child_env(settings: TrainerSettings) -> dict[str, str]:
+    """The job's environment with its settings spelled out, so every rank trains what the job means."""
+    return {**os.environ, "DRAFTLINE_DATA": str(settings.data), "DRAFTLINE_MODEL_DIR": str(settings.model_dir),
+            "DRAFTLINE_DEVICE": settings.device, "REDIS_URL": settings.redis_url,
+            "DRAFTLINE_LOG_LEVEL": settings.log_level, "PYTHONUNBUFFERED": "1"}
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the job's process ends (torchrun then stops its ranks)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_torchrun(run: str, procs: int, settings: TrainerSettings) -> None:
+    """Train ``run`` in ``procs`` processes and return once all have finished; TrainingProcessFailed if any failed."""
+    with tempfile.TemporaryDirectory(prefix="draftline-ranks-") as tmp:
+        work_dir = Path(tmp)
+        command = torchrun_command(run, procs, work_dir)
+        log.info("run %s: training in %d processes: %s", run, procs, shlex.join(command))
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                              env=child_env(settings), preexec_fn=die_with_parent) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                output_log.info("%s", tail[-1])
+            code = proc.wait()
+        if code != 0:
+            raise failure(work_dir, procs, code, list(tail))
+
+
+def last_lines(path: Path, count: int = TAIL_LINES) -> list[str]:
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return [line.rstrip("\n") for line in deque(handle, maxlen=count)]
+
+
+def failure(work_dir: Path, procs: int, code: int, torchrun_tail: list[str]) -> TrainingProcessFailed:
+    """The named error for a failed run: the first rank to report an error, or torchrun's word alone when
+    no rank did (a rank killed by a signal, the out-of-memory killer say, reports nothing itself)."""
+    status = f"torchrun exited with {code}" if code > 0 else f"torchrun was killed by signal {-code}"
+    reports = sorted((read_json(path) for path in work_dir.glob(FAILURE_FILE.format(rank="*"))), key=lambda r: r["time"])
+    torchrun_part = "\nlast output of torchrun:\n" + "\n".join(torchrun_tail)
+    if not reports:
+        return TrainingProcessFailed(f"{status}; no rank of {procs} reported an error of its own (killed by a signal?)"
+                                     + torchrun_part)
+    first = reports[0]
+    silent = sorted(set(range(procs)) - {r["rank"] for r in reports})
+    others = f"; ranks {silent} reported nothing (killed, or stopped by torchrun after the failure)" if silent else ""
+    rank_part = f"\nlast output of rank {first['rank']}:\n" + "\n".join(last_lines(work_dir / LOG_FILE.format(rank=first["rank"])))
+    return TrainingProcessFailed(f"rank {first['rank']} of {procs} failed first: {first['error_class']}: {first['message']}; "
+                                 f"{status}{others}" + rank_part + torchrun_part)

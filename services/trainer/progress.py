@@ -1,0 +1,20 @@
+"""Training progress into the run's Redis metadata: what ``draftline status`` and the exporter read.
+
+Both trainers use it: the train job when it trains in its own process, and rank 0 of a multi-process run.
+"""
+
+from __future__ import annotations
+
+from shared.runstate import RunState
+from services.trainer.train import ProgressFn, TrainProgress
+
+
+def progress_reporter(state: RunState) -> ProgressFn:
+    """A progress callback writing train_done/total, loss, epoch, lr, tokens_per_s and acc<k>."""
+
+    def report(p: TrainProgress) -> None:
+        accs = {f"acc{k}": round(a, 4) for k, a in enumerate(p.acc)}
+        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
+                           tokens_per_s=round(p.tokens_per_s, 1), **accs)
+
+    return report
