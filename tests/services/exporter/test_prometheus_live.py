@@ -1,0 +1,166 @@
+"""A real Prometheus scrapes the real exporter and the real inference server while a small run goes through
+the whole pipeline (LocalStack: the commands docker-compose.yml runs). Then, through Prometheus' API:
+every dashboard query returns data, every alert rule evaluates without error, and killing the inference
+server makes DraftlineInferenceDown fire.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from services.cli.demo import demo_prompts_path
+from services.cli.stack import LocalStack, StackConfig
+from services.exporter import names
+from tests.services.exporter import dashboards
+from tests.support.processes import REPO
+from tests.support.prometheus import (
+    Prometheus,
+    adapt_config,
+    has_values,
+    prometheus_binary,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(prometheus_binary() is None, reason="prometheus not installed (Debian package prometheus)"),
+]
+
+RUN = "observed"
+ROWS = 10
+# Grafana makes $__rate_interval at least four scrape intervals; with the test's 1 s scrapes that is 4 s.
+# 10 s leaves rates several samples even when a loaded machine delays scrapes.
+RATE_INTERVAL = "10s"
+# The one alert the test fires on purpose, with its `for:` shortened from the shipped 2m so the test
+# does not wait two minutes; its expression, like every other rule, is the shipped one.
+FIRED = "DraftlineInferenceDown"
+FIRED_FOR = "2s"
+
+
+def write_dataset(path: Path) -> None:
+    prompts = demo_prompts_path().read_text().splitlines()
+    path.write_text("\n".join(prompts[:ROWS]) + "\n")
+
+
+def rules_copy(tmp_path: Path) -> Path:
+    """The shipped alerts.yml with only FIRED's `for:` shortened."""
+    rules = yaml.safe_load((REPO / "prometheus" / "alerts.yml").read_text())
+    found = [rule for group in rules["groups"] for rule in group["rules"] if rule.get("alert") == FIRED]
+    assert len(found) == 1, f"{FIRED} not in alerts.yml"
+    found[0]["for"] = FIRED_FOR
+    path = tmp_path / "alerts.yml"
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return path
+
+
+def wait_terminal(stack: LocalStack, timeout: float = 240.0) -> dict:
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        status = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=30).json()
+        if status["state"] in ("complete", "complete_with_failures", "failed"):
+            return status
+        time.sleep(1)
+    raise AssertionError(f"run did not finish: {status}")
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory, redis_server, tiny_model_dir):
+    """The run watched by Prometheus, the stack and Prometheus still up for the assertions."""
+    root = tmp_path_factory.mktemp("observed")
+    dataset = root / "prompts.jsonl"
+    write_dataset(dataset)
+    # Jobs and runs other tests left in the session's Redis would be picked up by this stack's workers.
+    redis.Redis.from_url(redis_server.url).flushall()
+    config = StackConfig(data=root / "data", model_dir=tiny_model_dir, log_dir=root / "logs",
+                         redis_url=redis_server.url)
+    stack = LocalStack(config)
+    address = {name: stack.url(name).removeprefix("http://") for name in ("exporter", "inference")}
+    rules = rules_copy(root)
+    prom_config = adapt_config(
+        REPO / "prometheus" / "prometheus.yml",
+        {"draftline-exporter": address["exporter"], "draftline-inference": address["inference"]},
+        [str(rules)],
+    )
+    with Prometheus(root / "prometheus", prom_config) as prom, stack:
+        started = time.time()
+        body = {
+            "dataset": str(dataset), "name": RUN,
+            "generation": {"max_tokens": 12, "min_completion_tokens": 1},
+            "train": {"epochs": 2, "batch_size": 4, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128,
+                      "max_length": 96},
+            "evaluate": {"holdout": 2, "max_new_tokens": 12, "draft_steps": 2},
+        }
+        response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
+        assert response.status_code == 201, response.text
+        status = wait_terminal(stack)
+        # The run's last numbers reach Prometheus on the next scrape of the exporter.
+        prom.wait_for(lambda: prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="{RUN}"}}'),
+                      "the acceptance length in Prometheus", timeout=30)
+        # A range query evaluates at start + k steps; end one step past the newest sample so it is seen.
+        yield {"prom": prom, "stack": stack, "status": status, "start": started, "end": time.time() + 2}
+
+
+def every_dashboard_query() -> list[dashboards.Query]:
+    return [query for dash in dashboards.load().values() for query in dashboards.queries(dash)]
+
+
+def test_the_run_completes_under_observation(observed) -> None:
+    assert observed["status"]["state"] in ("complete", "complete_with_failures"), observed["status"]
+    targets = {t["labels"]["job"]: t["health"] for t in observed["prom"].targets()}
+    assert targets == {"draftline-exporter": "up", "draftline-inference": "up"}
+
+
+def test_prometheus_holds_the_numbers_the_controller_reports(observed) -> None:
+    prom, status = observed["prom"], observed["status"]
+    for stage in ("generate", "extract"):
+        (series,) = prom.query(f'{names.STAGE_DONE}{{run="{RUN}",stage="{stage}"}}')
+        assert float(series["value"][1]) == status["stages"][stage]["done"] > 0
+    (expected,) = prom.query(f'{names.STAGE_EXPECTED}{{run="{RUN}",stage="train"}}')
+    assert float(expected["value"][1]) == status["stages"]["train"]["total"] > 0
+    (acceptance,) = prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="{RUN}"}}')
+    assert float(acceptance["value"][1]) == pytest.approx(status["drafter"]["acceptance_length"])
+
+
+@pytest.mark.parametrize("query", every_dashboard_query(), ids=lambda q: f"{q.dashboard}/{q.panel}/{q.ref_id}")
+def test_every_dashboard_query_returns_data_during_the_run(observed, query: dashboards.Query) -> None:
+    expr = dashboards.substitute(query.expr, {"run": RUN, "__rate_interval": RATE_INTERVAL})
+    result = observed["prom"].query_range(expr, observed["start"], observed["end"], step=1)
+    assert has_values(result), f"no data for {query}\nsent: {expr}\ngot: {result}"
+
+
+def test_every_alert_rule_evaluates_without_error(observed) -> None:
+    prom = observed["prom"]
+    shipped = {rule["alert"] for group in yaml.safe_load((REPO / "prometheus" / "alerts.yml").read_text())["groups"]
+               for rule in group["rules"]}
+
+    def evaluated() -> list[dict] | None:
+        rules = prom.rules()
+        return rules if all(rule["health"] != "unknown" for rule in rules) else None
+
+    rules = prom.wait_for(evaluated, "every rule evaluated once", timeout=30)
+    assert {rule["name"] for rule in rules} == shipped
+    broken = {rule["name"]: rule.get("lastError") for rule in rules if rule["health"] != "ok"}
+    assert not broken, broken
+
+
+def test_killing_the_inference_server_fires_inference_down(observed) -> None:
+    prom, stack = observed["prom"], observed["stack"]
+    assert not [a for a in prom.alerts() if a["labels"]["alertname"] == FIRED]
+    stack.kill("inference")
+
+    def firing() -> list[dict]:
+        return [a for a in prom.alerts() if a["labels"]["alertname"] == FIRED and a["state"] == "firing"]
+
+    (alert,) = prom.wait_for(firing, f"{FIRED} firing", timeout=60)
+    assert alert["labels"]["severity"] == "critical"
+    assert alert["labels"]["instance"] == stack.url("inference").removeprefix("http://")
+    assert "does not answer scrapes" in alert["annotations"]["summary"]
+    # The exporter still answers: only the dead service is reported.
+    assert not [a for a in prom.alerts() if a["labels"]["alertname"] == "DraftlineExporterDown"]
