@@ -8,6 +8,10 @@ LOCAL_RANK, gloo on the CPU), trains its slice of every global batch (train.py) 
 Rank 0 alone reports progress to Redis and writes the training log and checkpoints; the job exports from
 the last checkpoint once every rank has exited.
 
+torchrun starts each rank in a session of its own, so a signal to the job's process group (RQ kills a
+timed-out job's work horse that way) would never reach it: a rank therefore asks the kernel for SIGTERM
+when torchrun ends, and torchrun for SIGTERM when the job ends, so no rank outlives its job.
+
 Each rank logs to stderr (which torchrun passes up to the job) and to ``DIR/rank<N>.log``; a rank that
 fails also writes ``DIR/failure_rank<N>.json``, so the job can name the first failure and show that
 rank's own last lines rather than those of the ranks torchrun stopped after it.
@@ -16,8 +20,10 @@ rank's own last lines rather than those of the ranks torchrun stopped after it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +44,12 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "rank{rank}.log"
 FAILURE_FILE = "failure_rank{rank}.json"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,6 +101,10 @@ def write_failure(work_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:
+        return 1  # torchrun ended before the request took effect
     args = parse_args(argv)
     rank, local_rank = torchrun_ranks()
     try:

@@ -10,11 +10,9 @@ running after its job was killed would write checkpoints beside the next one.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,14 +24,13 @@ import torch
 from shared.atomic import read_json
 from shared.errors import DraftlineError, SettingsError
 from shared.settings import TrainerSettings
-from services.trainer.distributed import FAILURE_FILE, LOG_FILE
+from services.trainer.distributed import FAILURE_FILE, LOG_FILE, die_with_parent
 from services.trainer.train import pick_device
 
 log = logging.getLogger(__name__)
 output_log = logging.getLogger("services.trainer.torchrun")
 
 TAIL_LINES = 20
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class TrainingProcessFailed(DraftlineError):
@@ -65,11 +62,6 @@ def child_env(settings: TrainerSettings) -> dict[str, str]:
             "DRAFTLINE_LOG_LEVEL": settings.log_level, "PYTHONUNBUFFERED": "1"}
 
 
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the job's process ends (torchrun then stops its ranks)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def run_torchrun(run: str, procs: int, settings: TrainerSettings) -> None:
     """Train ``run`` in ``procs`` processes and return once all have finished; TrainingProcessFailed if any failed."""
     with tempfile.TemporaryDirectory(prefix="draftline-ranks-") as tmp:
@@ -78,7 +70,7 @@ def run_torchrun(run: str, procs: int, settings: TrainerSettings) -> None:
         log.info("run %s: training in %d processes: %s", run, procs, shlex.join(command))
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                              env=child_env(settings), preexec_fn=die_with_parent) as proc:
+                              env=child_env(settings), preexec_fn=die_with_parent) as proc:  # torchrun stops its ranks on SIGTERM
             assert proc.stdout is not None
             for line in proc.stdout:
                 tail.append(line.rstrip("\n"))
@@ -96,17 +88,21 @@ def last_lines(path: Path, count: int = TAIL_LINES) -> list[str]:
 
 
 def failure(work_dir: Path, procs: int, code: int, torchrun_tail: list[str]) -> TrainingProcessFailed:
-    """The named error for a failed run: the first rank to report an error, or torchrun's word alone when
-    no rank did (a rank killed by a signal, the out-of-memory killer say, reports nothing itself)."""
+    """The named error of a failed run. A rank that raises names its error; a rank killed by a signal (the
+    out-of-memory killer, say) names nothing, and its peers then fail on the lost connection, so ranks
+    without a report come first in the message and torchrun's summary, which names the signal, comes last."""
     status = f"torchrun exited with {code}" if code > 0 else f"torchrun was killed by signal {-code}"
     reports = sorted((read_json(path) for path in work_dir.glob(FAILURE_FILE.format(rank="*"))), key=lambda r: r["time"])
-    torchrun_part = "\nlast output of torchrun:\n" + "\n".join(torchrun_tail)
-    if not reports:
-        return TrainingProcessFailed(f"{status}; no rank of {procs} reported an error of its own (killed by a signal?)"
-                                     + torchrun_part)
-    first = reports[0]
     silent = sorted(set(range(procs)) - {r["rank"] for r in reports})
-    others = f"; ranks {silent} reported nothing (killed, or stopped by torchrun after the failure)" if silent else ""
-    rank_part = f"\nlast output of rank {first['rank']}:\n" + "\n".join(last_lines(work_dir / LOG_FILE.format(rank=first["rank"])))
-    return TrainingProcessFailed(f"rank {first['rank']} of {procs} failed first: {first['error_class']}: {first['message']}; "
-                                 f"{status}{others}" + rank_part + torchrun_part)
+    parts = []
+    if silent:
+        parts.append(f"ranks {silent} of {procs} ended without an error of their own (killed by a signal, or "
+                     "stopped by torchrun after another rank failed; its summary below names the first)")
+    if reports:
+        first = reports[0]
+        parts.append(f"rank {first['rank']} of {procs} failed first: {first['error_class']}: {first['message']}")
+    message = "; ".join([*parts, status])
+    if reports:
+        rank_log = work_dir / LOG_FILE.format(rank=reports[0]["rank"])
+        message += f"\nlast output of rank {reports[0]['rank']}:\n" + "\n".join(last_lines(rank_log))
+    return TrainingProcessFailed(message + "\nlast output of torchrun:\n" + "\n".join(torchrun_tail))

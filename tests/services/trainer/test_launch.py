@@ -18,10 +18,13 @@ from safetensors.torch import load_file
 
 from services.trainer.export import verify_export
 from services.trainer.launch import TrainingProcessFailed, torchrun_command, train_procs
+from services.trainer.lock import exclusive_training
 from shared.errors import SettingsError
 from shared.jobs import evaluate_job_id
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
+from tests.services.trainer.test_jobs import enqueue_train
+from tests.support.processes import ServiceProcess
 
 TRAIN = {"epochs": 2, "ttt_steps": 2, "save_every": 4}  # 16 samples, global batches of 2 x 4: 4 steps
 
@@ -63,7 +66,7 @@ def test_a_failing_rank_fails_the_job_with_a_named_error_and_its_cause(ddp_jobs,
     with pytest.raises(TrainingProcessFailed) as info:
         ddp_jobs.train({"run": "broken"})
     message = str(info.value)
-    assert re.match(r"rank [01] of 2 failed first: HiddenStateFileError: ", message) and str(victim) in message
+    assert re.search(r"rank [01] of 2 failed first: HiddenStateFileError: ", message) and str(victim) in message
     assert "torchrun exited with 1" in message and "last output of rank" in message
     meta = RunState(redis_conn, data_dir, "broken").meta()
     assert meta["train_state"] == "failed" and meta["train_error"].startswith("TrainingProcessFailed: rank ")
@@ -93,7 +96,9 @@ def test_a_killed_rank_fails_the_job_instead_of_hanging_and_the_next_job_resumes
     thread.join(timeout=120)
     assert not thread.is_alive(), "the job hangs after a rank died"
     assert isinstance(outcome.get("error"), TrainingProcessFailed)
-    assert "torchrun exited with 1" in str(outcome["error"]) and "1]" in str(outcome["error"])  # rank 1 is named
+    message = str(outcome["error"])
+    assert re.match(r"ranks \[(0, )?1\] of 2 ended without an error of their own", message)  # rank 0 may be stopped first
+    assert "torchrun exited with 1" in message and "SIGKILL" in message  # torchrun's summary names the signal
     assert state.meta()["train_state"] == "failed"
 
     caplog.clear()
@@ -101,6 +106,45 @@ def test_a_killed_rank_fails_the_job_instead_of_hanging_and_the_next_job_resumes
     assert re.search(r"rank 0 services.trainer.checkpoint: resumed from .*step_0000000[2-9]", caplog.text)
     assert [r["step"] for r in log_records(paths)] == list(range(1, 41))
     verify_export(paths.export_dir)
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: state, parent pid, ...; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+
+
+def gone(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"  # a zombie no longer runs; its new parent may never reap it
+
+
+def test_a_work_horse_killed_as_rq_kills_it_leaves_no_rank_training(make_run, redis_url, redis_conn, data_dir, tiny_model_dir, tmp_path):
+    paths = make_run("horse", train={**TRAIN, "epochs": 30, "save_every": 2})  # 60 steps
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+           "DRAFTLINE_DEVICE": "cpu", "DRAFTLINE_LOG_LEVEL": "INFO", "DRAFTLINE_TRAIN_PROCS": "2"}
+    with ServiceProcess("trainer", env=env, log_dir=tmp_path / "logs") as service:
+        enqueue_train(redis_conn, "horse")
+        state, deadline = RunState(redis_conn, data_dir, "horse"), time.monotonic() + 300
+        while state.progress("train")[0] < 2:
+            assert time.monotonic() < deadline and service.alive(), service.log()
+            time.sleep(0.05)
+        ranks = [int(pid) for pid in re.findall(r"rank \d of 2 \(pid (\d+)\)", service.log())]
+        torchrun = int(stat_fields(ranks[0])[1])
+        horse = int(stat_fields(torchrun)[1])
+        # RQ's kill_horse (a job past its timeout, a second stop signal): SIGKILL to the horse's process
+        # group, which holds torchrun but not the ranks (torchrun starts each in a session of its own).
+        os.killpg(os.getpgid(horse), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not all(gone(pid) for pid in [*ranks, torchrun]):
+            assert time.monotonic() < deadline, f"ranks still running after their job was killed: {ranks}"
+            time.sleep(0.1)
+        assert len(ranks) == 2 and state.progress("train")[0] < 60  # killed mid-run, not after it
+    with exclusive_training(paths):
+        pass  # the run's lock is free for the next trainer
 
 
 def test_torchrun_starts_from_this_python_not_from_path(tmp_path):
