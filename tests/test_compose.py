@@ -7,6 +7,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -586,27 +588,6 @@ def container_port(service: dict) -> str:
     return command[command.index("--port") + 1]
 
 
-def test_prometheus_scrape_targets_are_compose_services_and_ports(services: dict) -> None:
-    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
-    active = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    # The vllm and sglang jobs ship commented out; they must be right once uncommented.
-    commented = re.findall(r"^\s*#\s*- targets: \[\"([^\"]+)\"\]", PROMETHEUS_FILE.read_text(), re.MULTILINE)
-    assert set(active) >= {"exporter:9400", "inference:8000"}
-    assert set(commented) == {"vllm:8000", "sglang:8000"}
-    for target in active + commented:
-        host, port = target.split(":")
-        assert host in services, target
-        assert container_port(services[host]) == port, target
-
-
-def test_prometheus_loads_the_alert_rules_shipped_beside_it(services: dict) -> None:
-    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
-    for rule_file in config["rule_files"]:
-        assert (PROMETHEUS_FILE.parent / rule_file).is_file(), rule_file
-    assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
-    assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
-
-
 def bind_mounts(service: dict) -> dict[str, str]:
     """Container path -> repository path of each ``./…`` bind mount; all must be read-only."""
     mounts = {}
@@ -616,6 +597,157 @@ def bind_mounts(service: dict) -> dict[str, str]:
             assert mode == ["ro"], f"{volume} is mounted writable"
             mounts[target] = source
     return mounts
+
+
+# What each project's Prometheus loads: its config, rules and target files laid out the way its container
+# sees them (read-only bind mounts of the repository, then Compose's file `configs` bound on top).
+ALERTS_FILE = REPO / "prometheus" / "alerts.yml"
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+# The exporter, the built-in inference servers, and the two generation engines.
+SCRAPE_JOBS = ("draftline-exporter", "draftline-inference", "vllm", "sglang")
+promtool = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not installed (Debian package prometheus)")
+
+
+def monitored_projects() -> list[str]:
+    return [p for p in PROJECTS if "prometheus" in load_project(p)["services"]]
+
+
+def prometheus_mounts(project: str) -> list[tuple[str, Path]]:
+    """(container path, repository path) of what the project's prometheus service sees of the repository:
+    its bind mounts and file configs (Compose binds those read-only), shallower paths first, the order in
+    which Docker mounts them."""
+    compose = interpolate(load_project(project), project_env(project))
+    service = compose["services"]["prometheus"]
+    mounts = [(target, REPO / source) for target, source in bind_mounts(service).items()]
+    for config in service.get("configs", []):
+        assert isinstance(config, Mapping) and config.get("target"), f"{config}: name the path in the container"
+        mounts.append((config["target"], REPO / compose["configs"][config["source"]]["file"]))
+    return sorted(mounts, key=lambda mount: len(Path(mount[0]).parts))
+
+
+def prometheus_view(project: str, root: Path) -> Path:
+    """The project's Prometheus files copied under ``root`` as its container sees them; the config's path."""
+    for target, source in prometheus_mounts(project):
+        dest = root / target.lstrip("/")
+        if source.is_dir():
+            shutil.copytree(source, dest, dirs_exist_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest)
+    return root / PROMETHEUS_CONFIG.lstrip("/")
+
+
+def scrape_targets(config_path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Job -> (address, metrics path) of each target the configuration lists, its file_sd files read the
+    way Prometheus reads them: paths relative to the config, each file a list of target groups."""
+    config = yaml.safe_load(config_path.read_text())
+    found: dict[str, list[tuple[str, str]]] = {}
+    for job in config["scrape_configs"]:
+        assert set(job) <= {"job_name", "metrics_path", "static_configs", "file_sd_configs"}, job["job_name"]
+        groups = list(job.get("static_configs", []))
+        for sd in job.get("file_sd_configs", []):
+            for name in sd["files"]:
+                assert "*" not in name, f"{name}: a pattern matching nothing would scrape nothing, silently"
+                listed = yaml.safe_load((config_path.parent / name).read_text())
+                assert isinstance(listed, list), f"{name}: a file_sd file holds a list of target groups"
+                groups += listed
+        for group in groups:
+            assert set(group) <= {"targets", "labels"} and isinstance(group["targets"], list), group
+        path = job.get("metrics_path", "/metrics")
+        found[job["job_name"]] = [(target, path) for group in groups for target in group["targets"]]
+    return found
+
+
+def expected_targets(project: str, services: dict) -> dict[str, list[tuple[str, str]]]:
+    """Job -> the address of every service of that kind the project starts; both engines serve /metrics."""
+    running = active(services, project)
+    servers = builtin_servers(running)
+    expected = {
+        "draftline-exporter": [f"exporter:{container_port(running['exporter'])}"],
+        "draftline-inference": [f"{name}:{environment(s)['DRAFTLINE_PORT']}" for name, s in servers.items()],
+    }
+    for name, engine in generation_engines(running).items():
+        expected[name] = [f"{name}:{container_port(engine)}"]
+    if "sglang" in expected:
+        assert "--enable-metrics" in running["sglang"]["command"], "SGLang serves /metrics only with --enable-metrics"
+    return {job: sorted((t, "/metrics") for t in expected.get(job, [])) for job in SCRAPE_JOBS}
+
+
+@pytest.mark.parametrize("layout", monitored_projects())
+def test_prometheus_scrapes_exactly_the_servers_the_project_runs(layout: str, tmp_path: Path) -> None:
+    services = interpolate(load_project(layout), project_env(layout))["services"]
+    loaded = scrape_targets(prometheus_view(layout, tmp_path))
+    assert set(loaded) == set(SCRAPE_JOBS)
+    for job, targets in loaded.items():
+        assert len(set(targets)) == len(targets), f"{job} lists a target twice: {targets}"
+    assert {job: sorted(targets) for job, targets in loaded.items()} == expected_targets(layout, services)
+    # The down alert watches the job checked here, so it fires for a server the layout runs, and only then.
+    (down,) = [rule for group in yaml.safe_load(ALERTS_FILE.read_text())["groups"] for rule in group["rules"]
+               if rule.get("alert") == "DraftlineInferenceDown"]
+    assert down["expr"] == 'up{job="draftline-inference"} == 0'
+
+
+@pytest.mark.parametrize("layout", monitored_projects())
+def test_prometheus_configs_land_on_files_of_its_read_only_mount(layout: str) -> None:
+    """Docker cannot create a mount point inside a read-only bind mount, so every config's path in the
+    container must already exist there; and every config's file exists in the repository."""
+    mounts = prometheus_mounts(layout)
+    directories = {target: source for target, source in mounts if source.is_dir()}
+    for target, source in mounts:
+        assert source.exists(), f"{target}: {source} is not in the repository"
+        if source.is_file():
+            outer = [d for d in directories if target.startswith(d.rstrip("/") + "/")]
+            for directory in outer:
+                assert (directories[directory] / Path(target).relative_to(directory)).is_file(), target
+
+
+def test_prometheus_loads_the_alert_rules_shipped_beside_it(services: dict, tmp_path: Path) -> None:
+    assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
+    assert f"--config.file={PROMETHEUS_CONFIG}" in services["prometheus"]["command"]
+    config_path = prometheus_view("main", tmp_path)
+    for rule_file in yaml.safe_load(config_path.read_text())["rule_files"]:
+        assert (config_path.parent / rule_file).read_text() == ALERTS_FILE.read_text(), rule_file
+
+
+@pytest.fixture(scope="module")
+def discovered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Per project: promtool's check of its config as the container sees it, and each job's targets as
+    Prometheus' own service discovery finds them (all at once: each waits out the discovery timeout)."""
+    found: dict[str, dict] = {}
+    running: list[tuple[str, str, subprocess.Popen]] = []
+    for layout in monitored_projects():
+        config_path = prometheus_view(layout, tmp_path_factory.mktemp(layout))
+        check = subprocess.run([promtool, "check", "config", str(config_path)], check=False, capture_output=True,
+                               text=True, timeout=120)
+        found[layout] = {"check": check, "config": config_path, "jobs": {}}
+        for job in SCRAPE_JOBS:
+            running.append((layout, job, subprocess.Popen(
+                [promtool, "check", "service-discovery", "--timeout=5s", str(config_path), job],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    for layout, job, proc in running:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"{layout} {job}: {stderr}"
+        found[layout]["jobs"][job] = json.loads(stdout)
+    return found
+
+
+@needs_promtool
+@pytest.mark.parametrize("layout", monitored_projects())
+def test_promtool_accepts_each_layouts_prometheus_files(layout: str, discovered: dict) -> None:
+    check = discovered[layout]["check"]
+    output = check.stdout + check.stderr
+    # A missing file_sd file is only a warning to promtool; to the stack it is a job scraping nothing.
+    assert check.returncode == 0 and "WARNING" not in output, output
+
+
+@needs_promtool
+@pytest.mark.parametrize("layout", monitored_projects())
+def test_prometheus_discovers_the_targets_the_files_list(layout: str, discovered: dict) -> None:
+    listed = scrape_targets(discovered[layout]["config"])
+    for job, targets in discovered[layout]["jobs"].items():
+        found = sorted((t["labels"]["instance"], t["labels"]["__metrics_path__"]) for t in targets)
+        assert found == sorted(listed[job]), job
 
 
 def test_grafana_provisioning_mounts_exist_in_the_repository(services: dict) -> None:

@@ -11,7 +11,7 @@ import math
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -35,10 +35,13 @@ def prometheus_binary() -> str | None:
     return shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").is_file() else None)
 
 
-def adapt_config(shipped: Path, targets: dict[str, str], rule_files: list[str], interval: str = "1s") -> dict:
+def adapt_config(shipped: Path, targets: Mapping[str, str | None], rule_files: list[str],
+                 interval: str = "1s") -> dict:
     """The shipped configuration with every job's targets replaced by the test's address for that job.
 
-    A job in the shipped file without an address here is an error, so a job added later cannot go
+    The shipped jobs read their targets from the compose layout's files (file_sd_configs); here each job
+    scrapes the test's address instead, or nothing where the test runs no such server (None: vLLM, SGLang).
+    A job in the shipped file without an entry here is an error, so a job added later cannot go
     unscraped in the test without anyone noticing."""
     config = yaml.safe_load(Path(shipped).read_text())
     config["global"] = {**config.get("global", {}), "scrape_interval": interval, "scrape_timeout": interval,
@@ -48,7 +51,9 @@ def adapt_config(shipped: Path, targets: dict[str, str], rule_files: list[str], 
     if jobs != set(targets):
         raise PrometheusError(f"shipped jobs {sorted(jobs)} differ from the test's targets {sorted(targets)}")
     for job in config["scrape_configs"]:
-        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        job.pop("file_sd_configs", None)
+        address = targets[job["job_name"]]
+        job["static_configs"] = [{"targets": [address] if address else []}]
     return config
 
 

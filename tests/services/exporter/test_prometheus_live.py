@@ -85,7 +85,8 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
     rules = rules_copy(root)
     prom_config = adapt_config(
         REPO / "prometheus" / "prometheus.yml",
-        {"draftline-exporter": address["exporter"], "draftline-inference": address["inference"]},
+        {"draftline-exporter": address["exporter"], "draftline-inference": address["inference"],
+         "vllm": None, "sglang": None},
         [str(rules)],
     )
     with Prometheus(root / "prometheus", prom_config) as prom, stack:
