@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,9 +49,15 @@ FAILURE_FILE = "failure_rank{rank}.json"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+@functools.cache
+def prctl() -> Callable[..., int]:
+    """libc's ``prctl``, resolved once: a child between fork and exec can then call it without dlopen's locks."""
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
 def die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when its parent ends."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """Have the kernel send this process SIGTERM when its parent ends (the request survives exec)."""
+    prctl()(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
