@@ -30,6 +30,7 @@ import redis
 from services.controller.base_checkpoint import fetch_checkpoint, verify_checkpoint
 from services.controller.datasets import looks_like_repo_id, resolve_files
 from services.inference.fingerprint import model_fingerprint
+from shared import eagle3
 from shared.atomic import atomic_write_bytes
 from shared.disk import (
     estimate_sample_tokens,
@@ -106,7 +107,7 @@ def run_preflight(settings: ControllerSettings, *, spec: RunSpec | None = None, 
     """Every check, in order; never raises for a failing check (each failure is a Check)."""
     facts = Facts()
     checks = [check_redis(settings), check_inference(settings, spec, facts), check_fingerprint(settings, facts),
-              check_writable(settings.data), check_persistent(settings), check_disk(settings, spec, facts),
+              check_layer_ids(settings, spec, facts), check_writable(settings.data), check_persistent(settings), check_disk(settings, spec, facts),
               check_gpu(settings)]
     report = PreflightReport(checks, forced=force, bytes_per_token=facts.bytes_per_token)
     if spec is not None and spec.train.base_checkpoint:
@@ -217,6 +218,43 @@ def check_fingerprint(settings: ControllerSettings, facts: Facts) -> Check:
                      "serve the model in DRAFTLINE_MODEL_DIR, or set DRAFTLINE_MODEL_DIR to the served model's "
                      "directory")
     return Check(name, True, INFO, f"the served model is the target in {settings.model_dir} ({local[:12]}…)")
+
+
+def check_layer_ids(settings: ControllerSettings, spec: RunSpec | None, facts: Facts) -> Check:
+    """The run's ``extraction.layer_ids`` exist in the target, checked now rather than by every extract job
+    failing after hours of generation."""
+    name = "layer ids"
+    wanted = spec.extraction.layer_ids if spec is not None else None
+    if wanted is None:
+        return Check(name, True, INFO, "the run takes the target's default auxiliary layers")
+    num_layers, source = _target_layers(settings, facts)
+    if num_layers is None:
+        return Check(name, False, WARNING, f"extraction.layer_ids {wanted} not checked: {source}",
+                     "set DRAFTLINE_MODEL_DIR for the controller so preflight can read the target's config")
+    try:
+        eagle3.check_layer_ids(list(wanted), num_layers)
+    except ValueError as exc:
+        return Check(name, False, ERROR, f"extraction.layer_ids {wanted}: {exc} ({source})",
+                     f"pick three layer ids in 0..{num_layers - 1}, or leave extraction.layer_ids out for the "
+                     f"default {eagle3.default_layer_ids(num_layers) if num_layers >= 4 else '(none: too few layers)'}")
+    return Check(name, True, INFO, f"extraction.layer_ids {wanted} exist in the {num_layers}-layer target")
+
+
+def _target_layers(settings: ControllerSettings, facts: Facts) -> tuple[int | None, str]:
+    """The target's decoder layer count and where it was read; (None, why) when nothing says."""
+    served = (facts.card or {}).get("draftline") or {}
+    if isinstance(served.get("num_layers"), int):
+        return served["num_layers"], f"the served {facts.card['id']!r} has {served['num_layers']} layers"
+    if settings.model_dir is not None:
+        try:
+            config = json.loads((Path(settings.model_dir) / "config.json").read_text(encoding="utf-8"))
+            layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+        except (OSError, ValueError, AttributeError) as exc:
+            return None, f"DRAFTLINE_MODEL_DIR's config.json is unreadable ({type(exc).__name__}: {exc})"
+        if isinstance(layers, int):
+            return layers, f"{settings.model_dir}/config.json has {layers} layers"
+        return None, f"{settings.model_dir}/config.json names no num_hidden_layers"
+    return None, "the generation server does not report its layers and DRAFTLINE_MODEL_DIR is not set"
 
 
 # ---- the data directory --------------------------------------------------------------------------

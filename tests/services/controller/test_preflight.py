@@ -17,7 +17,7 @@ import pytest
 
 from services.controller import preflight as pf
 from shared.atomic import temp_files
-from shared.runspec import EvalConfig, GenerationConfig, RunSpec, TrainConfig
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
@@ -166,6 +166,33 @@ def test_a_served_target_other_than_the_model_dir_is_named(tmp_path, tiny_server
     found = check(report, "target fingerprint")
     assert not found.ok and found.severity == pf.ERROR
     assert str(other) in found.message and "DRAFTLINE_MODEL_DIR" in found.fix
+
+
+def test_layer_ids_outside_the_served_target_are_refused_before_any_generation(tmp_path, tiny_server, tiny_model_dir,
+                                                                               dataset):
+    settings = settings_for(tmp_path, inference_url=tiny_server)
+    bad = pf.run_preflight(settings, spec=spec_for(dataset, model=tiny_model_dir.name,
+                                                   extraction=ExtractionConfig(layer_ids=[1, 3, 8])))
+    found = check(bad, "layer ids")
+    assert (found.ok, found.severity) == (False, pf.ERROR) and not bad.allowed
+    assert "layer id 8 outside a 8-layer target" in found.message and "0..7" in found.fix
+    good = pf.run_preflight(settings, spec=spec_for(dataset, model=tiny_model_dir.name,
+                                                    extraction=ExtractionConfig(layer_ids=[0, 3, 7])))
+    assert check(good, "layer ids").ok
+
+
+def test_layer_ids_are_read_from_the_model_dir_when_the_server_does_not_say(tmp_path, dataset):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 61}))  # Kimi-K2's count
+    spec = spec_for(dataset, extraction=ExtractionConfig(layer_ids=[1, 29, 61]))
+    with OpenAIServer(model="tiny") as served:  # an engine's card: no draftline facts
+        facts = pf.Facts()
+        assert pf.check_inference(settings_for(tmp_path, inference_url=served.url), spec, facts).ok
+    refused = pf.check_layer_ids(settings_for(tmp_path, model_dir=target), spec, facts)
+    assert not refused.ok and refused.severity == pf.ERROR and "61-layer" in refused.message
+    unknown = pf.check_layer_ids(settings_for(tmp_path), spec, facts)
+    assert (unknown.ok, unknown.severity) == (False, pf.WARNING) and "DRAFTLINE_MODEL_DIR" in unknown.fix
 
 
 def test_data_on_tmpfs_is_refused_unless_allowed_or_forced(tmp_path):
