@@ -17,7 +17,13 @@ import pytest
 
 from services.controller import preflight as pf
 from shared.atomic import temp_files
-from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
+from shared.runspec import (
+    EvalConfig,
+    ExtractionConfig,
+    GenerationConfig,
+    RunSpec,
+    TrainConfig,
+)
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
