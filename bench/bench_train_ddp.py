@@ -1,0 +1,340 @@
+"""Drafter training throughput on 1 and N processes (DDP), through the trainer's own ``train_drafter``.
+
+    python bench/bench_train_ddp.py --work /tmp/bench-ddp --procs 1,2 --batch-sizes 4 --steps 20 --out results.json
+    python bench/bench_train_ddp.py --work /tmp/bench-ddp --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 \
+        --vocab 1024 --draft-vocab 256 --length 128 --steps 5 --warmup 1      # tiny, on the CPU (gloo)
+
+Builds everything on the machine it runs on, nothing is downloaded:
+
+- a target directory shaped like Llama-3.1-8B by default: its ``config.json`` (32 layers, hidden 4096,
+  vocabulary 128,256) and a ``model.safetensors`` holding only ``embed_tokens`` and ``lm_head``, random
+  bf16. The trainer reads nothing else of a target (``target_head.py``); the config's 32 layers make the
+  default auxiliary layers [1, 15, 28] that the files record and the trainer checks;
+- a pool of hidden-state files written by the inference server's own writer code (``encode_sample`` and
+  ``atomic_write_bytes``) at the run layout's paths: random bf16 states, token ids drawn from a skewed
+  (Zipf-like) distribution so the draft vocabulary mapping means something, and a loss mask of zeros over a
+  "prompt" of 10-50 % of the sample, then ones over the "reply";
+- for every (batch size, process count) one run (``RunSpec``, one epoch) whose hidden-state files are hard
+  links to the first ``steps x batch x procs`` pool files, so every configuration takes exactly ``steps``
+  optimizer steps on distinct samples.
+
+Each run is ``python -m torch.distributed.run --standalone --nproc-per-node N`` (as the train job starts
+it) over this file's ``rank`` command, which does what ``services.trainer.distributed.train_rank`` does
+(device of LOCAL_RANK, NCCL or gloo process group, ``train_drafter``) except reporting progress to Redis:
+rank 0's progress callback records when each step ended instead. The first ``--warmup`` steps are left
+out of the timing; the final checkpoint comes after the last timed step. With several processes, the
+ranks then time NCCL all-reduces of a gradient-sized float32 buffer and of the per-step loss-sum tensor.
+
+Prints one JSON line per configuration and writes all of them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script (torchrun runs it by path): the project is importable
+    sys.path.insert(0, str(REPO))
+
+from shared import eagle3
+from shared.layout import RunPaths
+from shared.runspec import EvalConfig, RunSpec, TrainConfig
+from shared.settings import configure_logging
+
+log = logging.getLogger("bench_train_ddp")
+
+POOL_RUN = "bench-pool"
+POOL_INDEX = "bench_pool.json"  # per-file length and loss-mask count, beside runs/ on the bench volume
+MODEL_NAME = "random-llama-3.1-8b-shape"
+# NVLink multicast stays off on the lent machines (KINDS.md); set in every rank's environment.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# ---- setup: target directory and hidden-state files --------------------------------------------
+
+def make_target(model_dir: Path, args: argparse.Namespace, device: torch.device) -> None:
+    """config.json of the target's shape and the two (V, H) matrices the trainer reads."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="bfloat16",
+    )
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(model_dir)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    weights = {name: (torch.randn(args.vocab, args.hidden, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+               for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(weights, str(model_dir / "model.safetensors"))
+
+
+def writer_target(model_dir: Path) -> object:
+    """The target as the hidden-state writer sees it: ``encode_sample`` reads its name, fingerprint and
+    dtype only, so no model or tokenizer is loaded."""
+    from services.inference.fingerprint import model_fingerprint
+    from services.inference.model import LoadedModel
+
+    return LoadedModel(model=None, tokenizer=None, name=MODEL_NAME, fingerprint=model_fingerprint(model_dir),
+                       device=torch.device("cpu"), dtype=torch.bfloat16, eos_token_ids=frozenset(), pad_token_id=0,
+                       context_length=131072, knows_think_close=False)
+
+
+def make_pool(data: Path, model_dir: Path, count: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """``count`` hidden-state files at the pool run's paths; returns each one's length and loss-mask count."""
+    from services.inference.hidden import HiddenJob, encode_sample
+    from shared.atomic import atomic_write_bytes
+
+    loaded = writer_target(model_dir)
+    layer_ids = tuple(eagle3.default_layer_ids(args.layers))
+    lengths = [int(n) for n in args.length.split(",")]
+    paths = RunPaths(data, POOL_RUN)
+    gen = torch.Generator().manual_seed(args.seed)
+    dev_gen = torch.Generator(device).manual_seed(args.seed)
+    # Zipf-like token frequencies over a shuffled vocabulary: a few thousand ids carry most of the mass.
+    weights = 1.0 / (torch.arange(args.vocab, dtype=torch.float64) + 10.0)
+    vocab_order = torch.randperm(args.vocab, generator=gen)
+    index = []
+    for sample_id in range(count):
+        length = lengths[sample_id % len(lengths)]
+        ids = vocab_order[torch.multinomial(weights, length, replacement=True, generator=gen)]
+        prompt = int(length * (0.1 + 0.4 * torch.rand(1, generator=gen).item()))
+        mask = [0] * prompt + [1] * (length - prompt)
+        aux = torch.randn(length, 3 * args.hidden, generator=dev_gen, device=device, dtype=torch.bfloat16).cpu()
+        last = torch.randn(length, args.hidden, generator=dev_gen, device=device, dtype=torch.bfloat16).cpu()
+        path = paths.hidden(sample_id)
+        job = HiddenJob(ids.tolist(), mask, path, str(path.relative_to(data)), layer_ids)
+        atomic_write_bytes(path, encode_sample(loaded, job, aux, last))
+        index.append({"sample_id": sample_id, "length": length, "loss_tokens": length - prompt})
+    return index
+
+
+def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.Namespace) -> RunSpec:
+    """A run of ``files`` samples (hard links to the pool's first files) that trains one epoch."""
+    paths = RunPaths(data, name)
+    shutil.rmtree(paths.root, ignore_errors=True)
+    pool = RunPaths(data, POOL_RUN)
+    for sample_id in range(files):
+        target = paths.hidden(sample_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(pool.hidden(sample_id), target)
+    train = TrainConfig(epochs=1, batch_size=batch_size, ttt_steps=args.ttt_steps, max_length=max(int(n) for n in args.length.split(",")),
+                        draft_vocab_size=args.draft_vocab, save_every=10**9, seed=args.seed)
+    spec = RunSpec(name=name, dataset="synthetic", model=MODEL_NAME, rows=files, train_ids=files, train=train,
+                   evaluate=EvalConfig(holdout=0))
+    spec.save(data)
+    return spec
+
+
+# ---- one rank, under torch.distributed.run -----------------------------------------------------
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from services.trainer.distributed import rank_device, torchrun_ranks
+    from services.trainer.train import TrainProgress, train_drafter
+
+    rank, local_rank = torchrun_ranks()
+    configure_logging("INFO" if rank == 0 else "WARNING")
+    device = rank_device(args.device, local_rank)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        world = dist.get_world_size()
+        spec = RunSpec.load(args.data, args.run)
+        ends: list[float] = []
+        losses: list[float] = []
+
+        def progress(p: TrainProgress) -> None:  # called on rank 0 after each step's loss is on the host
+            ends.append(time.perf_counter())
+            losses.append(p.loss)
+
+        started = time.perf_counter()
+        result = train_drafter(spec, data=args.data, model_dir=args.model_dir, device=str(device), progress=progress)
+        finished = time.perf_counter()
+        comm = comm_probe(result.drafter, world, device, spec.train.ttt_steps) if world > 1 else {}
+        if rank == 0:
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            record = {"world": world, "steps": result.steps, "step_ends": [t - started for t in ends],
+                      "losses": losses, "total_s": finished - started, "peak_gib_rank0": peak,
+                      "trainable_params": sum(p.numel() for p in result.drafter.trainable_parameters()),
+                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **comm}
+            Path(args.timings).write_text(json.dumps(record), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def comm_probe(drafter, world: int, device: torch.device, ttt_steps: int) -> dict:
+    """Milliseconds per all-reduce of a buffer as large as the gradients (what DDP reduces each step, in
+    25 MB buckets overlapped with the backward) and of the per-step loss-sum tensor (float64, 4K+1)."""
+    import torch.distributed as dist
+
+    def timed(tensor: torch.Tensor, reps: int) -> float:
+        for _ in range(3):
+            dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / reps * 1000
+
+    numel = sum(p.numel() for p in drafter.trainable_parameters())
+    grads = torch.zeros(numel, dtype=torch.float32, device=device)
+    small = torch.zeros(4 * ttt_steps + 1, dtype=torch.float64, device=device)  # as train_step's global_sum
+    return {"allreduce_grad_ms": round(timed(grads, 10), 3), "allreduce_grad_bytes": numel * 4,
+            "allreduce_small_ms": round(timed(small, 200), 4)}
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+def run_config(work: Path, spec: RunSpec, procs: int, args: argparse.Namespace) -> dict:
+    timings = work / f"timings-{spec.name}.json"
+    timings.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__, "rank", spec.name,
+               "--data", str(work / "data"), "--model-dir", str(work / "target"),
+               "--timings", str(timings), "--device", args.device]
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS as the train job leaves it (torchrun sets 1 for N > 1)
+    log.info("%s: %s", spec.name, " ".join(command))
+    subprocess.run(command, env=env, check=True)
+    return json.loads(timings.read_text(encoding="utf-8"))
+
+
+def summarize(raw: dict, spec: RunSpec, procs: int, index: list[dict], warmup: int) -> dict:
+    """Steps and tokens of the steps after warm-up; step i trained the global batch order[i*span:(i+1)*span]."""
+    from services.trainer.train import epoch_order
+
+    ends = raw["step_ends"]
+    span = spec.train.batch_size * procs
+    order = epoch_order(spec.train_ids, spec.train.seed, 0)
+    timed = range(warmup, len(ends))
+    seconds = ends[-1] - ends[warmup - 1]
+    positions = sum(index[i]["length"] for s in timed for i in order[s * span:(s + 1) * span])
+    learned = sum(index[i]["loss_tokens"] for s in timed for i in order[s * span:(s + 1) * span])
+    step_times = [ends[s] - ends[s - 1] for s in timed if s > 0]
+    summary = {
+        "procs": procs, "batch_per_gpu": spec.train.batch_size, "global_batch": span, "steps": raw["steps"],
+        "warmup_steps": warmup, "timed_steps": len(timed), "timed_s": round(seconds, 3),
+        "steps_per_s": round(len(timed) / seconds, 4),
+        "tokens_per_s": round(positions / seconds, 1), "loss_tokens_per_s": round(learned / seconds, 1),
+        "step_s_median": round(statistics.median(step_times), 4) if step_times else None,
+        "step_s_max": round(max(step_times), 4) if step_times else None,
+        "first_step_s": round(ends[0], 2), "total_s": round(raw["total_s"], 2),
+        "loss_first": round(raw["losses"][0], 4), "loss_last": round(raw["losses"][-1], 4),
+        "peak_gib_rank0": round(raw["peak_gib_rank0"], 2) if raw["peak_gib_rank0"] is not None else None,
+        "trainable_params": raw["trainable_params"], "device": raw["device"],
+    }
+    summary.update({k: raw[k] for k in ("allreduce_grad_ms", "allreduce_grad_bytes", "allreduce_small_ms") if k in raw})
+    return summary
+
+
+def bench_main(args: argparse.Namespace) -> None:
+    configure_logging("INFO")
+    work, procs_list = args.work, [int(n) for n in args.procs.split(",")]
+    batch_sizes = [int(n) for n in args.batch_sizes.split(",")]
+    data, model_dir = work / "data", work / "target"
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and torch.cuda.device_count() < max(procs_list):
+        raise SystemExit(f"{max(procs_list)} processes need as many GPUs; {torch.cuda.device_count()} visible")
+    pool_files = args.steps * max(batch_sizes) * max(procs_list)
+    started = time.perf_counter()
+    shape = {k: v for k, v in shape_of(args).items() if k not in ("steps", "warmup")}
+    saved = json.loads((data / POOL_INDEX).read_text(encoding="utf-8")) if (data / POOL_INDEX).is_file() else {}
+    if saved.get("shape") != shape or len(saved.get("files", [])) < pool_files:
+        shutil.rmtree(work, ignore_errors=True)
+        make_target(model_dir, args, device)
+        saved = {"shape": shape, "files": make_pool(data, model_dir, pool_files, args, device)}
+        (data / POOL_INDEX).write_text(json.dumps(saved), encoding="utf-8")
+    index = saved["files"]
+    log.info("setup: %d pool files in %.1f s", pool_files, time.perf_counter() - started)
+    results: list[dict] = []
+    for batch_size in batch_sizes:
+        for procs in procs_list:
+            results.append(one_config(args, work, index, results, batch_size, procs, started))
+            print(json.dumps(results[-1]), flush=True)
+            if args.out:  # after every configuration, so a run cut short still leaves what it measured
+                args.out.write_text(json.dumps({"shape": shape_of(args), "results": results}, indent=1), encoding="utf-8")
+
+
+def one_config(args: argparse.Namespace, work: Path, index: list[dict], done: list[dict], batch_size: int, procs: int,
+               started: float) -> dict:
+    if args.deadline_s and time.perf_counter() - started > args.deadline_s:
+        return {"procs": procs, "batch_per_gpu": batch_size, "skipped": f"past --deadline-s {args.deadline_s}"}
+    data = work / "data"
+    spec = make_run(data, f"bench-b{batch_size}-p{procs}", args.steps * batch_size * procs, batch_size, args)
+    try:
+        summary = summarize(run_config(work, spec, procs, args), spec, procs, index, args.warmup)
+    except subprocess.CalledProcessError as exc:  # out of memory, say: the other configurations still run
+        log.error("%s failed: %s", spec.name, exc)
+        return {"procs": procs, "batch_per_gpu": batch_size, "error": str(exc)}
+    finally:
+        shutil.rmtree(RunPaths(data, spec.name).checkpoints_dir, ignore_errors=True)  # GBs each at 8B shape
+    base = next((r for r in done if r["batch_per_gpu"] == batch_size and r["procs"] == 1 and "tokens_per_s" in r), None)
+    if base is not None and procs > 1:  # global tokens per second, N processes against one
+        summary["speedup_vs_1"] = round(summary["tokens_per_s"] / base["tokens_per_s"], 3)
+        summary["scaling_efficiency"] = round(summary["speedup_vs_1"] / procs, 3)
+    return summary
+
+
+def shape_of(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "draft_vocab",
+                                         "length", "ttt_steps", "seed", "steps", "warmup")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    rank = sub.add_parser("rank", help="one rank (started by torch.distributed.run)")
+    rank.add_argument("--data", type=Path, required=True)
+    rank.add_argument("--model-dir", type=Path, required=True)
+    rank.add_argument("run", help="the run to train")  # positional: torchrun's parser would take --run for its --run-path
+    rank.add_argument("--timings", type=Path, required=True)
+    rank.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-train-ddp"), help="target, files and runs (reused when big enough)")
+    parser.add_argument("--procs", default="1,2", help="process counts to compare (one per GPU)")
+    parser.add_argument("--batch-sizes", default="4", help="per-GPU batch sizes (train.batch_size)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per configuration, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing (at least 1)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--length", default="2048", help="sample lengths in tokens, round-robin over the files")
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write all results here as JSON")
+    parser.add_argument("--deadline-s", type=float, default=0, help="start no configuration after this many seconds (0: no limit)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.command is None and not 1 <= args.warmup < args.steps:
+        raise SystemExit("--warmup must be at least 1 and below --steps")
+    if args.command == "rank":
+        rank_main(args)
+    else:
+        bench_main(args)
+
+
+if __name__ == "__main__":
+    main()
