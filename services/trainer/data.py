@@ -71,11 +71,13 @@ class Batch:
         return Batch(self.input_ids, torch.zeros_like(self.loss_mask), self.aux_hidden, self.last_hidden, self.lengths)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        # Moved first, converted second: a CPU-to-GPU copy that also changes dtype converts on the CPU,
+        # on one thread per rank under torchrun (OMP_NUM_THREADS=1), which was a third of a 2-GPU step.
         return Batch(
             self.input_ids.to(device),
             self.loss_mask.to(device),
-            self.aux_hidden.to(device, dtype),
-            self.last_hidden.to(device, dtype),
+            self.aux_hidden.to(device).to(dtype),
+            self.last_hidden.to(device).to(dtype),
             self.lengths.to(device),
         )
 
