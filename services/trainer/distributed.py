@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.trainer.progress import progress_reporter
+from services.trainer.train import pick_device, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
 from shared.queues import connect
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
-from services.trainer.progress import progress_reporter
-from services.trainer.train import pick_device, train_drafter
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from services.trainer.distributed import FAILURE_FILE, LOG_FILE, die_with_parent, prctl
+from services.trainer.train import pick_device
 from shared.atomic import read_json
 from shared.errors import DraftlineError, SettingsError
 from shared.settings import TrainerSettings
-from services.trainer.distributed import FAILURE_FILE, LOG_FILE, die_with_parent, prctl
-from services.trainer.train import pick_device
 
 log = logging.getLogger(__name__)
 output_log = logging.getLogger("services.trainer.torchrun")

@@ -5,8 +5,8 @@ Both trainers use it: the train job when it trains in its own process, and rank 
 
 from __future__ import annotations
 
-from shared.runstate import RunState
 from services.trainer.train import ProgressFn, TrainProgress
+from shared.runstate import RunState
 
 
 def progress_reporter(state: RunState) -> ProgressFn:

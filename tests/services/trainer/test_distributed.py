@@ -11,7 +11,13 @@ import torch
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun
-from services.trainer.train import is_filler, rank_batches, resume, train_drafter, trained_from_checkpoint
+from services.trainer.train import (
+    is_filler,
+    rank_batches,
+    resume,
+    train_drafter,
+    trained_from_checkpoint,
+)
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec
 from shared.settings import TrainerSettings, load_settings
@@ -31,7 +37,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def unequal(samples: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """Samples cut by 0, 6, 12 and 18 tokens in turn: ranks then hold different loss-token counts."""
-    cut = lambda sample, drop: {k: v[: v.shape[0] - drop].contiguous() for k, v in sample.items()}  # noqa: E731
+    cut = lambda sample, drop: {k: v[: v.shape[0] - drop].contiguous() for k, v in sample.items()}
     return [cut(sample, (i % 4) * 6) for i, sample in enumerate(samples)]
 
 

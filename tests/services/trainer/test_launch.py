@@ -81,7 +81,7 @@ def test_a_killed_rank_fails_the_job_instead_of_hanging_and_the_next_job_resumes
     def job() -> None:
         try:
             ddp_jobs.train({"run": "killed"})
-        except Exception as exc:  # the job's failure, examined below
+        except Exception as exc:  # noqa: BLE001 - the job's failure, whatever its class, is examined below
             outcome["error"] = exc
 
     thread = threading.Thread(target=job, daemon=True)
@@ -154,7 +154,7 @@ def test_torchrun_starts_from_this_python_not_from_path(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU and no-GPU answers")
 def test_train_procs_is_one_per_visible_gpu_one_on_the_cpu_or_the_number_set(monkeypatch, tmp_path):
-    settings = lambda **kw: load_settings(TrainerSettings, model_dir=tmp_path, **kw)  # noqa: E731
+    settings = lambda **kw: load_settings(TrainerSettings, model_dir=tmp_path, **kw)
     assert train_procs(settings(device="cpu")) == 1
     assert train_procs(settings(device="cpu", train_procs=3)) == 3
     assert train_procs(settings(device="cuda")) == 1  # auto with no GPU visible
