@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from tests.support.browser import chromium, dump_dom
+from tests.support.runs import wait_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +33,6 @@ def write_dataset(path: Path, rows: int = 40) -> None:
     good = demo_prompts_path().read_text().splitlines()
     lines = [MALFORMED.get(i, good[i % len(good)]) for i in range(rows)]
     path.write_text("\n".join(lines) + "\n")
-
-
-def wait_terminal(controller: str, stack: LocalStack, timeout: float = 420.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        status = httpx.get(f"{controller}/runs/{RUN}", timeout=30).json()
-        if status["state"] in ("complete", "complete_with_failures", "failed"):
-            return status
-        time.sleep(1)
-    raise AssertionError(f"run did not finish: {status}")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +52,7 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
         }
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
-        status = wait_terminal(stack.url("controller"), stack)
+        status = wait_terminal(stack, RUN, timeout=420.0)
         # The status page as a browser renders it, while the real run's services still answer.
         page = dump_dom(f"{stack.url('controller')}/status") if chromium() else None
     return {"status": status, "data": data, "redis_url": redis_server.url, "page": page}
@@ -122,7 +111,7 @@ def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
     page = page[page.index(f'id="run-{RUN}"'):]
     page = page[: page.find("<h2", 1)] if "<h2" in page[1:] else page
     for stage in ("generate", "extract", "train", "evaluate"):
-        row = re.search(rf"<tr data-stage=\"{stage}\">.*?</tr>", page, re.S).group(0)
+        row = re.search(rf"<tr data-stage=\"{stage}\">.*?</tr>", page, re.DOTALL).group(0)
         s = status["stages"][stage]
         assert f"{s['done']} / {s['total']}" in row, (stage, row)
     assert f">{status['errors']['total']}</b>" in page

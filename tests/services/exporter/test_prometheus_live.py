@@ -25,6 +25,7 @@ from tests.support.prometheus import (
     has_values,
     prometheus_binary,
 )
+from tests.support.runs import wait_terminal
 
 pytestmark = [
     pytest.mark.slow,
@@ -58,18 +59,6 @@ def rules_copy(tmp_path: Path) -> Path:
     return path
 
 
-def wait_terminal(stack: LocalStack, timeout: float = 240.0) -> dict:
-    deadline = time.monotonic() + timeout
-    status: dict = {}
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        status = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=30).json()
-        if status["state"] in ("complete", "complete_with_failures", "failed"):
-            return status
-        time.sleep(1)
-    raise AssertionError(f"run did not finish: {status}")
-
-
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory, redis_server, tiny_model_dir):
     """The run watched by Prometheus, the stack and Prometheus still up for the assertions."""
@@ -100,7 +89,7 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
         }
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
-        status = wait_terminal(stack)
+        status = wait_terminal(stack, RUN, timeout=240.0)
         # The run's last numbers reach Prometheus on the next scrape of the exporter.
         prom.wait_for(lambda: prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="{RUN}"}}'),
                       "the acceptance length in Prometheus", timeout=30)

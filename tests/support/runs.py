@@ -1,0 +1,24 @@
+"""Waiting on a run of a LocalStack the way a user watches it: through the controller's API."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from services.cli.stack import LocalStack
+
+TERMINAL_STATES = ("complete", "complete_with_failures", "failed")
+
+
+def wait_terminal(stack: LocalStack, run: str, timeout: float) -> dict:
+    """The run's status once it ends; fails the test if a service died or the run outlasts ``timeout``."""
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        status = httpx.get(f"{stack.url('controller')}/runs/{run}", timeout=30).json()
+        if status["state"] in TERMINAL_STATES:
+            return status
+        time.sleep(1)
+    raise AssertionError(f"run {run} did not finish in {timeout:.0f}s: {status}")
