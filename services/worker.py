@@ -12,12 +12,9 @@ before every job: it hands the job it just took back to the front of its queue, 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +24,7 @@ from rq import Queue, Worker
 from rq.exceptions import StopRequested
 from rq.job import Job
 
+from shared.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
 from shared.settings import CommonSettings, configure_logging
 from shared.volume import VolumeMismatch, verify_volume
@@ -41,20 +39,6 @@ STALE_HEARTBEAT_S = 3 * JOB_MONITORING_INTERVAL_S
 # An idle worker heartbeats every WORKER_TTL_S - 15 s (its blocking dequeue's timeout) and vanishes from
 # the worker list WORKER_TTL_S + 60 s after its last one (RQ's default TTL is 420 s).
 WORKER_TTL_S = 60
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a work horse never outlives its worker
-    and runs on beside the copy of its job that the reaper hands to another worker."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the worker died before the request took effect
-        os._exit(1)
-
-
 def hand_back(job: Job, q: Queue) -> None:
     """Return a dequeued job that has not started to the front of its queue, as if never taken.
 

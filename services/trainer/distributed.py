@@ -20,14 +20,11 @@ rank's own last lines rather than those of the ranks torchrun stopped after it.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import functools
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +34,7 @@ from services.trainer.progress import progress_reporter
 from services.trainer.train import pick_device, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
+from shared.process import die_with_parent
 from shared.queues import connect
 from shared.runspec import RunSpec
 from shared.runstate import RunState
@@ -46,20 +44,6 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "rank{rank}.log"
 FAILURE_FILE = "failure_rank{rank}.json"
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@functools.cache
-def prctl() -> Callable[..., int]:
-    """libc's ``prctl``, resolved once: a child between fork and exec can then call it without dlopen's locks."""
-    return ctypes.CDLL(None, use_errno=True).prctl
-
-
-def die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when its parent ends (the request survives exec)."""
-    prctl()(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="services.trainer.distributed", description="One rank of a DDP training run.")
     parser.add_argument("run", help="the run to train")
@@ -109,10 +93,7 @@ def write_failure(work_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent:
-        return 1  # torchrun ended before the request took effect
+    die_with_parent(signal.SIGTERM)  # exits if torchrun has already ended
     args = parse_args(argv)
     rank, local_rank = torchrun_ranks()
     try:

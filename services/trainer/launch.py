@@ -13,18 +13,21 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from services.trainer.distributed import FAILURE_FILE, LOG_FILE, die_with_parent, prctl
+from services.trainer.distributed import FAILURE_FILE, LOG_FILE
 from services.trainer.train import pick_device
 from shared.atomic import read_json
 from shared.errors import DraftlineError, SettingsError
+from shared.process import die_with_parent, libc_prctl
 from shared.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -69,9 +72,9 @@ def run_torchrun(run: str, procs: int, settings: TrainerSettings) -> None:
         command = torchrun_command(run, procs, work_dir)
         log.info("run %s: training in %d processes: %s", run, procs, shlex.join(command))
         tail: deque[str] = deque(maxlen=TAIL_LINES)
-        prctl()  # resolved here, so the forked child only makes the call (preexec_fn must take no locks)
+        libc_prctl()  # resolved here, so the forked child only makes the call (preexec_fn must take no locks)
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                              env=child_env(settings), preexec_fn=die_with_parent) as proc:  # noqa: PLW1509 (see above)
+                              env=child_env(settings), preexec_fn=partial(die_with_parent, signal.SIGTERM)) as proc:  # noqa: PLW1509 (see above)
             assert proc.stdout is not None
             for line in proc.stdout:
                 tail.append(line.rstrip("\n"))
