@@ -8,9 +8,8 @@ every few seconds by the supervisor, a killed worker's job is queued again, unde
 within about 40 seconds. Heartbeat ages compare the worker's clock with ours, so hosts keep their clocks
 in sync (NTP), as RQ itself assumes.
 
-A job whose worker died ``MAX_REQUEUES`` times is failed in RQ instead, so a job that takes its worker
-down (memory, say) cannot do it forever. Each requeue counts as a retry of every sample of the job
-(``RunState.note_retry``, exported as draftline_stage_retried_total).
+The requeue itself (front of the queue, counted, failed after ``MAX_REQUEUES``) is
+``shared.requeue``'s, which a worker whose work horse was killed uses too.
 """
 
 from __future__ import annotations
@@ -19,25 +18,21 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
-from rq.exceptions import DeserializationError, NoSuchJobError
-from rq.executions import Execution, ExecutionRegistry
+from rq.exceptions import NoSuchJobError
+from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.utils import utcparse
 
-from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
-from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC, QUEUES
+from shared.jobs import QUEUES
 from shared.queues import SERIALIZER, queue
-from shared.runstate import RunState
+from shared.requeue import requeue_lost
+from shared.worker import STALE_HEARTBEAT_S, DraftlineWorker
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEUES = 3
-REQUEUES_META = "draftline_requeues"
 # Statuses of a job still held by its worker: queued lasts from the dequeue until the work horse starts.
 HELD = (JobStatus.STARTED, JobStatus.QUEUED)
 
@@ -106,55 +101,16 @@ def reclaim(q: Queue, entry: StartedEntry, worker: str) -> int:
         job = Job.fetch(entry.job_id, connection=conn, serializer=SERIALIZER)
     except NoSuchJobError:
         return 0
-    forget_execution(conn, entry, worker)
+    forget_execution(job, entry, worker)
     if job.get_status(refresh=False) not in HELD:
         return 0
-    count = int(job.meta.get(REQUEUES_META, 0)) + 1
-    if count > MAX_REQUEUES:
-        give_up(job, worker)
-        return 0
-    job.meta[REQUEUES_META] = count  # saved with the job by enqueue_job
-    with conn.pipeline() as pipe:
-        pipe.multi()  # RQ's enqueue_job wants a pipeline in transaction mode before any command
-        pipe.lrem(q.intermediate_queue.key, 0, job.id)
-        q.enqueue_job(job, pipeline=pipe)
-        pipe.execute()
-    log.warning("job %s: worker %s is dead; requeued on %s (requeue %d of at most %d)",
-                job.id, worker or "(unknown)", q.name, count, MAX_REQUEUES)
-    note_retries(conn, job)
-    return 1
+    return int(requeue_lost(job, q, cause=f"worker {worker or '(unknown)'} is dead"))
 
 
-def note_retries(conn: redis.Redis, job: Job) -> None:
-    """Count one retry per sample of a requeued generate or extract job; train and evaluate jobs have none."""
-    stage = {GENERATE_FUNC: "generate", EXTRACT_FUNC: "extract"}.get(job.func_name)
-    try:
-        payload = job.args[0] if stage and job.args else None
-    except DeserializationError:
-        return
-    if not isinstance(payload, dict) or not isinstance(payload.get("run"), str):
-        return
-    samples = len(payload.get("items") or ()) if stage == "generate" else 1
-    state = RunState(conn, Path(), payload["run"])  # the counter lives in Redis: no volume path is read
-    for _ in range(samples):
-        state.note_retry(stage)
-
-
-def forget_execution(conn: redis.Redis, entry: StartedEntry, worker: str) -> None:
-    """Drop the dead execution's records, so nothing counts it as running any more."""
-    execution = Execution(entry.execution_id, entry.job_id, conn, worker_name=worker)
-    with conn.pipeline() as pipe:
-        pipe.delete(execution.key)
-        pipe.zrem(ExecutionRegistry(job_id=entry.job_id, connection=conn).key, execution.composite_key)
-        if worker:
-            pipe.srem(execution.worker_executions_key, execution.composite_key)
-        pipe.execute()
-
-
-def give_up(job: Job, worker: str) -> None:
-    message = (f"worker died {MAX_REQUEUES + 1} times running this job (last: {worker or 'unknown'}); "
-               "not requeued again")
+def forget_execution(job: Job, entry: StartedEntry, worker: str) -> None:
+    """Drop the dead execution's records (its hash, the job's execution registry, the worker's index) the
+    way RQ itself deletes an execution, so nothing counts it as running any more."""
+    execution = Execution(entry.execution_id, entry.job_id, job.connection, worker_name=worker)
     with job.connection.pipeline() as pipe:
-        record_job_failure(job, message, pipe)
+        execution.delete(job=job, pipeline=pipe)
         pipe.execute()
-    log.error("job %s: %s", job.id, message)

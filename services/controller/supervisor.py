@@ -42,6 +42,7 @@ from services.controller.status import derive_state
 from shared.atomic import temp_files
 from shared.disk import supervise_disk
 from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
+from shared.outage import REDIS_DOWN, RedisOutage
 from shared.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
 
@@ -132,6 +133,8 @@ def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
         log.warning("run %s: on the volume but lost by Redis; rebuilding its state from the volume", run)
         try:
             report = reconcile_run(settings.data, conn, run)
+        except REDIS_DOWN:
+            raise
         except Exception:  # noqa: BLE001 - one run that cannot be rebuilt must not stall the others
             log.exception("run %s: rebuilding failed; trying again in %.0fs", run, REBUILD_BACKOFF_S)
             back_off(conn, run)
@@ -147,7 +150,7 @@ def housekeeping(settings: ControllerSettings, conn: redis.Redis) -> None:
     for what, step in steps:
         try:
             step()
-        except redis.ConnectionError:
+        except REDIS_DOWN:
             raise  # Redis is gone: the whole pass waits for it
         except Exception:  # noqa: BLE001 - one broken step must not stop feeding
             log.exception("supervisor: %s failed", what)
@@ -159,6 +162,8 @@ def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
     for run in known_runs(conn):
         try:
             supervise_run(settings, conn, run)
+        except REDIS_DOWN:
+            raise  # not this run's fault: the whole pass waits for Redis
         except Exception:  # noqa: BLE001 - the loop's outer boundary: one run's bug never stalls the rest
             log.exception("run %s: supervision failed", run)
 
@@ -166,10 +171,14 @@ def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
 def supervise_forever(settings: ControllerSettings, conn: redis.Redis, stop: threading.Event) -> None:
     """Call ``supervise_once`` every ``feed_interval_s`` until ``stop`` is set; survive any error."""
     log.info("supervisor: every %.1fs", settings.feed_interval_s)
+    outage = RedisOutage("controller supervisor")
     while not stop.is_set():
         try:
             supervise_once(settings, conn)
-        except Exception:  # noqa: BLE001 - Redis down, say: log and try again next tick
+            outage.up()
+        except REDIS_DOWN as exc:
+            outage.down(exc)  # logged once per outage; the next tick tries again
+        except Exception:  # noqa: BLE001 - the loop's outer boundary: log and try again next tick
             log.exception("supervisor pass failed; retrying in %.1fs", settings.feed_interval_s)
         stop.wait(settings.feed_interval_s)
     log.info("supervisor: stopped")

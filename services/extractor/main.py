@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from services.extractor.jobs import load_tokenizer
-from services.worker import run_worker
 from shared.jobs import EXTRACT_QUEUE
 from shared.settings import ExtractorSettings, load_settings
+from shared.worker import run_worker
 
 
 def main() -> None:

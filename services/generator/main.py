@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.worker import run_worker
 from shared.jobs import GENERATE_QUEUE
 from shared.settings import GeneratorSettings, load_settings
+from shared.worker import run_worker
 
 
 def main() -> None:

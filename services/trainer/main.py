@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.worker import run_worker
 from shared.jobs import TRAIN_QUEUE
 from shared.settings import TrainerSettings, load_settings
+from shared.worker import run_worker
 
 
 def preload() -> None:

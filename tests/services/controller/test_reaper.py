@@ -9,11 +9,12 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import redis
+from rq.executions import ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.utils import utcformat
 
-from services.controller.reaper import MAX_REQUEUES, REQUEUES_META, requeue_abandoned
-from services.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from services.controller.feeder import enqueue_once
+from services.controller.reaper import requeue_abandoned
 from shared.jobs import (
     EXTRACT_FUNC,
     EXTRACT_QUEUE,
@@ -27,8 +28,10 @@ from shared.jobs import (
     generate_job_id,
 )
 from shared.queues import SERIALIZER, queue
+from shared.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runstate import RunState
-from tests.services.test_worker import (
+from shared.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from tests.shared.test_worker import (
     RUN,
     gone,
     horse_of,
@@ -94,6 +97,21 @@ def test_a_killed_workers_job_is_finished_by_another_worker_and_a_live_long_job_
     assert json.loads(state.paths.generated(1).read_text())["reply"]["content"] == "a long but healthy reply"
     assert len(server.requests_for("patient")) == 1
     assert state.counts("generate").done == 2
+    assert_no_execution_records(redis_conn, doomed)
+    # What the supervisor does when it meets a finished job's id again: replace it, without an error.
+    payload = fetch(redis_conn, doomed).args[0]
+    assert enqueue_once(redis_conn, GENERATE_QUEUE, GENERATE_FUNC, payload, doomed, timeout=60)
+
+
+def assert_no_execution_records(conn: redis.Redis, job_id: str) -> None:
+    """No execution of ``job_id`` is left in any of the places rq 3 records executions."""
+    assert conn.zrange(ExecutionRegistry(job_id=job_id, connection=conn).key, 0, -1) == []
+    assert list(conn.scan_iter(match=f"rq:execution:{job_id}:*")) == []
+    for key in conn.scan_iter(match="rq:worker:*:executions"):
+        assert not [m for m in conn.smembers(key) if m.decode().startswith(f"{job_id}:")], key
+    for name in QUEUES:
+        started = queue(name, conn).started_job_registry.key
+        assert not [m for m in conn.zrange(started, 0, -1) if m.decode().startswith(f"{job_id}:")]
 
 
 def take(conn: redis.Redis, name: str, queue_name: str = GENERATE_QUEUE) -> tuple[DraftlineWorker, Job]:
@@ -159,7 +177,8 @@ def test_a_job_that_keeps_killing_its_worker_is_failed_after_the_last_requeue(re
         assert requeue_abandoned(redis_conn) == (1 if round_ < MAX_REQUEUES else 0), round_
     job = fetch(redis_conn, job.id)
     assert job.get_status() == JobStatus.FAILED
-    assert f"worker died {MAX_REQUEUES + 1} times" in job.latest_result().exc_string
+    reason = job.latest_result().exc_string
+    assert f"execution lost {MAX_REQUEUES + 1} times" in reason and "worker w-round-3 is dead" in reason
     assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == []
 
 
@@ -175,3 +194,17 @@ def test_each_requeue_counts_a_retry_of_every_sample_of_the_job(redis_conn):
     assert requeue_abandoned(redis_conn) == 2
     meta = RunState(redis_conn, Path(), "counted").meta()
     assert (float(meta["generate_retried"]), float(meta["extract_retried"])) == (3, 1)
+
+
+def test_a_requeued_job_leaves_no_execution_record_and_goes_to_the_front_of_its_queue(redis_conn):
+    worker, job = started_by_a_worker(redis_conn)
+    executions = [e.id for e in job.get_executions()]
+    assert executions and worker.get_current_executions()  # the records the reaper must clean
+    q = queue(GENERATE_QUEUE, redis_conn)
+    waiting = [q.enqueue_call(GENERATE_FUNC, args=({},), job_id=f"generate_r_0000000{i}").id for i in (1, 2)]
+    redis_conn.delete(worker.key)
+    assert requeue_abandoned(redis_conn) == 1
+    assert q.get_job_ids() == [job.id, *waiting]  # it waited its turn once already
+    assert_no_execution_records(redis_conn, job.id)
+    again = fetch(redis_conn, job.id)
+    assert again.get_executions() == []  # rq's own reader: a stale id here raised "not found in Redis"

@@ -188,9 +188,9 @@ def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> Non
 
 
 def start_worker(redis_url: str, queue_name: str, log_path: Path) -> subprocess.Popen:
-    """A real RQ worker started the way every draftline worker service starts (services.worker)."""
+    """A real RQ worker started the way every draftline worker service starts (shared.worker)."""
     code = (
-        "from services.worker import run_worker; from shared.settings import CommonSettings; "
+        "from shared.worker import run_worker; from shared.settings import CommonSettings; "
         f"run_worker([{queue_name!r}], CommonSettings(), role='probe')"
     )
     return subprocess.Popen(

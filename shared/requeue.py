@@ -1,0 +1,71 @@
+"""Putting a job whose execution was lost back on its queue: at the front, counted, failed by name at last.
+
+Executions are lost two ways. A worker dies (SIGKILL, a lost host): the controller's reaper notices its
+heartbeat stop. A work horse dies by a signal while its worker lives (the kernel's OOM killer, say): the
+worker notices at once. Neither says anything is wrong with the job's samples, so both requeue through
+``requeue_lost``: the job goes to the *front* of its queue (it has waited its turn already, and the
+README promises a killed job runs again within a minute), each requeue counts as a retry of every sample
+of the job (``RunState.note_retry``, exported as draftline_stage_retried_total), and a job lost
+``MAX_REQUEUES`` times is failed in RQ instead, so a job that takes its process down cannot do it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import redis
+from rq.exceptions import DeserializationError
+from rq.job import Job
+from rq.job_lifecycle import record_job_failure
+from rq.queue import Queue
+
+from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC
+from shared.runstate import RunState
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEUES = 3
+REQUEUES_META = "draftline_requeues"
+
+
+def requeue_lost(job: Job, q: Queue, *, cause: str) -> bool:
+    """Queue ``job`` again at the front of ``q`` after ``cause`` lost its execution; False when the job
+    was lost too often and is failed instead. The caller has already dropped the lost execution's records."""
+    count = int(job.meta.get(REQUEUES_META, 0)) + 1
+    if count > MAX_REQUEUES:
+        give_up(job, cause)
+        return False
+    job.meta[REQUEUES_META] = count  # saved with the job by enqueue_job
+    with q.connection.pipeline() as pipe:
+        pipe.multi()  # RQ's enqueue_job wants a pipeline in transaction mode before any command
+        pipe.lrem(q.intermediate_queue.key, 0, job.id)
+        q.enqueue_job(job, pipeline=pipe, at_front=True)
+        pipe.execute()
+    log.warning("job %s: %s; requeued at the front of %s (requeue %d of at most %d)",
+                job.id, cause, q.name, count, MAX_REQUEUES)
+    note_retries(q.connection, job)
+    return True
+
+
+def give_up(job: Job, cause: str) -> None:
+    message = f"execution lost {MAX_REQUEUES + 1} times (last: {cause}); not requeued again"
+    with job.connection.pipeline() as pipe:
+        record_job_failure(job, message, pipe)
+        pipe.execute()
+    log.error("job %s: %s", job.id, message)
+
+
+def note_retries(conn: redis.Redis, job: Job) -> None:
+    """Count one retry per sample of a requeued generate or extract job; train and evaluate jobs have none."""
+    stage = {GENERATE_FUNC: "generate", EXTRACT_FUNC: "extract"}.get(job.func_name)
+    try:
+        payload = job.args[0] if stage and job.args else None
+    except DeserializationError:
+        return
+    if not isinstance(payload, dict) or not isinstance(payload.get("run"), str):
+        return
+    samples = len(payload.get("items") or ()) if stage == "generate" else 1
+    state = RunState(conn, Path(), payload["run"])  # the counter lives in Redis: no volume path is read
+    for _ in range(samples):
+        state.note_retry(stage)

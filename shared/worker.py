@@ -1,0 +1,237 @@
+"""Start an RQ worker the way every draftline worker service does: JSON serializer, named, logged.
+
+Stopping: the first SIGTERM (or SIGINT) lets the current job finish, then the worker exits 0; a second
+one, more than a second later, kills the job's work horse and exits at once, leaving the job started
+for the controller's reaper to requeue. A worker that dies outright (SIGKILL, a lost host) stops
+heartbeating; its work horse dies with it, and the reaper requeues the job once the heartbeat is stale.
+
+A worker whose data directory is not the controller's volume (``shared.volume``) refuses at start-up and
+before every job: it hands the job it just took back to the front of its queue, stops, and exits with
+``VolumeMismatch`` naming both volumes, instead of writing files that nobody reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import redis
+from rq import Queue, Worker, worker_registration
+from rq.exceptions import InvalidJobOperation, NoSuchJobError, StopRequested
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.utils import now
+
+from shared.outage import REDIS_DOWN, RedisOutage
+from shared.process import die_with_parent
+from shared.queues import SERIALIZER, connect, queue
+from shared.requeue import requeue_lost
+from shared.settings import CommonSettings, configure_logging
+from shared.volume import VolumeMismatch, verify_volume
+
+log = logging.getLogger(__name__)
+
+# A busy worker heartbeats every JOB_MONITORING_INTERVAL_S (RQ's default is 30 s); the reaper calls a
+# worker dead after STALE_HEARTBEAT_S without one, so a killed worker's job is back on its queue within
+# about 40 s instead of RQ's own 10-minute maintenance.
+JOB_MONITORING_INTERVAL_S = 10
+STALE_HEARTBEAT_S = 3 * JOB_MONITORING_INTERVAL_S
+# An idle worker heartbeats every WORKER_TTL_S - 15 s (its blocking dequeue's timeout) and vanishes from
+# the worker list WORKER_TTL_S + 60 s after its last one (RQ's default TTL is 420 s).
+WORKER_TTL_S = 60
+START_WAIT_S = 300.0  # how long a starting worker waits for Redis before it gives up
+
+
+def hand_back(job: Job, q: Queue) -> None:
+    """Return a dequeued job that has not started to the front of its queue, as if never taken.
+
+    RQ moves a job from its single queue to an intermediate list when a worker takes it; the job is
+    still ``queued`` until its work horse starts, so putting the id back is all that undoes the take."""
+    pipe = q.connection.pipeline(transaction=True)
+    pipe.lrem(q.intermediate_queue_key, 1, job.id)
+    pipe.lpush(q.key, job.id)
+    pipe.execute()
+
+
+class DraftlineWorker(Worker):
+    """RQ's forking worker, made to keep going: a work horse that dies with its worker, a volume check
+    before each job, a killed work horse's job requeued instead of failed, and Redis outages waited out."""
+
+    data: Path | None = None  # the data directory to check against the controller's volume; None: no check
+    refused: VolumeMismatch | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outage = RedisOutage(f"worker {self.name}")
+        self._killed_by: int | None = None  # the signal that killed the current job's work horse
+
+    def setup_work_horse_signals(self) -> None:
+        super().setup_work_horse_signals()
+        die_with_parent()
+
+    # ---- one job ----------------------------------------------------------------------------------
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        if self.data is not None:
+            try:
+                verify_volume(self.data, self.connection)
+            except redis.RedisError as exc:
+                # The job cannot reach Redis either; it fails and is requeued the usual way.
+                log.warning("worker %s: volume not checked before job %s: %s", self.name, job.id, exc)
+            except VolumeMismatch as exc:
+                hand_back(job, queue)
+                log.error("worker %s: job %s handed back untouched: %s", self.name, job.id, exc)
+                self.refused = exc
+                raise StopRequested() from None
+        try:
+            super().execute_job(job, queue)
+        except REDIS_DOWN as exc:
+            # Redis went away while the job was taken, run or settled: wait for it, then make sure the
+            # job is either settled or queued again (the volume, not this process, knows what was done).
+            self.outage.down(exc)
+            self.wait_for_redis()
+            self.settle_after_outage(job, queue)
+
+    def settle_after_outage(self, job: Job, queue: Queue) -> None:
+        """Requeue ``job`` if Redis still holds it unsettled; a Redis that came back empty lost it, and the
+        controller rebuilds its queues from the volume."""
+        try:
+            status = job.get_status(refresh=True)
+        except (InvalidJobOperation, NoSuchJobError):
+            return
+        if status not in (JobStatus.STARTED, JobStatus.QUEUED):
+            return
+        with self.connection.pipeline() as pipe:
+            for execution in list(self.executions.values()):
+                if execution.job_id == job.id:
+                    self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            pipe.execute()
+        requeue_lost(job, queue, cause=f"redis was unreachable while worker {self.name} ran it")
+
+    # ---- a work horse killed by a signal (the OOM killer's SIGKILL) is requeued, not failed -----------
+    def handle_work_horse_killed(self, job: Job, retpid, ret_val, rusage) -> None:
+        super().handle_work_horse_killed(job, retpid, ret_val, rusage)
+        if ret_val is not None and os.WIFSIGNALED(ret_val) and not overran(job):
+            self._killed_by = os.WTERMSIG(ret_val)
+
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry=None, exc_string: str = "",
+                           execution: Execution | None = None) -> None:
+        killed_by, self._killed_by = self._killed_by, None
+        if killed_by is None or execution is None:
+            super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+            return
+        # Taking the execution off the started registry is the claim, as in the reaper: whoever removes
+        # it requeues, so a reaper that took this worker for dead cannot queue the job a second time.
+        if not self.connection.zrem(job.started_job_registry.key, execution.composite_key):
+            return
+        with self.connection.pipeline() as pipe:
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            pipe.execute()
+        cause = f"work horse of worker {self.name} killed by {signal.Signals(killed_by).name}"
+        requeue_lost(job, queue, cause=cause)
+
+    # ---- Redis outages: every call of the work loop waits Redis out instead of ending the worker -------
+    def wait_for_redis(self) -> None:
+        self.outage.wait(self.connection)
+        self.register_again()
+
+    def register_again(self) -> None:
+        """Write this worker's hash and registry entries again: a Redis that came back empty has lost
+        them, and a worker nobody lists is one the reaper and the exporter cannot see."""
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.key, mapping=self.serialize())
+            worker_registration.register(self, pipe)
+            pipe.expire(self.key, self.worker_ttl + 60)
+            pipe.execute()
+
+    def maintain_heartbeats(self, job: Job, execution: Execution) -> None:
+        # The work horse goes on through an outage; only the heartbeats are missed meanwhile.
+        try:
+            super().maintain_heartbeats(job, execution)
+        except REDIS_DOWN as exc:
+            self.outage.down(exc)
+            return
+        if self.outage.up():
+            self.register_again()
+
+    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
+        if pipeline is not None:
+            super().heartbeat(timeout, pipeline)
+            return
+        try:
+            super().heartbeat(timeout)
+        except REDIS_DOWN as exc:
+            self.outage.down(exc)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except REDIS_DOWN as exc:
+                self.outage.down(exc)
+                self.wait_for_redis()
+
+    def check_for_suspension(self, burst: bool) -> None:
+        while True:
+            try:
+                super().check_for_suspension(burst)
+                return
+            except REDIS_DOWN as exc:
+                self.outage.down(exc)
+                self.wait_for_redis()
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()
+        except REDIS_DOWN as exc:
+            self.outage.down(exc)  # maintenance runs again at its next interval
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        except REDIS_DOWN as exc:
+            log.warning("worker %s: could not record its death in redis: %s", self.name, exc)
+
+
+def overran(job: Job) -> bool:
+    """Whether the worker itself killed the horse for running past the job's timeout (RQ allows 60 s
+    more): a hang, which is a failure of the job, unlike a kill from outside."""
+    if job.timeout in (None, -1) or job.started_at is None:
+        return False
+    return (now() - job.started_at).total_seconds() > job.timeout + 60
+
+
+def run_worker(
+    queue_names: Sequence[str],
+    settings: CommonSettings,
+    *,
+    role: str,
+    preload: Callable[[], None] | None = None,
+    burst: bool = False,
+) -> None:
+    """Serve ``queue_names`` until stopped. ``preload`` runs once before forking job processes, so
+    what it caches (a tokenizer, say) is shared by every job instead of loaded per job."""
+    configure_logging(settings.log_level)
+    conn = connect(settings.redis_url)
+    # A worker that starts before Redis waits instead of crashing (compose starts them together).
+    RedisOutage(f"{role} worker", settings.redis_url).wait(conn, max_wait_s=START_WAIT_S)
+    verify_volume(settings.data, conn)  # refuse before loading anything: a wrong mount is a setup error
+    if preload is not None:
+        preload()
+    name = f"{role}-{socket.gethostname()}-{os.getpid()}"
+    worker = DraftlineWorker(
+        [queue(n, conn) for n in queue_names],
+        connection=conn,
+        serializer=SERIALIZER,
+        name=name,
+        worker_ttl=WORKER_TTL_S,
+        job_monitoring_interval=JOB_MONITORING_INTERVAL_S,
+    )
+    worker.data = settings.data
+    log.info("worker %s: serving %s from %s", name, ", ".join(queue_names), settings.data)
+    worker.work(burst=burst, logging_level=settings.log_level)
+    if worker.refused is not None:
+        raise worker.refused

@@ -1,0 +1,237 @@
+"""Real ``draftline serve generator`` workers stop cleanly: SIGTERM finishes the job, a second one stops now."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import redis
+from rq.job import Job, JobStatus
+
+from services.controller.reaper import requeue_abandoned
+from services.controller.submit import submit_run
+from shared.jobs import (
+    GENERATE_FUNC,
+    GENERATE_QUEUE,
+    GenerateJob,
+    PromptItem,
+    generate_job_id,
+)
+from shared.queues import SERIALIZER, queue
+from shared.requeue import MAX_REQUEUES, REQUEUES_META
+from shared.runspec import EvalConfig, GenerationConfig
+from shared.runstate import RunState
+from shared.worker import overran
+from tests.services.controller.test_datasets import write_jsonl
+from tests.support.openai_server import OpenAIServer, Reply
+from tests.support.processes import RedisServer, ServiceProcess
+
+RUN = "stopping"
+
+
+def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[str], run: str = RUN) -> RunState:
+    """A submitted run with one generate job per prompt on the queue (sample ids in prompt order)."""
+    dataset = write_jsonl(tmp_path / f"{run}.jsonl", [{"prompt": p} for p in prompts] + [{"prompt": "held out"}])
+    submit_run(data_dir, conn, dataset=str(dataset), name=run, model="m",
+               generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=1))
+    state = RunState(conn, data_dir, run)
+    for line in state.paths.prompts.read_text().splitlines():
+        item = PromptItem(**json.loads(line))
+        queue(GENERATE_QUEUE, conn).enqueue_call(
+            GENERATE_FUNC, args=(GenerateJob(run=run, items=[item]).model_dump(mode="json"),),
+            job_id=generate_job_id(run, item.sample_id), timeout=600, result_ttl=3600, failure_ttl=3600,
+        )
+    return state
+
+
+def generator(server: OpenAIServer, redis_url: str, data_dir: Path, tmp_path: Path) -> ServiceProcess:
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": server.url}
+    return ServiceProcess("generator", env=env, log_dir=tmp_path / "logs")
+
+
+def job_status(conn: redis.Redis, job_id: str) -> JobStatus:
+    return Job.fetch(job_id, connection=conn, serializer=SERIALIZER).get_status()
+
+
+def wait_for(condition, what: str, timeout: float, *workers: ServiceProcess) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(w.log() for w in workers)
+            raise AssertionError(f"{what} not within {timeout}s:\n{logs}")
+        time.sleep(0.1)
+
+
+def wait_started(conn: redis.Redis, job_id: str, *workers: ServiceProcess) -> None:
+    """Until the work horse runs the job (RQ marks it started only inside the horse)."""
+    wait_for(lambda: job_status(conn, job_id) == JobStatus.STARTED, f"{job_id} started", 60, *workers)
+
+
+def horse_of(worker: ServiceProcess) -> int:
+    """The pid of the worker's work horse (its one child process)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.proc.pid)], capture_output=True, text=True,
+                         check=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, f"worker {worker.proc.pid} has children {pids}"
+    return pids[0]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is dead too; it waits for its reaper (init, once its parent worker is gone).
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "State:\tZ" in status.read_text()
+
+
+def test_first_sigterm_finishes_the_current_job_then_exits_zero(data_dir, redis_url, redis_conn, tmp_path):
+    state = make_run(data_dir, redis_conn, tmp_path, ["slow"])
+    job_id = generate_job_id(RUN, 0)
+    with OpenAIServer() as server:
+        server.script("slow", Reply("finished despite the signal", delay_s=3))
+        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        try:
+            wait_started(redis_conn, job_id, worker)
+            worker.proc.send_signal(signal.SIGTERM)
+            assert worker.proc.wait(60) == 0, worker.log()
+        finally:
+            worker.stop(signal.SIGKILL)
+    assert job_status(redis_conn, job_id) == JobStatus.FINISHED
+    assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "finished despite the signal"
+    assert state.counts("generate").done == 1
+    assert "warm shut down requested" in worker.log()
+
+
+def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_url, redis_conn, tmp_path):
+    state = make_run(data_dir, redis_conn, tmp_path, ["very slow"])
+    job_id = generate_job_id(RUN, 0)
+    with OpenAIServer() as server:
+        server.script("very slow", Reply("never written", delay_s=120))
+        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        try:
+            wait_started(redis_conn, job_id, worker)
+            horse = horse_of(worker)
+            worker.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.5)  # RQ ignores a second signal within a second of the first (a pool's duplicate)
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.proc.wait(30)  # far less than the 120 s reply: the job was cut short
+        finally:
+            worker.stop(signal.SIGKILL)
+        assert "cold shut down" in worker.log()
+        wait_for(lambda: gone(horse), "work horse gone", 10)
+    assert job_status(redis_conn, job_id) == JobStatus.STARTED  # never marked done ...
+    assert not state.paths.generated(0).exists()
+    assert state.counts("generate").done == 0
+    assert requeue_abandoned(redis_conn) == 1  # ... but left for the reaper: the worker recorded its death
+    assert job_status(redis_conn, job_id) == JobStatus.QUEUED
+
+
+def test_a_killed_work_horse_is_requeued_at_the_front_and_its_job_finishes_without_a_failure(
+        data_dir, redis_url, redis_conn, tmp_path):
+    """What the kernel's OOM killer does: SIGKILL the work horse only. Its worker lives, puts the job back
+    at the front of the queue at once (a retry, not a failure) and runs it again."""
+    state = make_run(data_dir, redis_conn, tmp_path, ["oom victim", "waiting its turn"])
+    victim, waiting = generate_job_id(RUN, 0), generate_job_id(RUN, 1)
+    with OpenAIServer() as server:
+        server.script("oom victim", Reply("never written", delay_s=120), Reply("written the second time"))
+        server.script("waiting its turn", Reply("second in line"))
+        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        try:
+            wait_started(redis_conn, victim, worker)
+            wait_for(lambda: server.requests_for("oom victim"), "the victim's request sent", 60, worker)
+            assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == [waiting]
+            os.kill(horse_of(worker), signal.SIGKILL)
+            wait_for(lambda: job_status(redis_conn, victim) == JobStatus.FINISHED, "the victim finished", 60, worker)
+            wait_for(lambda: job_status(redis_conn, waiting) == JobStatus.FINISHED, "the next job finished", 60,
+                     worker)
+            assert worker.alive(), worker.log()
+        finally:
+            worker.stop(signal.SIGKILL)
+    assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "written the second time"
+    job = Job.fetch(victim, connection=redis_conn, serializer=SERIALIZER)
+    assert job.meta[REQUEUES_META] == 1 and job.get_status() == JobStatus.FINISHED
+    # Front of the queue: the victim ran again before the job that was waiting when it was killed.
+    assert job.ended_at < Job.fetch(waiting, connection=redis_conn, serializer=SERIALIZER).started_at
+    assert state.counts("generate").done == 2 and state.counts("generate").failed == 0
+    assert float(state.meta()["generate_retried"]) == 1
+    assert "killed by SIGKILL; requeued at the front" in worker.log()
+
+
+def test_a_job_whose_work_horse_keeps_being_killed_fails_by_name_after_the_last_requeue(
+        data_dir, redis_url, redis_conn, tmp_path):
+    make_run(data_dir, redis_conn, tmp_path, ["kills its horse"])
+    victim = generate_job_id(RUN, 0)
+    with OpenAIServer() as server:
+        server.script("kills its horse", Reply("never written", delay_s=120))
+        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        try:
+            for death in range(MAX_REQUEUES + 1):
+                wait_for(lambda n=death: len(server.requests_for("kills its horse")) > n,
+                         f"attempt {death + 1} sent", 60, worker)
+                os.kill(horse_of(worker), signal.SIGKILL)
+            wait_for(lambda: job_status(redis_conn, victim) == JobStatus.FAILED, "the job failed", 60, worker)
+        finally:
+            worker.stop(signal.SIGKILL)
+    reason = Job.fetch(victim, connection=redis_conn, serializer=SERIALIZER).latest_result().exc_string
+    assert f"execution lost {MAX_REQUEUES + 1} times" in reason and "killed by SIGKILL" in reason
+
+
+def test_a_horse_the_worker_kills_for_overrunning_its_timeout_is_a_failure_not_a_loss():
+    job = Job(id="j", connection=redis.Redis())
+    job.timeout, job.started_at = 10, datetime.now(timezone.utc) - timedelta(seconds=71)
+    assert overran(job)
+    job.started_at = datetime.now(timezone.utc) - timedelta(seconds=69)  # a kill from outside, in time
+    assert not overran(job)
+    job.timeout = -1  # no timeout: never an overrun
+    assert not overran(job)
+
+
+def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_dir, tmp_path, tiny_model_dir):
+    """Redis restarts empty (no persistence) while a generator runs a job and an extractor and a trainer
+    wait: all three live on, log the outage once and its end once, and the generator finishes its job
+    on the volume and then serves a job queued after the restart."""
+    server_dir = tmp_path / "redis"
+    redis_server = RedisServer(server_dir).start()
+    conn = redis.Redis.from_url(redis_server.url)
+    state = make_run(data_dir, conn, tmp_path, ["through the outage"])
+    env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir)}
+    with OpenAIServer() as server:
+        server.script("through the outage", Reply("finished across a redis restart", delay_s=15))
+        server.script("after the outage", Reply("served after the restart"))
+        env["DRAFTLINE_INFERENCE_URL"] = server.url
+        workers = [ServiceProcess(name, env=env, log_dir=tmp_path / "logs").start()
+                   for name in ("generator", "extractor", "trainer")]
+        try:
+            wait_for(lambda: len(conn.smembers("rq:workers")) == 3, "three workers registered", 60, *workers)
+            wait_started(conn, generate_job_id(RUN, 0), *workers)
+            wait_for(lambda: server.requests_for("through the outage"), "the request sent", 60, *workers)
+            redis_server.stop()
+            time.sleep(3)  # longer than a heartbeat's pipeline takes: every worker meets the outage
+            redis_server = RedisServer(server_dir, port=redis_server.port).start()
+            wait_for(lambda: state.paths.generated(0).exists(), "the in-flight reply on the volume", 60, *workers)
+            wait_for(lambda: len(conn.smembers("rq:workers")) == 3, "the workers registered again", 60, *workers)
+            # Redis came back empty: the run is the controller's to rebuild; a new job shows the worker serves.
+            item = PromptItem(sample_id=1, messages=[{"role": "user", "content": "after the outage"}])
+            queue(GENERATE_QUEUE, conn).enqueue_call(
+                GENERATE_FUNC, args=(GenerateJob(run=RUN, items=[item]).model_dump(mode="json"),),
+                job_id=generate_job_id(RUN, 1), timeout=600)
+            wait_for(lambda: state.paths.generated(1).exists(), "a job queued after the restart done", 60, *workers)
+            assert all(w.alive() for w in workers), "\n".join(w.log() for w in workers)
+        finally:
+            for worker in workers:
+                worker.stop(signal.SIGKILL)
+            redis_server.stop()
+    assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "finished across a redis restart"
+    assert len(server.requests_for("through the outage")) == 1  # finished once, not run twice
+    for worker in workers:
+        log = worker.log()
+        assert log.count("waiting for it with backoff") == 1, log
+        assert log.count("redis is back after") == 1, log
+        assert "unhandled exception" not in log, log
