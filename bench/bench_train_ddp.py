@@ -84,7 +84,7 @@ def make_target(model_dir: Path, args: argparse.Namespace, device: torch.device)
 def writer_target(model_dir: Path) -> object:
     """The target as the hidden-state writer sees it: ``encode_sample`` reads its name, fingerprint and
     dtype only, so no model or tokenizer is loaded."""
-    from services.inference.fingerprint import model_fingerprint
+    from shared.fingerprint import model_fingerprint
     from services.inference.model import LoadedModel
 
     return LoadedModel(model=None, tokenizer=None, name=MODEL_NAME, fingerprint=model_fingerprint(model_dir),

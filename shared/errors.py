@@ -66,3 +66,7 @@ class CheckpointFormatError(DraftlineError):
 def error_class(exc: BaseException) -> str:
     """The name recorded for a failure: the exception's class name."""
     return type(exc).__name__
+
+
+class ForeignJob(DraftlineError):
+    """A queued job names a function that is not one of draftline's job functions for its queue."""

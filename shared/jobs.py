@@ -23,6 +23,14 @@ GENERATE_FUNC = "services.generator.jobs.generate"
 EXTRACT_FUNC = "services.extractor.jobs.extract"
 TRAIN_FUNC = "services.trainer.jobs.train"
 EVALUATE_FUNC = "services.trainer.jobs.evaluate"
+# The one table of what a worker runs: a job naming any other function (an RQ job names the callable to
+# import and call, so a foreign one would be code execution by anyone who can write to Redis) fails as
+# ForeignJob without running.
+JOB_FUNCS: dict[str, frozenset[str]] = {
+    GENERATE_QUEUE: frozenset({GENERATE_FUNC}),
+    EXTRACT_QUEUE: frozenset({EXTRACT_FUNC}),
+    TRAIN_QUEUE: frozenset({TRAIN_FUNC, EVALUATE_FUNC}),
+}
 
 # RQ 3 refuses job ids with other characters (":" and "." included).
 _RQ_ID_CHARS = re.compile(r"[A-Za-z0-9_-]+")

@@ -21,11 +21,19 @@ from pathlib import Path
 
 import redis
 from rq import Queue, Worker, worker_registration
-from rq.exceptions import InvalidJobOperation, NoSuchJobError, StopRequested
+from rq.exceptions import (
+    DeserializationError,
+    InvalidJobOperation,
+    NoSuchJobError,
+    StopRequested,
+)
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
 from rq.utils import now
 
+from shared.errors import ForeignJob
+from shared.jobs import JOB_FUNCS
 from shared.outage import REDIS_DOWN, RedisOutage
 from shared.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
@@ -75,6 +83,9 @@ class DraftlineWorker(Worker):
 
     # ---- one job ----------------------------------------------------------------------------------
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if job_function(job) not in JOB_FUNCS.get(queue.name, ()):
+            refuse_foreign(job, queue)
+            return
         if self.data is not None:
             try:
                 verify_volume(self.data, self.connection)
@@ -194,6 +205,27 @@ class DraftlineWorker(Worker):
             super().teardown()
         except REDIS_DOWN as exc:
             log.warning("worker %s: could not record its death in redis: %s", self.name, exc)
+
+
+def job_function(job: Job) -> str | None:
+    """The dotted name of the function ``job`` asks for; None when its data does not decode."""
+    try:
+        return job.func_name
+    except DeserializationError:
+        return None
+
+
+def refuse_foreign(job: Job, queue: Queue) -> None:
+    """Fail a job that names a function outside ``JOB_FUNCS`` for its queue, having run nothing: no work
+    horse is forked and nothing is imported by the name the job gives."""
+    allowed = ", ".join(sorted(JOB_FUNCS.get(queue.name, ()))) or "none"
+    message = (f"{ForeignJob.__name__}: job {job.id} names {job_function(job)!r}, not a draftline job function of "
+               f"queue {queue.name} ({allowed}); refused, nothing ran")
+    with job.connection.pipeline() as pipe:
+        pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+        record_job_failure(job, message, pipe)
+        pipe.execute()
+    log.error("%s", message)
 
 
 def overran(job: Job) -> bool:

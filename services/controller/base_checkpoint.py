@@ -1,9 +1,9 @@
 """A base drafter checkpoint for fine-tuning: fetched from the Hugging Face Hub onto the volume (the
-trainer reads base checkpoints from the volume only) and verified with the trainer's own checks.
+trainer reads base checkpoints from the volume only) and verified with the trainer's own checks
+(``shared.drafter_format``, torch-free).
 
 A repo ``owner/name`` lands in ``<volume>/models/drafters/owner--name``, copied out of the Hub cache into
-a temp directory that is renamed into place, so a half copy never looks finished. The trainer's modules
-import torch, so they are imported only when a checkpoint is verified.
+a temp directory that is renamed into place, so a half copy never looks finished.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from shared.atomic import TEMP_PREFIX, fsync_dir
+from shared.drafter_format import check_drafter, read_config
 from shared.errors import CheckpointFormatError, DraftlineError
 
 log = logging.getLogger(__name__)
@@ -63,18 +64,11 @@ def fetch_checkpoint(data: Path, repo_id: str) -> Path:
 
 
 def verify_checkpoint(path: Path, card: dict | None) -> str:
-    """The trainer's own checks (its import is heavy, so it happens here only); CheckpointFormatError if
-    anything is missing or does not fit the served target."""
-    from services.trainer.export import check_tensors, read_config, verify_export
-
+    """The trainer's own checks (``shared.drafter_format``); CheckpointFormatError if anything is missing
+    or does not fit the served target."""
     config = read_config(path)
     try:
-        if "draftline" in config:
-            verify_export(path)
-        else:  # a published EAGLE-3 drafter: the tensors the trainer loads, with their shapes
-            heads = config["num_attention_heads"]
-            check_tensors(path, {**config, "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-                                 "num_key_value_heads": config.get("num_key_value_heads") or heads})
+        check_drafter(path, config)
     except KeyError as exc:
         raise CheckpointFormatError(f"{path / 'config.json'}: {exc.args[0]} missing") from None
     target = (card or {}).get("draftline") or {}

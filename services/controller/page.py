@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
-from services.exporter.gpu import GpuReading
+from shared.gpu import GpuReading
 from shared.disk import format_bytes
 
 REFRESH_S = 5

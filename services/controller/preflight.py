@@ -29,7 +29,7 @@ import redis
 
 from services.controller.base_checkpoint import fetch_checkpoint, verify_checkpoint
 from services.controller.datasets import looks_like_repo_id, resolve_files
-from services.inference.fingerprint import model_fingerprint
+from shared.fingerprint import model_fingerprint
 from shared import eagle3
 from shared.atomic import atomic_write_bytes
 from shared.disk import (

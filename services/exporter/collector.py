@@ -25,7 +25,7 @@ from rq.registry import StartedJobRegistry
 from rq.worker import Worker, WorkerStatus
 
 from services.exporter import names
-from services.exporter.gpu import GpuReader, GpuReading
+from shared.gpu import GpuReader, GpuReading
 from shared.disk import disk_status
 from shared.jobs import (
     QUEUES,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from services.inference.fingerprint import model_fingerprint
+from shared.fingerprint import model_fingerprint
 from shared import eagle3
 from shared.settings import InferenceSettings
 

@@ -49,17 +49,3 @@ def build_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Te
 def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
     """Target id of every draft id: [Vd] int64."""
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
-
-
-def check_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Raise ValueError unless ``d2t`` names distinct in-range target ids and ``t2d`` marks exactly them."""
-    targets = draft_to_target(d2t)
-    vocab = t2d.shape[0]
-    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
-        raise ValueError(f"d2t maps outside the target vocabulary of {vocab}")
-    if torch.unique(targets).numel() != targets.numel():
-        raise ValueError("d2t maps two draft ids to the same target id")
-    expected = torch.zeros(vocab, dtype=torch.bool, device=t2d.device)
-    expected[targets] = True
-    if not torch.equal(expected, t2d.bool()):
-        raise ValueError("t2d does not mark exactly the target ids that d2t names")

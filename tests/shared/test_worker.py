@@ -235,3 +235,26 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
         assert log.count("waiting for it with backoff") == 1, log
         assert log.count("redis is back after") == 1, log
         assert "unhandled exception" not in log, log
+
+
+def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir, redis_url, redis_conn, tmp_path):
+    state = make_run(data_dir, redis_conn, tmp_path, ["after the foreign jobs"])
+    marker = tmp_path / "created-by-a-foreign-job"
+    q = queue(GENERATE_QUEUE, redis_conn)
+    foreign = [q.enqueue_call("os.mkdir", args=(str(marker),), job_id="foreign_mkdir", at_front=True),
+               q.enqueue_call("services.trainer.jobs.train", args=({"run": RUN},), job_id="foreign_train",
+                              at_front=True)]  # a draftline function, but not one of this queue's
+    with OpenAIServer() as server:
+        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        try:
+            wait_for(lambda: state.counts("generate").done == 1, "the real job done", 60, worker)
+            assert worker.alive(), worker.log()
+        finally:
+            worker.stop(signal.SIGKILL)
+    assert not marker.exists()
+    for job in foreign:
+        assert job_status(redis_conn, job.id) == JobStatus.FAILED
+        reason = Job.fetch(job.id, connection=redis_conn, serializer=SERIALIZER).latest_result().exc_string
+        assert reason.startswith("ForeignJob: ") and "refused, nothing ran" in reason, reason
+        assert GENERATE_FUNC in reason  # names what the queue does run
+    assert "Processing os.mkdir" not in worker.log() and "foreign_mkdir" in worker.log()

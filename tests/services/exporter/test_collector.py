@@ -20,7 +20,7 @@ from services.exporter.collector import (
     collect_gpus,
     scrape_connection,
 )
-from services.exporter.gpu import GpuReader, GpuReading
+from shared.gpu import GpuReader, GpuReading
 from shared.jobs import (
     EXTRACT_QUEUE,
     GENERATE_QUEUE,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.trainer.vocab import build_mapping, check_mapping, count_tokens, draft_to_target
+from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
+from shared.drafter_format import check_mapping
 from shared import eagle3
 
 
@@ -47,13 +49,13 @@ def test_counts_only_loss_masked_positions(tmp_path):
 
 
 def test_check_mapping_rejects_inconsistent_buffers():
-    d2t, t2d = build_mapping(torch.tensor([4, 3, 2, 1]), draft_vocab_size=2)
+    d2t, t2d = (t.numpy() for t in build_mapping(torch.tensor([4, 3, 2, 1]), draft_vocab_size=2))
     check_mapping(d2t, t2d)
-    broken = t2d.clone()
+    broken = t2d.copy()
     broken[3] = True
     with pytest.raises(ValueError, match="t2d"):
         check_mapping(d2t, broken)
     with pytest.raises(ValueError, match="outside"):
-        check_mapping(torch.tensor([0, 10]), t2d)
+        check_mapping(np.array([0, 10]), t2d)
     with pytest.raises(ValueError, match="same target id"):
-        check_mapping(torch.tensor([1, 0]), t2d)
+        check_mapping(np.array([1, 0]), t2d)

@@ -1,0 +1,203 @@
+"""The drafter checkpoint format that vLLM and SGLang load as ``LlamaForCausalLMEagle3``, and its checks.
+
+torch-free (headers and the small mapping tensors are read with numpy), so the controller checks a base
+checkpoint at preflight without the trainer's imports; the trainer writes exports and verifies them here.
+
+Layer ids. draftline records auxiliary layers as *outputs of 0-indexed decoder layers*
+(``shared.eagle3.LAYER_CONVENTION``; HF ``hidden_states[i + 1]``). The engines read the ids differently:
+
+- SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures at the *input* of
+  layer ``id + 1`` (``set_eagle3_layers_to_capture``: ``layers_to_capture = [val + 1 ...]``), i.e. the
+  output of layer ``id``: the same convention as ours, so it gets our ids unchanged.
+- vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids`` first and falls back to ``eagle_config``;
+  its target models capture ``hidden_states + residual`` *before* running layer ``id`` (the input of
+  layer ``id`` = the output of layer ``id - 1``). So vLLM needs our ids **plus one**, written top-level
+  where it looks first and SGLang never looks.
+
+With no ids at all both engines fall back to ``(2, N//2, N-3)`` in their own terms, which is our default
+``[1, N//2 - 1, N - 4]``; writing the ids explicitly keeps non-default choices correct too. A vLLM
+build that only reads ``eagle_config`` would be one layer off; ``verify_export`` pins both fields.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from shared import eagle3
+from shared.errors import CheckpointFormatError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# config.json's torch_dtype name -> the safetensors dtype code its float tensors carry
+FLOAT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
+    "architectures": list, "model_type": str, "num_hidden_layers": int, "hidden_size": int,
+    "intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+    "rms_norm_eps": (int, float), "rope_theta": (int, float), "max_position_embeddings": int,
+    "vocab_size": int, "draft_vocab_size": int, "tie_word_embeddings": bool, "target_hidden_size": int,
+    "eagle_config": dict, "torch_dtype": str, "draftline": dict,
+}
+
+
+def vllm_layer_ids(layer_ids: list[int]) -> list[int]:
+    """vLLM's id for each of our layers: it captures the input of layer ``id``, we mean the output."""
+    return [int(i) + 1 for i in layer_ids]
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """Every tensor the engines need, with its shape; dtype None means "the float dtype of the config"."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    ht = config.get("target_hidden_size") or h
+    return {
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.o_proj.weight": ((h, q), None),
+        "midlayer.mlp.gate_proj.weight": ((i, h), None),
+        "midlayer.mlp.up_proj.weight": ((i, h), None),
+        "midlayer.mlp.down_proj.weight": ((h, i), None),
+        "midlayer.input_layernorm.weight": ((h,), None),
+        "midlayer.hidden_norm.weight": ((h,), None),
+        "midlayer.post_attention_layernorm.weight": ((h,), None),
+        "fc.weight": ((h, 3 * ht), None),
+        "norm.weight": ((h,), None),
+        "lm_head.weight": ((config["draft_vocab_size"], h), None),
+        "d2t": ((config["draft_vocab_size"],), "I64"),
+        "t2d": ((config["vocab_size"],), "BOOL"),
+    }
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path}: missing") from None
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(f"{path}: not a safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    file = Path(path) / CONFIG_FILE
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{file}: missing") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointFormatError(f"{file}: not valid JSON ({exc})") from None
+
+
+def check_tensors(path: Path, config: dict[str, Any]) -> None:
+    """Every required tensor present with its shape and dtype; d2t/t2d a consistent mapping."""
+    weights = Path(path) / WEIGHTS_FILE
+    header = read_safetensors_header(weights)
+    float_dtype = FLOAT_DTYPES.get(config.get("torch_dtype", ""))
+    problems = []
+    for name, (shape, dtype) in expected_tensors(config).items():
+        if name not in header:
+            problems.append(f"{name} missing")
+            continue
+        found_shape, found_dtype = tuple(header[name]["shape"]), header[name]["dtype"]
+        want_dtype = dtype or float_dtype
+        if found_shape != shape:
+            problems.append(f"{name} has shape {list(found_shape)}, expected {list(shape)}")
+        if (want_dtype is None and found_dtype not in FLOAT_DTYPES.values()) or (want_dtype and found_dtype != want_dtype):
+            problems.append(f"{name} has dtype {found_dtype}, expected {want_dtype or 'a float dtype'}")
+    if problems:
+        raise CheckpointFormatError(f"{weights}: " + "; ".join(problems))
+    mapping = load_file(weights)  # numpy: the controller checks a checkpoint without torch
+    try:
+        check_mapping(mapping["d2t"], mapping["t2d"])
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{weights}: {exc}") from None
+
+
+def has_type(value: Any, expected: type | tuple[type, ...]) -> bool:
+    """isinstance, except that JSON true/false is no number and a number no boolean."""
+    return isinstance(value, expected) and isinstance(value, bool) == (expected is bool)
+
+
+def check_config(path: Path, config: dict[str, Any]) -> None:
+    """The fields the engines and draftline read, with the types and values they need."""
+    problems = [f"{key} missing" for key in CONFIG_TYPES if key not in config]
+    problems += [f"{key} is {type(config[key]).__name__}, expected {expected}"
+                 for key, expected in CONFIG_TYPES.items() if key in config and not has_type(config[key], expected)]
+    if problems:
+        raise CheckpointFormatError(f"{path / CONFIG_FILE}: " + "; ".join(problems))
+    ids = config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    rules = [
+        (config["architectures"] == [ARCHITECTURE], f"architectures must be [{ARCHITECTURE!r}]"),
+        (config["model_type"] == "llama", "model_type must be 'llama'"),
+        (config["num_hidden_layers"] == 1, "num_hidden_layers must be 1"),
+        (config["tie_word_embeddings"] is False, "tie_word_embeddings must be false"),
+        (config.get("norm_before_residual", False) is False, "norm_before_residual must be false (the drafter's residual is un-normed)"),
+        (config["draft_vocab_size"] <= config["vocab_size"], "draft_vocab_size exceeds vocab_size"),
+        (config["eagle_config"].get("use_aux_hidden_state") is True, "eagle_config.use_aux_hidden_state must be true"),
+        (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids), "eagle_config needs three layer ids"),
+        (config["draftline"].get("layer_convention") == eagle3.LAYER_CONVENTION,
+         f"draftline.layer_convention must be {eagle3.LAYER_CONVENTION!r}"),
+        (config["draftline"].get("layer_ids") == ids, "draftline.layer_ids differ from eagle_config's"),
+        (isinstance(ids, list) and config.get("eagle_aux_hidden_state_layer_ids") == vllm_layer_ids(ids),
+         "top-level eagle_aux_hidden_state_layer_ids must be eagle_config's plus one (vLLM counts layer inputs)"),
+    ]
+    problems = [message for ok, message in rules if not ok]
+    if problems:
+        raise CheckpointFormatError(f"{path / CONFIG_FILE}: " + "; ".join(problems))
+
+
+def check_drafter(path: Path, config: dict[str, Any]) -> None:
+    """Our own exports in full; a published EAGLE-3 drafter (no ``draftline`` block) by the tensors the
+    trainer loads, with their shapes, taking the engines' defaults for the head fields it may omit."""
+    if "draftline" in config:
+        check_config(path, config)
+    heads = config["num_attention_heads"]
+    check_tensors(path, {**config, "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+                         "num_key_value_heads": config.get("num_key_value_heads") or heads})
+
+
+def verify_export(path: Path) -> dict[str, Any]:
+    """Raise CheckpointFormatError unless ``path`` holds a complete draftline export; return its config."""
+    path = Path(path)
+    config = read_config(path)
+    check_config(path, config)
+    check_tensors(path, config)
+    return config
+
+
+def check_mapping(d2t: np.ndarray, t2d: np.ndarray) -> None:
+    """Raise ValueError unless ``d2t`` names distinct in-range target ids and ``t2d`` marks exactly them."""
+    targets = np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
+    vocab = t2d.shape[0]
+    if targets.size and (targets.min() < 0 or targets.max() >= vocab):
+        raise ValueError(f"d2t maps outside the target vocabulary of {vocab}")
+    if np.unique(targets).size != targets.size:
+        raise ValueError("d2t maps two draft ids to the same target id")
+    expected = np.zeros(vocab, dtype=bool)
+    expected[targets] = True
+    if not np.array_equal(expected, t2d.astype(bool)):
+        raise ValueError("t2d does not mark exactly the target ids that d2t names")
+
+
+def layer_ids_of(config: dict[str, Any], target_layers: int) -> list[int]:
+    """Our ids from a drafter config: draftline's record, else SGLang's field (same convention), else
+    vLLM's top-level field (one higher), else the default for the target."""
+    if "draftline" in config:
+        return list(config["draftline"]["layer_ids"])
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return list(ids)
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        return [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    return eagle3.default_layer_ids(target_layers)

@@ -1,0 +1,74 @@
+"""Services meet only through contracts: each service imports the ``shared`` package and its own modules,
+never another service's, and ``shared`` imports no service and no torch.
+
+The walk reads every import statement (top-level or inside a function) with ``ast``, so an import that
+only runs on some path counts too. ``services/cli`` is exempt: it is the one ``draftline`` command that
+starts every service (``draftline serve NAME``) and runs the operator's commands in-process.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = ("controller", "generator", "extractor", "trainer", "inference", "exporter")
+LAUNCHER = "cli"
+HEAVY = ("torch", "safetensors.torch", "transformers")
+
+
+def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import in ``path`` (or in ``source`` as if it were that file);
+    relative imports resolved against the file's package."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    tree = ast.parse(text, filename=str(path))
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.append((node.lineno, base))
+    return found
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted((REPO / folder).rglob("*.py"))
+
+
+def test_every_service_folder_is_known():
+    folders = {p.name for p in (REPO / "services").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert folders == {*SERVICES, LAUNCHER}  # a new service must be added here, and so checked
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_imports_no_other_service(service):
+    crossing = []
+    for path in sources(f"services/{service}"):
+        for line, module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "services" and (len(parts) < 2 or parts[1] != service):
+                crossing.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert crossing == []
+
+
+def test_shared_imports_no_service_and_no_torch():
+    bad = []
+    for path in sources("shared"):
+        for line, module in imported_modules(path):
+            if module.split(".")[0] == "services" or module.startswith(HEAVY):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert bad == []
+
+
+def test_the_walk_sees_imports_inside_functions_and_relative_ones():
+    # The checker itself must be able to fail: a deferred import and a relative one are both found.
+    module = REPO / "services" / "controller" / "probe.py"
+    source = "def f():\n    from services.trainer.export import verify_export\nfrom ..exporter import gpu\n"
+    assert sorted(imported_modules(module, source)) == [(2, "services.trainer.export"), (3, "services.exporter")]
