@@ -109,6 +109,12 @@ class DraftlineWorker(Worker):
     def settle_after_outage(self, job: Job, queue: Queue) -> None:
         """Requeue ``job`` if Redis still holds it unsettled; a Redis that came back empty lost it, and the
         controller rebuilds its queues from the volume."""
+        if self.horse_pid:
+            # Never two copies of one job: a horse still running (the outage cut its monitoring short)
+            # is stopped before the job can be queued again.
+            self.kill_horse()
+            self.wait_for_horse()
+            self._horse_pid = 0
         try:
             status = job.get_status(refresh=True)
         except (InvalidJobOperation, NoSuchJobError):
@@ -149,6 +155,15 @@ class DraftlineWorker(Worker):
         self.outage.wait(self.connection)
         self.register_again()
 
+    def stay_registered(self) -> None:
+        """Register again if this worker is missing from RQ's worker list: a Redis that restarted empty
+        between two heartbeats has forgotten it, though this worker never saw the outage."""
+        try:
+            if not self.connection.sismember(self.redis_workers_keys, self.key):
+                self.register_again()
+        except REDIS_DOWN as exc:
+            self.outage.down(exc)  # the next heartbeat tries again
+
     def register_again(self) -> None:
         """Write this worker's hash and registry entries again: a Redis that came back empty has lost
         them, and a worker nobody lists is one the reaper and the exporter cannot see."""
@@ -165,17 +180,24 @@ class DraftlineWorker(Worker):
         except REDIS_DOWN as exc:
             self.outage.down(exc)
             return
-        if self.outage.up():
-            self.register_again()
+        self.outage.up()
+        self.stay_registered()
 
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
+        # Called between jobs and first in every round of the dequeue loop: block here until Redis is
+        # back, so the loop's own retries (and their log lines) do not start.
         if pipeline is not None:
             super().heartbeat(timeout, pipeline)
             return
-        try:
-            super().heartbeat(timeout)
-        except REDIS_DOWN as exc:
-            self.outage.down(exc)
+        while True:
+            try:
+                super().heartbeat(timeout)
+                break
+            except REDIS_DOWN as exc:
+                self.outage.down(exc)
+                self.wait_for_redis()
+        self.outage.up()
+        self.stay_registered()
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
         while True:
@@ -205,6 +227,12 @@ class DraftlineWorker(Worker):
             super().teardown()
         except REDIS_DOWN as exc:
             log.warning("worker %s: could not record its death in redis: %s", self.name, exc)
+
+
+def without_rq_reconnect_lines(record: logging.LogRecord) -> bool:
+    """Drop RQ's "could not connect to Redis" line, repeated at every retry of its dequeue loop: the
+    worker's RedisOutage logs an outage once when it starts and once when it ends."""
+    return not str(record.msg).startswith("Worker %s: could not connect to Redis instance")
 
 
 def job_function(job: Job) -> str | None:
@@ -263,6 +291,7 @@ def run_worker(
         job_monitoring_interval=JOB_MONITORING_INTERVAL_S,
     )
     worker.data = settings.data
+    logging.getLogger("rq.worker").addFilter(without_rq_reconnect_lines)  # RedisOutage says it once
     log.info("worker %s: serving %s from %s", name, ", ".join(queue_names), settings.data)
     worker.work(burst=burst, logging_level=settings.log_level)
     if worker.refused is not None:

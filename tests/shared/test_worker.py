@@ -26,7 +26,7 @@ from shared.queues import SERIALIZER, queue
 from shared.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
-from shared.worker import overran
+from shared.worker import JOB_MONITORING_INTERVAL_S, overran
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import RedisServer, ServiceProcess
@@ -203,7 +203,7 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
     state = make_run(data_dir, conn, tmp_path, ["through the outage"])
     env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir)}
     with OpenAIServer() as server:
-        server.script("through the outage", Reply("finished across a redis restart", delay_s=15))
+        server.script("through the outage", Reply("finished across a redis restart", delay_s=30))
         server.script("after the outage", Reply("served after the restart"))
         env["DRAFTLINE_INFERENCE_URL"] = server.url
         workers = [ServiceProcess(name, env=env, log_dir=tmp_path / "logs").start()
@@ -213,7 +213,7 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
             wait_started(conn, generate_job_id(RUN, 0), *workers)
             wait_for(lambda: server.requests_for("through the outage"), "the request sent", 60, *workers)
             redis_server.stop()
-            time.sleep(3)  # longer than a heartbeat's pipeline takes: every worker meets the outage
+            time.sleep(JOB_MONITORING_INTERVAL_S + 2)  # a busy worker heartbeats once meanwhile: it meets the outage
             redis_server = RedisServer(server_dir, port=redis_server.port).start()
             wait_for(lambda: state.paths.generated(0).exists(), "the in-flight reply on the volume", 60, *workers)
             wait_for(lambda: len(conn.smembers("rq:workers")) == 3, "the workers registered again", 60, *workers)
