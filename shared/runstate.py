@@ -3,6 +3,12 @@
 Per-sample outcomes are Redis bitmaps indexed by sample id (1.4M samples cost 175 KB per bitmap), so
 marking a sample twice never counts it twice. Failures are also written to the volume, which stays the
 truth if Redis is lost.
+
+Throughput is counted in time buckets: a Redis hash per stage, one field per ``RATE_BUCKET_SECONDS``
+bucket, incremented once each time a sample goes from unsettled to settled (done, failed or dropped:
+the same outcomes that ``remaining`` subtracts). Buckets older than the window are pruned when a new
+bucket begins, so the hash holds at most ``RATE_BUCKETS`` counts and ``begun`` whatever the rate. See
+``Throughput`` for the rate and ETA rules.
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ from shared.jobs import SAMPLE_STAGES
 from shared.layout import RunPaths
 
 PREFIX = "draftline"
-RATE_WINDOW_EVENTS = 512
-RATE_WINDOW_SECONDS = 600.0
+
+RATE_BUCKET_SECONDS = 5  # width of one throughput bucket
+RATE_WINDOW_SECONDS = 300  # a rate averages the settled samples of at most this many recent seconds
+RATE_BUCKETS = RATE_WINDOW_SECONDS // RATE_BUCKET_SECONDS  # buckets in the window, the current one included
+RATE_MIN_SPAN_SECONDS = 30.0  # a rate needs this long an observation: a batch landing at once is not a rate
+ETA_MIN_SETTLED = 10  # an ETA needs at least this many samples settled in the window
+BEGUN = "begun"  # field of a throughput hash: when the current observation of the stage began
 
 ERROR = "error"
 DROPPED = "dropped"
@@ -58,6 +69,41 @@ class StageCounts:
     done: int
     failed: int
     dropped: int
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Samples of a stage settled in the last ``span_s`` seconds, and the rate and ETA they support.
+
+    The span is ``now`` minus the later of two times: the start of the window (the oldest of its
+    ``RATE_BUCKETS`` buckets, so ``RATE_WINDOW_SECONDS - RATE_BUCKET_SECONDS <= span_s <
+    RATE_WINDOW_SECONDS`` once the window is full) and the stage's first settled sample after a quiet
+    spell of a whole window (or ever). Count and span cover the same interval, so for a stage settling
+    ``r`` samples/s in bursts of at most ``b`` samples, ``|per_second - r| <= b / span_s``.
+    """
+
+    settled: int
+    span_s: float
+
+    @property
+    def per_second(self) -> float | None:
+        """0 when nothing settled in the window; None (unknown) while the span is under
+        ``RATE_MIN_SPAN_SECONDS``; else settled / span."""
+        if self.settled == 0:
+            return 0.0
+        if self.span_s < RATE_MIN_SPAN_SECONDS:
+            return None
+        return self.settled / self.span_s
+
+    def eta_seconds(self, remaining: int) -> float | None:
+        """0 when nothing remains; else remaining / rate once the rate is known, is above 0 and rests on at
+        least ``ETA_MIN_SETTLED`` samples; None (unknown) otherwise."""
+        if remaining <= 0:
+            return 0.0
+        rate = self.per_second
+        if not rate or self.settled < ETA_MIN_SETTLED:
+            return None
+        return remaining / rate
 
 
 class RunState:
@@ -96,35 +142,40 @@ class RunState:
         self.incr(retried_field(stage))
 
     # ---- per-sample outcomes -------------------------------------------------------------------
-    def mark_done(self, stage: str, sample_id: int) -> bool:
-        """Record a verified sample; True when it was not done before. Clears an earlier failure."""
+    def mark_done(self, stage: str, sample_id: int, *, now: float | None = None) -> bool:
+        """Record a verified sample; True when it was not done before. Clears an earlier failure.
+
+        Counts toward the stage's throughput (at ``now``) only when the sample was not settled before."""
         _check_sample_stage(stage)
         pipe = self.conn.pipeline()
         pipe.setbit(run_key(self.run, f"done:{stage}"), sample_id, 1)
         pipe.setbit(run_key(self.run, f"failed:{stage}"), sample_id, 0)
         pipe.setbit(run_key(self.run, f"dropped:{stage}"), sample_id, 0)
         pipe.hdel(run_key(self.run, "failures"), f"{stage}:{sample_id}")
-        was_done, *_ = pipe.execute()
+        was_done, was_failed, was_dropped, _ = pipe.execute()
         self.paths.failure(stage, sample_id).unlink(missing_ok=True)
-        if not was_done:
-            events = run_key(self.run, f"events:{stage}")
-            pipe = self.conn.pipeline()
-            pipe.lpush(events, time.time())
-            pipe.ltrim(events, 0, RATE_WINDOW_EVENTS - 1)
-            pipe.execute()
+        if not (was_done or was_failed or was_dropped):
+            self._count_settled(stage, time.time() if now is None else now)
         return not was_done
 
-    def mark_failed(self, failure: Failure) -> None:
-        """Record a named failure on the volume first, then in Redis."""
+    def mark_failed(self, failure: Failure, *, count_in_rate: bool = True) -> None:
+        """Record a named failure on the volume first, then in Redis.
+
+        Counts toward the stage's throughput (at ``failure.at``) when the sample was not settled before,
+        unless ``count_in_rate`` is False: rows named at submission are not work the stage did."""
         _check_sample_stage(failure.stage)
         if not failure.at:
             failure = Failure(**{**asdict(failure), "at": time.time()})
         atomic_write_json(self.paths.failure(failure.stage, failure.sample_id), asdict(failure))
         bitmap = "dropped" if failure.kind == DROPPED else "failed"
-        pipe = self.conn.pipeline()
+        pipe = self.conn.pipeline()  # a MULTI/EXEC: the outcomes read are the ones the setbit replaced
+        for outcome in OUTCOMES:
+            pipe.getbit(run_key(self.run, f"{outcome}:{failure.stage}"), failure.sample_id)
         pipe.setbit(run_key(self.run, f"{bitmap}:{failure.stage}"), failure.sample_id, 1)
         pipe.hset(run_key(self.run, "failures"), f"{failure.stage}:{failure.sample_id}", failure.to_json())
-        pipe.execute()
+        *before, _, _ = pipe.execute()
+        if count_in_rate and not any(before):
+            self._count_settled(failure.stage, failure.at)
 
     def clear_failure(self, stage: str, sample_id: int) -> None:
         """Forget a failure so the sample can run again: the volume record first, then Redis."""
@@ -167,15 +218,44 @@ class RunState:
             found = [f for f in found if f.stage == stage]
         return sorted(found, key=lambda f: (f.stage, f.sample_id))
 
-    def rate(self, stage: str, now: float | None = None) -> float:
-        """Samples per second over the recent window (0 when too few events)."""
+    # ---- throughput ----------------------------------------------------------------------------
+    def throughput(self, stage: str, now: float | None = None) -> Throughput:
+        """Samples of ``stage`` settled in the recent window (one HGETALL); see ``Throughput``."""
+        _check_sample_stage(stage)
         now = time.time() if now is None else now
-        stamps = [float(x) for x in self.conn.lrange(run_key(self.run, f"events:{stage}"), 0, -1)]
-        stamps = [t for t in stamps if now - t <= RATE_WINDOW_SECONDS]
-        if len(stamps) < 2:
-            return 0.0
-        span = max(stamps) - min(stamps)
-        return (len(stamps) - 1) / span if span > 0 else 0.0
+        raw = {_s(k): _s(v) for k, v in self.conn.hgetall(settled_key(self.run, stage)).items()}
+        begun = float(raw.pop(BEGUN, "inf"))
+        window_start = float((_bucket(now) - RATE_BUCKETS + 1) * RATE_BUCKET_SECONDS)
+        start = max(begun, window_start)
+        if start == float("inf"):  # nothing ever settled
+            return Throughput(settled=0, span_s=0.0)
+        # Later buckets count too: a worker whose clock runs ahead of this one settled them all the same.
+        settled = sum(int(count) for bucket, count in raw.items() if int(bucket) >= _bucket(start))
+        return Throughput(settled=settled, span_s=max(now - start, 0.0))
+
+    def _count_settled(self, stage: str, at: float) -> None:
+        """One more sample of ``stage`` settled at ``at``: O(1) commands, plus a prune per new bucket."""
+        key, bucket = settled_key(self.run, stage), _bucket(at)
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hincrby(key, str(bucket), 1)
+        pipe.hsetnx(key, BEGUN, repr(at))
+        first_in_bucket, _ = pipe.execute()
+        if first_in_bucket == 1:
+            self._prune(key, bucket, at)
+
+    def _prune(self, key: str, bucket: int, at: float) -> None:
+        """Drop buckets that left the window; after a quiet window, ``at`` begins a new observation."""
+        buckets = [int(_s(f)) for f in self.conn.hkeys(key) if _s(f) != BEGUN]
+        # Relative to the newest bucket, not this one: a worker whose clock lags must not keep old ones.
+        stale = [str(b) for b in buckets if b <= max(buckets) - RATE_BUCKETS]
+        pipe = self.conn.pipeline(transaction=False)
+        if stale:
+            pipe.hdel(key, *stale)
+        if not any(b != bucket and b > bucket - RATE_BUCKETS for b in buckets):
+            # Nothing else settled within a window of this sample: measuring from the old beginning would
+            # spread it over a whole window of idle time.
+            pipe.hset(key, BEGUN, repr(at))
+        pipe.execute()
 
     # ---- whole-run stages (train, evaluate) ----------------------------------------------------
     def set_progress(self, stage: str, done: int, total: int, **extra: object) -> None:
@@ -218,6 +298,15 @@ def ids_bitmap(ids: Iterable[int]) -> bytes:
     bits = np.zeros(int(ids.max()) + 1, dtype=bool)
     bits[ids] = True
     return np.packbits(bits).tobytes()
+
+
+def settled_key(run: str, stage: str) -> str:
+    """The throughput hash of a per-sample stage: bucket number -> samples settled, and ``begun``."""
+    return run_key(run, f"settled:{stage}")
+
+
+def _bucket(at: float) -> int:
+    return int(at // RATE_BUCKET_SECONDS)
 
 
 def retried_field(stage: str) -> str:

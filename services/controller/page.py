@@ -2,7 +2,8 @@
 
 Each run gets a progress bar per stage, throughput, ETA, errors with the failed ids, disk, and the GPUs
 NVML sees. Every number comes from ``status.run_status``, the same dict ``draftline status --json``
-prints, so the page and the command never disagree.
+prints, so the page and the command never disagree; a rate or ETA the data cannot support yet reads
+"unknown", as in the command's text.
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ def _run(status: dict) -> str:
 
 
 def _stage(name: str, stage: dict) -> str:
+    """A row of the stage table; train and evaluate have no rate or ETA, so those cells stay empty."""
+    per_sample = "samples_per_second" in stage
     rate = stage.get("samples_per_second")
-    eta = stage.get("eta_seconds")
+    rate_text = "" if not per_sample else "unknown" if rate is None else f"{rate:.2f}"
+    eta_text = "" if not per_sample else _duration(stage["eta_seconds"])
+    window = f" title='over the last {stage['rate_window_seconds']:.0f} s'" if rate else ""
     return (
         f"<tr data-stage='{name}'><td>{name}</td>"
         f"<td><div class='bar'><div class='fill' style='width:{min(stage['percent'], 100.0):.1f}%'></div></div></td>"
         f"<td data-key='done'>{stage['done']} / {stage['total']}</td><td>{stage['percent']:.1f}</td>"
-        f"<td>{'' if rate is None else f'{rate:.2f}'}</td><td>{_duration(eta)}</td></tr>"
+        f"<td data-key='samples_per_second'{window}>{rate_text}</td><td data-key='eta_seconds'>{eta_text}</td></tr>"
     )
 
 
@@ -91,7 +96,7 @@ def _gpus(gpus: list[GpuReading]) -> str:
 
 def _duration(seconds: float | None) -> str:
     if seconds is None:
-        return ""
+        return "unknown"
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

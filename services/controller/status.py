@@ -2,6 +2,12 @@
 
 Everything comes from Redis counters and meta: a status call never walks the run directory, so it
 costs the same for ten samples and for a million.
+
+A stage's ``samples_per_second`` averages the samples it settled (done, failed or dropped) over
+``rate_window_seconds``, at most the last ``RATE_WINDOW_SECONDS``; ``eta_seconds`` is remaining over
+that rate. Both are None ("unknown") rather than a number the data cannot support: the rate until the
+stage has been observed for ``RATE_MIN_SPAN_SECONDS``, the ETA also until ``ETA_MIN_SETTLED`` samples
+settled in the window (``shared.runstate.Throughput`` states the rule and its error bound).
 """
 
 from __future__ import annotations
@@ -55,10 +61,11 @@ def _percent(part: float, total: float) -> float:
     return round(100.0 * part / total, 1) if total > 0 else 0.0
 
 
-def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts) -> dict:
+def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts, now: float | None = None) -> dict:
     settled = counts.done + counts.failed + counts.dropped
     remaining = max(total - settled, 0)
-    rate = state.rate(stage)
+    throughput = state.throughput(stage, now=now)
+    rate, eta = throughput.per_second, throughput.eta_seconds(remaining)
     return {
         "total": total,
         "done": counts.done,
@@ -66,15 +73,16 @@ def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts) -
         "dropped": counts.dropped,
         "remaining": remaining,
         "percent": _percent(settled, total),
-        "samples_per_second": round(rate, 3),
-        "eta_seconds": _eta(remaining, rate),
+        "samples_per_second": None if rate is None else round(rate, 3),
+        "rate_window_seconds": round(throughput.span_s, 1),
+        "eta_seconds": None if eta is None else round(eta),
     }
 
 
-def _eta(remaining: int, rate: float) -> int | None:
-    if remaining == 0:
-        return 0
-    return round(remaining / rate) if rate > 0 else None
+def overall_eta(stages: list[dict]) -> int | None:
+    """The slowest stage's ETA; unknown when any stage's is (a known one is then only a lower bound)."""
+    etas = [s["eta_seconds"] for s in stages]
+    return None if None in etas else max(etas)
 
 
 def _float(meta: dict[str, str], key: str) -> float | None:
@@ -140,8 +148,9 @@ def disk_usage(data: Path, meta: dict[str, str]) -> dict:
 # ---- the whole answer ----------------------------------------------------------------------------
 
 
-def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
-    """Status of ``run``; RunNotFound when neither Redis nor the volume knows it."""
+def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None) -> dict:
+    """Status of ``run`` at ``now`` (default: the present); RunNotFound when neither Redis nor the volume knows it."""
+    now = time.time() if now is None else now
     state = RunState(conn, data, run)
     meta = state.meta()
     if not meta and not state.paths.spec.is_file():
@@ -151,13 +160,12 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
         meta = {**meta, "expected": finished["expected"], "state": finished["state"]}
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
     gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
-    generate = sample_stage(state, "generate", expected, gen)
-    extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext)
+    generate = sample_stage(state, "generate", expected, gen, now)
+    extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
     train["loss"] = _float(meta, "train_loss")
     evaluate["acceptance_length"] = _float(meta, "acceptance_length")
     errors = error_summary(conn, run, meta, gen, ext)
-    etas = [s["eta_seconds"] for s in (generate, extract) if s["eta_seconds"] is not None]
     return {
         "run": run,
         "state": derive_state(meta, errors["total"] + errors["dropped"]),
@@ -166,9 +174,9 @@ def run_status(data: Path, conn: redis.Redis, run: str) -> dict:
         "errors": errors,
         "failures": first_failures(conn, run),
         "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
-        "eta_seconds": max(etas) if etas else None,
+        "eta_seconds": overall_eta([generate, extract]),
         "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"]},
-        "updated_at": time.time(),
+        "updated_at": now,
     }
 
 
@@ -195,9 +203,18 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
 
 
+def _rate(s: dict) -> str:
+    """``5.02 samples/s over 4m55s``, ``0.00 samples/s`` or ``unknown samples/s``."""
+    rate = s["samples_per_second"]
+    if rate is None:
+        return "unknown samples/s"
+    window = f" over {_duration(s['rate_window_seconds'])}" if rate else ""
+    return f"{rate:.2f} samples/s{window}"
+
+
 def _sample_line(name: str, s: dict) -> str:
     return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
-            f"dropped {s['dropped']:,}  {s['samples_per_second']:.2f} samples/s  ETA {_duration(s['eta_seconds'])}")
+            f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}")
 
 
 def _whole_line(name: str, s: dict, extra: str) -> str:

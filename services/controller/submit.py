@@ -126,7 +126,7 @@ def _record_bad_row(state: RunState, sample_id: int, exc: RowError, result: _Spl
     if not result.first_problem:
         result.first_problem = f"row {sample_id}: {error_class(exc)}: {exc}"
     state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
-                              error_class=error_class(exc), message=str(exc)))
+                              error_class=error_class(exc), message=str(exc)), count_in_rate=False)
 
 
 def _check_usable(spec: RunSpec, result: _Split) -> None:

@@ -157,10 +157,11 @@ def _sample_stage(
         labels, counts.dropped
     )
     _progress(families, labels, expected, remaining, in_flight)
-    rate = state.rate(stage, now=now)
-    if remaining == 0 or rate > 0:
+    # Absent, not a made-up number, while the recent rate cannot support an ETA (shared.runstate.Throughput).
+    eta = state.throughput(stage, now=now).eta_seconds(remaining)
+    if eta is not None:
         families.gauge(names.STAGE_ETA, "Seconds until the stage finishes at its recent rate.", RUN_STAGE).add_metric(
-            labels, remaining / rate if remaining else 0.0
+            labels, eta
         )
 
 

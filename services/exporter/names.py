@@ -20,7 +20,7 @@ STAGE_DROPPED = "draftline_stage_dropped"  # filtered on purpose (e.g. a reply t
 STAGE_REMAINING = "draftline_stage_remaining"  # expected minus done, failed and dropped
 STAGE_PROGRESS = "draftline_stage_progress_ratio"  # settled share of expected, 0..1
 STAGE_IN_FLIGHT = "draftline_stage_jobs_in_flight"  # RQ jobs of this run being worked on now
-STAGE_ETA = "draftline_stage_eta_seconds"  # remaining / recent rate; absent while the rate is unknown
+STAGE_ETA = "draftline_stage_eta_seconds"  # remaining / recent rate; absent while the ETA is unknown
 
 # ---- per run: label run ---------------------------------------------------------------------------
 RUN_HIDDEN_BYTES = "draftline_run_hidden_state_bytes"

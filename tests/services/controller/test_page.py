@@ -37,6 +37,18 @@ def test_the_page_shows_the_status_numbers_and_the_failed_ids(data_dir, redis_co
         assert "0 GPUs visible" in html  # no NVML here: said, not an error
 
 
+def test_a_rate_or_eta_the_data_cannot_support_reads_unknown(data_dir, redis_conn, redis_url, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, "burst", prompt_rows(60))
+    for sample_id in range(50):  # one batch landing at once: no rate and no ETA yet
+        state.mark_done("generate", sample_id)
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    rows = {stage: re.search(rf"<tr data-stage='{stage}'>.*?</tr>", html).group(0) for stage in ("generate", "extract")}
+    assert "<td data-key='samples_per_second'>unknown</td><td data-key='eta_seconds'>unknown</td>" in rows["generate"]
+    assert "<td data-key='samples_per_second'>0.00</td><td data-key='eta_seconds'>unknown</td>" in rows["extract"]
+
+
 def test_without_runs_the_page_says_how_to_start_one(data_dir, redis_conn, redis_url):
     app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
     with TestClient(app) as client:

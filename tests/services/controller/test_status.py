@@ -15,7 +15,10 @@ from shared.runstate import DROPPED, Failure, RunState
 from tests.services.controller.test_datasets import write_jsonl
 
 RUN = "stat"
-STAGE_KEYS = {"total", "done", "failed", "dropped", "remaining", "percent", "samples_per_second", "eta_seconds"}
+STAGE_KEYS = {"total", "done", "failed", "dropped", "remaining", "percent", "samples_per_second",
+              "rate_window_seconds", "eta_seconds"}
+T0 = 1_700_000_002.5
+BURST, EVERY = 50, 10.0  # a true rate of 5 samples/s, landing in bursts
 
 
 def fail(state: RunState, stage: str, sample_id: int, cls: str = "InferenceRejected", kind: str = "error") -> None:
@@ -65,10 +68,11 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert gen["eta_seconds"] == 0
     # Extraction only sees what generation produced: 10 - 2 failed - 1 dropped.
     assert (ext["total"], ext["done"], ext["failed"], ext["dropped"], ext["remaining"], ext["percent"]) == (7, 3, 1, 0, 3, 57.1)
-    rate = state.rate("extract")  # 3 events moments apart: a high but finite rate
-    assert ext["samples_per_second"] == round(rate, 3) > 0
-    assert ext["eta_seconds"] == round(3 / rate)
-    assert status["eta_seconds"] == max(gen["eta_seconds"], ext["eta_seconds"])
+    # Four samples settled moments ago are a burst, not a rate: unknown, and so is the run's ETA.
+    assert (ext["samples_per_second"], ext["eta_seconds"], status["eta_seconds"]) == (None, None, None)
+    assert ext["rate_window_seconds"] < 30
+    # Row 2 was named at submission, which is no work generation did: 7 done + 1 failed + 1 dropped settled.
+    assert state.throughput("generate").settled == 9
     assert status["errors"] == {"total": 3, "since_resume": 3, "dropped": 1}
     assert status["disk"]["run_bytes"] == 3000
     assert status["disk"]["path"] == str(data_dir)
@@ -142,8 +146,9 @@ def test_state_is_derived_from_the_run_and_trainer_fields(meta, errors, expected
 def test_operator_text_names_progress_errors_rate_eta_and_disk(data_dir, redis_conn, state):
     text = format_status(run_status(data_dir, redis_conn, RUN))
     assert text.startswith(f"run {RUN}: generating (10 samples expected)")
-    assert re.search(r"generate +7 / 10 +100\.0% +failed 2 +dropped 1 +[0-9.]+ samples/s +ETA 0s", text)
-    assert re.search(r"extract +3 / 7 +57\.1% +failed 1 +dropped 0 +[0-9.]+ samples/s +ETA \d+s", text)
+    assert re.search(r"generate +7 / 10 +100\.0% +failed 2 +dropped 1 +unknown samples/s +ETA 0s", text)
+    assert re.search(r"extract +3 / 7 +57\.1% +failed 1 +dropped 0 +unknown samples/s +ETA unknown", text)
+    assert re.search(r"\n  ETA +unknown\n", text)
     assert "3 total, 3 since resume, 1 dropped" in text
     assert "samples/s" in text and "ETA" in text and "free of" in text
     assert "sample 2 " in text and "InvalidJson" in text and "HiddenStateFileError" in text
@@ -153,3 +158,48 @@ def test_unknown_run_is_not_found_and_list_covers_every_run(data_dir, redis_conn
     with pytest.raises(RunNotFound):
         run_status(data_dir, redis_conn, "nope")
     assert [s["run"] for s in list_status(data_dir, redis_conn)] == [RUN]
+
+
+@pytest.fixture()
+def bursty(data_dir, redis_conn, tmp_path) -> RunState:
+    """1000 samples to generate (one more row held out), none settled yet."""
+    dataset = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"q{i}"} for i in range(1001)])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name="bursty", model="m", evaluate=EvalConfig(holdout=1))
+    return RunState(redis_conn, data_dir, "bursty")
+
+
+def land(state: RunState, burst: int, at: float) -> None:
+    for j in range(BURST):
+        state.mark_done("generate", burst * BURST + j, now=at)
+
+
+def test_a_burst_at_the_start_is_an_unknown_rate_and_eta_not_an_eta_of_0(data_dir, redis_conn, bursty):
+    land(bursty, 0, T0)
+    status = run_status(data_dir, redis_conn, "bursty", now=T0 + 0.01)
+    gen = status["stages"]["generate"]
+    assert (gen["done"], gen["remaining"]) == (50, 950)
+    assert (gen["samples_per_second"], gen["eta_seconds"], status["eta_seconds"]) == (None, None, None)
+    text = format_status(status)
+    assert re.search(r"generate +50 / 1,000 .* unknown samples/s +ETA unknown", text)
+    assert re.search(r"extract +0 / 1,000 .* 0\.00 samples/s +ETA unknown", text)  # nothing extracted yet
+
+
+def test_rate_and_eta_stay_within_a_burst_over_the_window_of_the_truth(data_dir, redis_conn, bursty):
+    """13 bursts in 120 s, read at 125 s: |rate - 5| <= 50 / 125, so the ETA of the 350 left is 65-76 s."""
+    for burst in range(13):
+        land(bursty, burst, T0 + burst * EVERY)
+    status = run_status(data_dir, redis_conn, "bursty", now=T0 + 125)
+    gen = status["stages"]["generate"]
+    assert (gen["remaining"], gen["rate_window_seconds"]) == (350, 125.0)
+    bound = BURST / gen["rate_window_seconds"]
+    assert abs(gen["samples_per_second"] - BURST / EVERY) <= bound
+    assert 350 / (BURST / EVERY + bound) <= gen["eta_seconds"] <= 350 / (BURST / EVERY - bound)
+    assert gen["eta_seconds"] == round(350 / gen["samples_per_second"])
+    text = format_status(status)
+    assert re.search(rf"generate .* {gen['samples_per_second']:.2f} samples/s over 2m05s +ETA 1m0\ds", text)
+    # Extraction has not started, so the run's ETA is unknown rather than generation's alone.
+    assert status["stages"]["extract"]["eta_seconds"] is None and status["eta_seconds"] is None
+    for burst in range(13, 20):
+        land(bursty, burst, T0 + burst * EVERY)
+    done = run_status(data_dir, redis_conn, "bursty", now=T0 + 200)["stages"]["generate"]
+    assert (done["remaining"], done["eta_seconds"]) == (0, 0)

@@ -75,14 +75,29 @@ def test_a_retried_sample_leaves_the_failed_gauge(redis_url, redis_conn, data_di
 
 
 def test_eta_is_remaining_over_the_recent_rate(redis_url, redis_conn, data_dir) -> None:
-    state = populate(redis_conn, data_dir)
-    now = time.time()
+    state = RunState(redis_conn, data_dir, "r1")
+    state.register(100)
+    start = 1_700_000_002.5
+    for sample_id in range(40):  # one sample every 2 s, then read 80 s after the first
+        state.mark_done("generate", sample_id, now=start + 2 * sample_id)
+    state.mark_done("extract", 0, now=start)
+    now = start + 80
     samples = scrape(redis_url, data_dir, clock=lambda: now)
-    rate = state.rate("generate", now=now)
-    assert rate > 0
-    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") == pytest.approx(4 / rate)
-    # One extraction is not a rate yet: no ETA rather than a made-up one.
+    rate = state.throughput("generate", now=now).per_second
+    assert rate == pytest.approx(40 / 80)
+    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") == pytest.approx(60 / rate)
+    # One extraction is not enough for an ETA: absent rather than a made-up one.
     assert value(samples, names.STAGE_ETA, run="r1", stage="extract") is None
+
+
+def test_a_burst_is_no_eta(redis_url, redis_conn, data_dir) -> None:
+    state = RunState(redis_conn, data_dir, "r1")
+    state.register(100)
+    for sample_id in range(50):  # one batch landing at once, moments ago
+        state.mark_done("generate", sample_id)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, names.STAGE_REMAINING, run="r1", stage="generate") == 50
+    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") is None
 
 
 def test_eta_is_zero_once_nothing_remains(redis_url, redis_conn, data_dir) -> None:
