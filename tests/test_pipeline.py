@@ -103,9 +103,8 @@ def test_status_command_names_failures_and_matches_the_api(finished_run):
         assert str(sample_id) in text
 
 
+@pytest.mark.needs_package("chromium")
 def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
-    if finished_run["page"] is None:
-        pytest.skip("chromium is not installed (.ci/run installs it)")
     page, status = finished_run["page"], finished_run["status"]
     # The page lists every run the Redis server knows; other tests' runs may share this one.
     page = page[page.index(f'id="run-{RUN}"'):]
