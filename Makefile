@@ -1,5 +1,6 @@
 # draftline: `make demo` runs the whole pipeline on a tiny built-in target; `make test` runs the suite.
-# Both create .venv on first use: torch first (a CPU build by default), then the project.
+# Both create .venv on first use: torch first (a CPU build by default), then the project. Both first
+# install (as root) or name in one line the Debian packages they run: tools/system-packages.sh.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,11 +12,17 @@ PIP_TORCH_ARGS ?=
 DATA ?= ./data
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean-demo help
+.PHONY: install demo test clean-demo help system-packages-demo system-packages-test
 
 help:
-	@echo "make demo   - whole pipeline on the tiny built-in target (no GPU, no Docker)"
-	@echo "make test   - the test suite (needs redis-server installed)"
+	@echo "make demo   - whole pipeline on the tiny built-in target (no GPU, no Docker; installs redis-server as root)"
+	@echo "make test   - the test suite (installs redis-server, prometheus and chromium as root)"
+
+system-packages-demo:
+	bash tools/system-packages.sh redis-server
+
+system-packages-test:
+	bash tools/system-packages.sh redis-server prometheus chromium
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +33,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
+demo: system-packages-demo install
 	$(VENV)/bin/draftline demo --data $(DATA)
 
-test: install
+test: system-packages-test install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-demo:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from tests.support.processes import RedisServer
+from tests.support.system_packages import is_installed, missing_message
+from tests.support.tiny_target import (
+    cached_tiny_model,
+    entry_for,
+    is_intact,
+    verify_unchanged,
+)
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +40,39 @@ def redis_conn(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in tiny target, built once per session through the same code as ``make-tiny-model``."""
-    from services.inference.tiny_model import make_tiny_model
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``needs_package`` fails before its fixtures start where the package is missing:
+    `make test` installs it, so a skip would only hide a broken setup."""
+    for mark in item.iter_markers("needs_package"):
+        for package in mark.args:
+            if not is_installed(package):
+                pytest.fail(missing_message(package), pytrace=False)
 
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the tiny target (on a cache miss) before the first test starts, outside every test's timeout:
+    inside the first test that needs it, a slow build would time out and error every test after it."""
+    if session.config.option.collectonly or is_intact(entry_for()):
+        return
+    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"building the tiny target into {entry_for()} (once per version of its code)")
+        try:
+            cached_tiny_model()
+        except Exception:  # the fixture builds again and reports the error in the tests that need it
+            logging.getLogger(__name__).exception("building the tiny target failed")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Iterator[Path]:
+    """The built-in tiny target, built through the same code as ``make-tiny-model`` and cached across
+    test runs (tests/support/tiny_target.py). Shared and read-only: a test that changes a model
+    directory changes a copy; the session fails at its end if one wrote into this one."""
+    model_dir = cached_tiny_model()
+    yield model_dir
+    verify_unchanged(model_dir)
 
 
 @pytest.fixture()

@@ -25,6 +25,7 @@ from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.runstate import RunState
+from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.slow
 RUN = "chaos"
 ROWS = 304
 HOLDOUT = 4
+DECODING = {"max_new_tokens": 8, "draft_steps": 2}  # the run's evaluation settings
 FAULTS = 14
 CHAOS_SECONDS = 150
 FINISH_SECONDS = 420
@@ -119,7 +121,7 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
                 "dataset": str(dataset), "name": RUN,
                 "generation": {"max_tokens": 12, "min_completion_tokens": 0},
                 "train": {"epochs": 1, "batch_size": 16, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 96},
-                "evaluate": {"holdout": HOLDOUT, "max_new_tokens": 8, "draft_steps": 2},
+                "evaluate": {"holdout": HOLDOUT, **DECODING},
             }
             response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
             assert response.status_code == 201, response.text
@@ -135,7 +137,8 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
                 time.sleep(1)
             conn = redis.Redis.from_url(redis_server.url)
             counts = {stage: RunState(conn, data, RUN).counts(stage) for stage in ("generate", "extract")}
-        yield {"status": final, "faults": faults, "data": data, "counts": counts, "logs": root / "logs"}
+        yield {"status": final, "faults": faults, "data": data, "counts": counts, "logs": root / "logs",
+               "model_dir": tiny_model_dir}
     finally:
         redis_server.stop()
 
@@ -175,4 +178,6 @@ def test_no_temp_files_and_counters_agree_with_the_volume(chaos_run):
     assert counts["extract"].done == on_volume == ROWS - HOLDOUT
     assert counts["generate"].done == len(list(paths.generated_dir.rglob("*.json")))
     assert counts["extract"].failed == counts["generate"].failed == 0
-    assert json.loads(paths.eval_report.read_text())["acceptance_length"] >= 1.0
+    report = json.loads(paths.eval_report.read_text())
+    assert_report_matches(report, expected_report_of_run(chaos_run["model_dir"], paths.export_dir, paths.eval_prompts,
+                                                         **DECODING))

@@ -606,7 +606,7 @@ PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
 # The exporter, the built-in inference servers, and the two generation engines.
 SCRAPE_JOBS = ("draftline-exporter", "draftline-inference", "vllm", "sglang")
 promtool = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not installed (Debian package prometheus)")
+needs_promtool = pytest.mark.needs_package("prometheus")
 
 
 def monitored_projects() -> list[str]:

@@ -20,6 +20,7 @@ from services.cli.stack import LocalStack, StackConfig
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
+from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.browser import chromium, dump_dom
 from tests.support.runs import wait_terminal
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 MALFORMED = {5: "{this is not json", 11: json.dumps({"messages": []}), 17: json.dumps({"prompt": 42})}
 RUN = "e2e"
+DECODING = {"max_new_tokens": 24, "draft_steps": 2}  # the run's evaluation settings
 
 
 def write_dataset(path: Path, rows: int = 40) -> None:
@@ -48,14 +50,14 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
             "name": RUN,
             "generation": {"max_tokens": 24, "min_completion_tokens": 4},
             "train": {"epochs": 2, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 128},
-            "evaluate": {"holdout": 4, "max_new_tokens": 24, "draft_steps": 2},
+            "evaluate": {"holdout": 4, **DECODING},
         }
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
         status = wait_terminal(stack, RUN, timeout=420.0)
         # The status page as a browser renders it, while the real run's services still answer.
         page = dump_dom(f"{stack.url('controller')}/status") if chromium() else None
-    return {"status": status, "data": data, "redis_url": redis_server.url, "page": page}
+    return {"status": status, "data": data, "redis_url": redis_server.url, "page": page, "model_dir": tiny_model_dir}
 
 
 def test_run_completes_and_names_every_malformed_row(finished_run):
@@ -88,7 +90,9 @@ def test_exported_drafter_verifies_and_acceptance_is_measured(finished_run):
     verify_export(export)
     report = json.loads(RunPaths(data, RUN).eval_report.read_text())
     assert report["acceptance_length"] == pytest.approx(status["drafter"]["acceptance_length"])
-    assert 1.0 <= report["acceptance_length"] <= 3.0  # draft_steps=2: at most 2 accepted + 1 bonus
+    paths = RunPaths(data, RUN)
+    assert_report_matches(report, expected_report_of_run(finished_run["model_dir"], export, paths.eval_prompts,
+                                                         **DECODING))
 
 
 def test_status_command_names_failures_and_matches_the_api(finished_run):
@@ -103,9 +107,8 @@ def test_status_command_names_failures_and_matches_the_api(finished_run):
         assert str(sample_id) in text
 
 
+@pytest.mark.needs_package("chromium")
 def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
-    if finished_run["page"] is None:
-        pytest.skip("chromium is not installed (.ci/run installs it)")
     page, status = finished_run["page"], finished_run["status"]
     # The page lists every run the Redis server knows; other tests' runs may share this one.
     page = page[page.index(f'id="run-{RUN}"'):]

@@ -16,6 +16,7 @@ from shared.settings import ControllerSettings
 from tests.support.tmpfs import mounted_tmpfs
 
 RUN = "disky"
+POLL = 61.5  # a poll interval no other caller of time.sleep uses
 
 
 def make_run(data, conn, *, expected: int = 10, prompts_bytes: int = 4000, max_tokens: int = 100,
@@ -123,9 +124,18 @@ def test_free_space_below_the_reserve_pauses_even_a_finished_projection(data_dir
     assert disk.paused_reason(redis_conn, RUN) is None
 
 
-def test_an_unpaused_run_never_waits(data_dir, redis_conn):
+def test_an_unpaused_run_never_waits(data_dir, redis_conn, caplog, monkeypatch):
     make_run(data_dir, redis_conn)
-    disk.wait_for_headroom(redis_conn, data_dir, RUN, poll_s=60)  # would block a minute if it waited
+    polls = []
+    real_sleep = disk.time.sleep
+    monkeypatch.setattr(disk.time, "sleep", lambda s: polls.append(s) if s == POLL else real_sleep(s))
+    # With timeout_s=0 one pass of the wait loop logs and raises DiskPaused: returning proves none ran.
+    with caplog.at_level(logging.INFO, logger="shared.disk"):
+        assert disk.wait_for_headroom(redis_conn, data_dir, RUN, poll_s=POLL, timeout_s=0) is None
+    assert caplog.records == [] and polls == []
+    disk.set_paused(redis_conn, RUN, "volume full")
+    with pytest.raises(disk.DiskPaused, match="volume full"):  # the same call waits once the run is paused
+        disk.wait_for_headroom(redis_conn, data_dir, RUN, poll_s=POLL, timeout_s=0)
 
 
 def test_a_paused_extraction_waits_until_the_pause_clears(data_dir, redis_conn, caplog):

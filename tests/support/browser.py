@@ -17,7 +17,7 @@ def chromium() -> str | None:
 def dump_dom(url: str, *, timeout: float = 60.0) -> str:
     binary = chromium()
     if binary is None:
-        raise RuntimeError("chromium is not installed (apt-get install chromium)")
+        raise RuntimeError("chromium is not installed; `make test` installs it as root, or run: sudo bash tools/system-packages.sh chromium")
     with tempfile.TemporaryDirectory() as profile:
         result = subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
                                 capture_output=True, text=True, timeout=timeout)
@@ -29,7 +29,7 @@ def dump_dom(url: str, *, timeout: float = 60.0) -> str:
 def screenshot(url: str, path: str, *, size: str = "1200,900", timeout: float = 60.0) -> None:
     binary = chromium()
     if binary is None:
-        raise RuntimeError("chromium is not installed (apt-get install chromium)")
+        raise RuntimeError("chromium is not installed; `make test` installs it as root, or run: sudo bash tools/system-packages.sh chromium")
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
                         f"--screenshot={path}", url], capture_output=True, timeout=timeout, check=True)

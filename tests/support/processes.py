@@ -38,7 +38,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server not installed (Debian package redis-server)")
+            raise RuntimeError("redis-server is not installed; `make test` installs it as root, or run: sudo bash tools/system-packages.sh redis-server")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

@@ -19,7 +19,7 @@ from tests.support.processes import REPO
 PROMETHEUS_DIR = REPO / "prometheus"
 METRIC = re.compile(r"\b(draftline_[a-z0-9_]+)\b")
 promtool = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not installed (Debian package prometheus)")
+needs_promtool = pytest.mark.needs_package("prometheus")
 
 
 def exported() -> set[str]:

@@ -23,13 +23,12 @@ from tests.support.prometheus import (
     Prometheus,
     adapt_config,
     has_values,
-    prometheus_binary,
 )
 from tests.support.runs import wait_terminal
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(prometheus_binary() is None, reason="prometheus not installed (Debian package prometheus)"),
+    pytest.mark.needs_package("prometheus"),
 ]
 
 RUN = "observed"

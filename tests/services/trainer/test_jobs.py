@@ -13,10 +13,11 @@ from shared.atomic import temp_files
 from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runstate import RunState
+from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import ServiceProcess
 
 TRAIN = {"epochs": 3, "batch_size": 4, "ttt_steps": 2, "save_every": 5, "lr": 1e-2}
-EVALUATE = {"max_new_tokens": 12, "draft_steps": 3}
+EVALUATE = {"max_new_tokens": 12, "draft_steps": 3}  # keyword names of expected_report_of_run too
 
 
 def worker(redis_url, data_dir, model_dir, log_dir) -> ServiceProcess:
@@ -50,7 +51,8 @@ def test_worker_trains_exports_and_then_evaluates_the_run(make_run, redis_url, r
     config = verify_export(paths.export_dir)
     assert config["draftline"]["target_model"] == "tiny" and config["torch_dtype"] == "float32"  # the target's dtype
     report = json.loads(paths.eval_report.read_text())
-    assert report["acceptance_length"] >= 1.0 and report["steps"] > 0 and len(report["prompts"]) == 4
+    assert report["steps"] > 0 and len(report["prompts"]) == 4
+    assert_report_matches(report, expected_report_of_run(tiny_model_dir, paths.export_dir, paths.eval_prompts, **EVALUATE))
     meta = RunState(redis_conn, data_dir, "served").meta()
     assert meta["train_state"] == "done" and meta["evaluate_state"] == "done"
     assert meta["export_path"] == str(paths.export_dir)
