@@ -4,8 +4,10 @@ With a token set, every mutating request (POST, PUT, PATCH, DELETE) must carry i
 ``DRAFTLINE_API_READS=token`` every other request too; ``/health`` stays open for healthchecks. A request
 without the token gets **401** (``WWW-Authenticate`` says how to send it), one with a wrong token **403**.
 The check runs before routing and body parsing, so a caller without the token learns nothing else about
-the request. Browsers cannot add a Bearer header to a page that refreshes itself, so HTTP Basic with the
-token as the password (any user name) counts too, and the status page's 401 asks the browser for it.
+the request. Browsers cannot add a Bearer header to a page that refreshes itself, so for reads HTTP Basic
+with the token as the password (any user name) counts too, and the status page's 401 asks the browser
+for it. Mutating calls take Bearer only: a browser resends cached Basic credentials on its own, so
+another site's page could otherwise make it submit runs.
 
 Without a token the controller starts only on a loopback address, unless
 ``DRAFTLINE_ALLOW_UNAUTHENTICATED=true`` says the network in front of it is trusted.
@@ -69,13 +71,14 @@ def needs_token(method: str, path: str, reads: str) -> bool:
     return method in MUTATING_METHODS or reads == "token"
 
 
-def presented_token(authorization: str) -> str | None:
-    """The token of an ``Authorization`` header: Bearer, or the password of Basic; None when absent."""
+def presented_token(authorization: str, *, basic: bool) -> str | None:
+    """The token of an ``Authorization`` header: Bearer, or (with ``basic``) the password of Basic; None
+    when absent."""
     scheme, _, credentials = authorization.strip().partition(" ")
     credentials = credentials.strip()
     if scheme.lower() == "bearer" and credentials:
         return credentials
-    if scheme.lower() == "basic" and credentials:
+    if basic and scheme.lower() == "basic" and credentials:
         try:
             decoded = base64.b64decode(credentials, validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError):
@@ -102,7 +105,7 @@ class RequireToken:
             await self.app(scope, receive, send)
             return
         headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
-        presented = presented_token(headers.get("authorization", ""))
+        presented = presented_token(headers.get("authorization", ""), basic=scope["method"] not in MUTATING_METHODS)
         if presented is not None and token_matches(presented, self.token):
             await self.app(scope, receive, send)
             return
@@ -116,4 +119,5 @@ class RequireToken:
                 "detail": f"{what}: the API token sent does not match the controller's DRAFTLINE_API_TOKEN"})
         scheme = "Basic" if scope["path"] in BROWSER_PATHS else "Bearer"
         return JSONResponse(status_code=401, headers={"WWW-Authenticate": f'{scheme} realm="{REALM}"'}, content={
-            "detail": f"{what} needs the controller's API token: send 'Authorization: Bearer <DRAFTLINE_API_TOKEN>'"})
+            "detail": f"{what} needs the controller's API token: send 'Authorization: Bearer <DRAFTLINE_API_TOKEN>'"
+                      + (" (Basic credentials count for reads only)" if scope["method"] in MUTATING_METHODS else "")})
