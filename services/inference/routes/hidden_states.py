@@ -1,9 +1,10 @@
 """``POST /v1/hidden_states`` (draftline's own): run one sample through the target, write its states.
 
-The server writes only into a run's hidden-state directory, ``<data>/runs/<run>/hidden_states/``, and only
-``.safetensors`` files: any other path on the volume (a drafter's export, a run's ``run.json``) is
-refused with **403**, a path outside the volume with 400. A full volume answers **507 Insufficient Storage** naming the volume and its free bytes; nothing of the
-file remains, and the server keeps serving every other request.
+The server writes only ``.safetensors`` files into a run's hidden-state directory,
+``<data>/runs/<run>/hidden_states/``: any other path on the volume (a drafter's export, a run's
+``run.json``) is refused with **403**, a path outside the volume with 400. A full volume answers **507
+Insufficient Storage** naming the volume and its free bytes; nothing of the file remains, and the server
+keeps serving every other request.
 """
 
 from __future__ import annotations
