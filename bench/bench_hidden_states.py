@@ -25,6 +25,7 @@ import torch
 from services.inference.hidden import HiddenJob, right_pad
 from services.inference.model import LoadedModel, load_model
 from services.inference.pipeline import HiddenStatePipeline
+from shared.layout import RunPaths
 from shared.settings import InferenceSettings, configure_logging
 
 log = logging.getLogger("bench_hidden_states")
@@ -53,7 +54,7 @@ def make_jobs(loaded: LoadedModel, lengths: list[int], count: int, out: Path, se
     for i in range(count):
         length = lengths[i % len(lengths)]
         ids = torch.randint(0, loaded.vocab_size, (length,), generator=gen).tolist()
-        rel = f"bench/{i:08d}.safetensors"
+        rel = RunPaths(out, "bench").hidden_relative(i)  # the server writes only into runs' hidden-state folders
         jobs.append(HiddenJob(ids, [1] * length, out / rel, rel, layer_ids, {"bench": "1"}))
     return jobs
 

@@ -134,6 +134,22 @@ def runs_root(data: Path) -> Path:
     return Path(data) / "runs"
 
 
+def hidden_state_run(data: Path, path: Path) -> str | None:
+    """The run whose hidden-state directory holds the file ``path`` (``<data>/runs/<run>/hidden_states/…``),
+    or None; ``data`` and ``path`` are compared as given, so resolve both first."""
+    try:
+        parts = Path(path).relative_to(runs_root(data)).parts
+    except ValueError:
+        return None
+    if len(parts) < 3:
+        return None
+    try:
+        run = check_run_name(parts[0])
+    except ValueError:
+        return None
+    return run if RunPaths(Path(data), run).hidden_dir in Path(path).parents else None
+
+
 def list_runs(data: Path) -> list[str]:
     root = runs_root(data)
     if not root.is_dir():

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.endpoints import EndpointList
@@ -19,30 +19,38 @@ from shared.errors import SettingsError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_INFERENCE_URL = "http://127.0.0.1:8000"
+LOOPBACK = "127.0.0.1"
+# A shorter token is guessable; 32 random bytes in URL-safe base64 are 43 characters.
+MIN_TOKEN_CHARS = 16
 
 
-class CommonSettings(BaseSettings):
-    """What every service needs: the volume, Redis, logging."""
+class ServiceSettings(BaseSettings):
+    """What every service needs: the volume and logging."""
 
     model_config = SettingsConfigDict(env_prefix="DRAFTLINE_", env_file=".env", extra="ignore")
 
     data: Path = Field(Path("./data"), description="Root of the shared data volume (runs, models).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class CommonSettings(ServiceSettings):
+    """A service that uses Redis: the queues, counters and run state."""
+
     redis_url: str = Field(
         DEFAULT_REDIS_URL,
         validation_alias="REDIS_URL",
         description="Redis holding the queues and counters; workers on other hosts point here.",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
-class InferenceSettings(CommonSettings):
-    """The built-in model server: chat completions and hidden-state extraction."""
+class InferenceSettings(ServiceSettings):
+    """The built-in model server: chat completions and hidden-state extraction. It uses no Redis."""
 
     model_dir: Path = Field(..., description="Local Hugging Face model directory of the target.")
     model_name: str | None = Field(None, description="Name served in /v1/models; defaults to the directory name.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    host: str = "0.0.0.0"
+    host: str = Field(LOOPBACK, description="Listen address; compose sets 0.0.0.0 inside the container.")
     port: int = Field(8000, ge=1, le=65535)
     max_batch_size: int = Field(16, ge=1, description="Most chat requests decoded together.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill before it starts.")
@@ -53,7 +61,7 @@ class InferenceSettings(CommonSettings):
 class ControllerSettings(CommonSettings):
     """HTTP API, run submission, the queue feeder and the status page."""
 
-    host: str = "0.0.0.0"
+    host: str = Field(LOOPBACK, description="Listen address; any other than loopback needs api_token.")
     port: int = Field(8080, ge=1, le=65535)
     inference_url: EndpointList = Field(
         DEFAULT_INFERENCE_URL, description="Generation server(s), comma-separated base URLs; asked for the model "
@@ -78,6 +86,43 @@ class ControllerSettings(CommonSettings):
     allow_ephemeral_data: bool = Field(
         False, description="Accept a data volume on tmpfs or under /tmp (demo only: it is lost at reboot)."
     )
+    api_token: SecretStr | None = Field(
+        None, description="Bearer token every mutating API call must send (and every read, with api_reads=token).",
+    )
+    api_reads: Literal["open", "token"] = Field(
+        "open", description="Whether GET calls and the status page are open or need api_token too (/health is open).",
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="Start without api_token although the listen address is not loopback.",
+    )
+    dataset_roots: str = Field(
+        "", description="Folders a run's local dataset must lie in, comma-separated; default <data>/datasets.",
+    )
+
+    @field_validator("api_token", mode="before")
+    @classmethod
+    def _token(cls, value: object) -> object:
+        # An empty line in .env means no token, not a token anyone can send.
+        if value is None or value == "":
+            return None
+        text = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+        if len(text) < MIN_TOKEN_CHARS or text != text.strip():
+            raise ValueError(f"use at least {MIN_TOKEN_CHARS} characters without surrounding blanks, e.g. the "
+                             "output of `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        return text
+
+    @field_validator("dataset_roots")
+    @classmethod
+    def _roots(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",")] if value.strip() else []
+        if any(not entry for entry in entries):
+            raise ValueError("an entry is empty (expected folders separated by commas)")
+        return ",".join(entries)
+
+    def dataset_root_paths(self) -> tuple[Path, ...]:
+        """The folders local datasets are read from, symlinks and ``..`` resolved."""
+        roots = [Path(entry) for entry in self.dataset_roots.split(",")] if self.dataset_roots else []
+        return tuple(root.resolve() for root in roots or [Path(self.data) / "datasets"])
 
 
 class RetrySettings(CommonSettings):
@@ -138,9 +183,20 @@ class TrainerSettings(CommonSettings):
 class ExporterSettings(CommonSettings):
     """Prometheus endpoint over Redis counters and the volume."""
 
-    host: str = "0.0.0.0"
+    host: str = Field(LOOPBACK, description="Listen address; compose sets 0.0.0.0 inside the container.")
     port: int = Field(9400, ge=1, le=65535)
 
+
+# The settings class ``draftline serve <name>`` builds. Compose hands each container exactly the variables of
+# its class (tests/test_compose.py checks both), so no container holds a secret its service does not read.
+SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {
+    "inference": InferenceSettings,
+    "controller": ControllerSettings,
+    "generator": GeneratorSettings,
+    "extractor": ExtractorSettings,
+    "trainer": TrainerSettings,
+    "exporter": ExporterSettings,
+}
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -163,6 +219,11 @@ def env_name(cls: type[BaseSettings], field: str) -> str:
     if info is not None and isinstance(info.validation_alias, str):
         return info.validation_alias
     return (cls.model_config.get("env_prefix") or "") + field.upper()
+
+
+def settings_variables(cls: type[BaseSettings]) -> set[str]:
+    """Every environment variable ``cls`` reads."""
+    return {env_name(cls, field) for field in cls.model_fields}
 
 
 def configure_logging(level: str = "INFO") -> None:

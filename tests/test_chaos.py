@@ -112,7 +112,7 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
     write_dataset(dataset)
     config = StackConfig(
         data=data, model_dir=tiny_model_dir, log_dir=root / "logs", redis_url=redis_server.url,
-        replicas={"generator": 2, "extractor": 2},
+        replicas={"generator": 2, "extractor": 2}, env={"DRAFTLINE_DATASET_ROOTS": str(root)},
     )
     rng = random.Random(20261129)
     try:

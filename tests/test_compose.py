@@ -19,7 +19,7 @@ import yaml
 
 from shared.endpoints import parse_endpoints
 from shared.services import SERVICE_COMMANDS, SERVICE_NAMES
-from shared.settings import ExtractorSettings, GeneratorSettings
+from shared.settings import SERVICE_SETTINGS, ExtractorSettings, GeneratorSettings, settings_variables
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -50,6 +50,7 @@ LAYOUT_GPUS = {"gpus": set(map(str, range(8))), "gpus-vllm": set(map(str, range(
 _REFERENCE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\})")
 EXAMPLE_ENV = {
     "REDIS_PASSWORD": "s3cret-pw",
+    "DRAFTLINE_API_TOKEN": "api-token-0123456789abcdef",
     "DRAFTLINE_DATA_DIR": "/mnt/nvme/draftline",
     "DRAFTLINE_MODEL_DIR_HOST": "/mnt/nvme/models/target",
     "GRAFANA_ADMIN_PASSWORD": "grafana-pw",
@@ -171,6 +172,18 @@ def all_referenced_variables() -> dict[str, bool]:
     return found
 
 
+def passed_through(service: Mapping) -> set[str]:
+    """Environment names listed without a value: Compose passes each from .env or the shell when set there."""
+    env = service.get("environment") or {}
+    return {name for name, value in env.items() if value is None}
+
+
+def all_passed_through_variables() -> set[str]:
+    """Every name any service of any shipped compose file passes through from .env."""
+    return {name for path in shipped_compose_files()
+            for service in (plain(read_compose(path)).get("services") or {}).values() for name in passed_through(service)}
+
+
 def strings(node: Any) -> Iterator[str]:
     if isinstance(node, str):
         yield node
@@ -249,9 +262,10 @@ def draftline_services(services: dict) -> dict[str, dict]:
 
 
 def environment(service: dict) -> dict[str, str]:
+    """The values Compose sets; names passed through from .env (``passed_through``) are left out."""
     env = service.get("environment") or {}
     assert isinstance(env, dict), "environment is written as a mapping so the x-draftline anchor can merge"
-    return {k: str(v) for k, v in env.items()}
+    return {k: str(v) for k, v in env.items() if v is not None}
 
 
 def gpu_devices(service: dict) -> list[dict]:
@@ -337,7 +351,7 @@ def test_draftline_services_share_the_common_settings_of_the_anchor(raw: dict, s
     common = interpolate(raw["x-draftline"], EXAMPLE_ENV)
     for name in SERVICE_NAMES:
         service = services[name]
-        for key in ("image", "build", "user", "init", "restart", "env_file"):
+        for key in ("image", "build", "user", "init", "restart"):
             assert service[key] == common[key], f"{name}.{key}"
         env = environment(service)
         assert env["DRAFTLINE_DATA"] == "/data", name
@@ -347,11 +361,108 @@ def test_draftline_services_share_the_common_settings_of_the_anchor(raw: dict, s
 def test_redis_url_carries_the_password_to_the_redis_service(services: dict) -> None:
     password = EXAMPLE_ENV["REDIS_PASSWORD"]
     for name in SERVICE_NAMES:
+        if "REDIS_URL" not in settings_variables(SERVICE_SETTINGS[name]):
+            continue  # the inference server
         url = urlsplit(environment(services[name])["REDIS_URL"])
         assert (url.scheme, url.hostname, url.port, url.password) == ("redis", "redis", 6379, password), name
     redis = services["redis"]
     assert redis["command"][redis["command"].index("--requirepass") + 1] == password
     assert environment(redis)["REDISCLI_AUTH"] == password  # the healthcheck's redis-cli authenticates
+
+
+# ---- what each container holds --------------------------------------------------------------------
+# Variables a draftline container needs that no settings class reads: libraries read them. Anything else
+# a compose file hands a container must be a variable of that service's settings class.
+LIBRARY_VARIABLES = {
+    "HOME": set(SERVICE_NAMES),  # caches (Triton, inductor) of a user without a home directory
+    "HF_HOME": set(SERVICE_NAMES),  # huggingface_hub's cache on the volume
+    "HF_TOKEN": {"controller"},  # huggingface_hub: private datasets and base checkpoints, fetched by the controller
+}
+
+
+def service_kind(service: dict) -> str:
+    """The entry of the shared table a draftline service runs (``inference-3`` runs ``inference``)."""
+    return service["command"][-1]
+
+
+def test_each_service_settings_class_is_the_one_its_main_loads() -> None:
+    assert set(SERVICE_SETTINGS) == set(SERVICE_NAMES)
+    for name, cls in SERVICE_SETTINGS.items():
+        assert f"load_settings({cls.__name__})" in (REPO / "services" / name / "main.py").read_text(), name
+
+
+def test_no_service_reads_the_whole_env_file(project_services: dict) -> None:
+    # An env_file hands a container every line of .env: every secret of the stack.
+    for name, service in project_services.items():
+        assert "env_file" not in service, name
+
+
+def test_each_draftline_service_gets_exactly_the_variables_its_settings_read(project_services: dict) -> None:
+    for name, service in draftline_services(project_services).items():
+        kind = service_kind(service)
+        reads = settings_variables(SERVICE_SETTINGS[kind])
+        libraries = {variable for variable, kinds in LIBRARY_VARIABLES.items() if kind in kinds}
+        names = set(environment(service)) | passed_through(service)
+        assert names - reads - libraries == set(), f"{name} gets variables {SERVICE_SETTINGS[kind].__name__} never reads"
+        # Every setting can still be tuned from .env, as with `draftline serve` outside Docker.
+        assert reads - names == set(), f"{name}: settings that .env cannot reach"
+        assert passed_through(service) & set(environment(service)) == set(), name
+
+
+def holders(services: dict, secret: str) -> set[str]:
+    """The services whose configuration (environment, command, healthcheck …) carries ``secret``."""
+    return {name for name, service in services.items() if secret in json.dumps(service)}
+
+
+def test_each_secret_reaches_only_the_services_that_use_it(project: str, project_services: dict) -> None:
+    draftline = draftline_services(project_services)
+
+    def reading(variable: str) -> set[str]:
+        return {name for name, s in draftline.items() if variable in settings_variables(SERVICE_SETTINGS[service_kind(s)])}
+
+    redis_password = urlsplit(WORKER_ENV["REDIS_URL"]).password if project.startswith("worker") else "s3cret-pw"
+    expected_redis = reading("REDIS_URL") | ({"redis"} if "redis" in project_services else set())
+    assert holders(project_services, redis_password) == expected_redis
+    assert {name for name, s in draftline.items() if "REDIS_URL" in environment(s)} == reading("REDIS_URL")
+    assert "inference" not in reading("REDIS_URL")  # the model server uses no Redis, so it holds no password
+    if project_env(project) is EXAMPLE_ENV:
+        assert holders(project_services, EXAMPLE_ENV["DRAFTLINE_API_TOKEN"]) == reading("DRAFTLINE_API_TOKEN")
+        assert holders(project_services, EXAMPLE_ENV["GRAFANA_ADMIN_PASSWORD"]) == {"grafana"}
+    if "controller" in project_services:
+        assert reading("DRAFTLINE_API_TOKEN") == {"controller"}
+    with_hf_token = {name for name, s in project_services.items() if "HF_TOKEN" in passed_through(s)}
+    assert with_hf_token == {name for name in draftline if name in LIBRARY_VARIABLES["HF_TOKEN"]}
+
+
+_BIND = re.compile(r"^\$\{(?P<name>[A-Z][A-Z0-9_]*_BIND):-127\.0\.0\.1\}:\$\{[A-Z0-9_]+:-\d+\}:\d+$")
+
+
+def test_each_published_port_has_its_own_bind_setting_and_listens_on_loopback_by_default(project: str) -> None:
+    raw = load_project(project)["services"]
+    binds: dict[str, str] = {}
+    for name, service in raw.items():
+        for port in service.get("ports", []):
+            match = _BIND.match(str(port))
+            assert match, f"{name}: {port!r} is not ${{<SERVICE>_BIND:-127.0.0.1}}:${{<port>}}:<port>"
+            assert match.group("name") not in binds.values(), f"{name} shares {match.group('name')}"
+            binds[name] = match.group("name")
+    if project.startswith("worker"):
+        assert binds == {}
+        return
+    assert set(binds) == {"redis", "controller", "prometheus", "grafana"}
+    env = project_env(project)
+    for name, variable in binds.items():  # widening one address leaves every other port on loopback
+        published = interpolate(load_project(project), {**env, variable: "10.0.0.5"})["services"]
+        for other in binds:
+            address = published[other]["ports"][0].split(":")[0]
+            assert address == ("10.0.0.5" if other == name else "127.0.0.1"), (variable, other)
+
+
+def test_the_controller_requires_an_api_token_because_it_listens_beyond_loopback(raw: dict, services: dict) -> None:
+    # In its container the controller listens on 0.0.0.0, where it refuses to start without a token.
+    assert environment(services["controller"])["DRAFTLINE_HOST"] == "0.0.0.0"
+    reference = raw["services"]["controller"]["environment"]["DRAFTLINE_API_TOKEN"]
+    assert reference.startswith("${DRAFTLINE_API_TOKEN:?")
 
 
 def test_redis_persists_to_a_named_volume(compose: dict, services: dict) -> None:
@@ -507,7 +618,8 @@ def test_per_gpu_servers_are_the_base_server_on_another_gpu(project: str, projec
     def shape(service: dict) -> dict:
         """All but its GPUs and start-up order; REDIS_URL aside, as the server uses no Redis."""
         kept = {k: v for k, v in service.items() if k not in ("deploy", "depends_on", "environment")}
-        return kept | {"environment": {k: v for k, v in environment(service).items() if k != "REDIS_URL"}}
+        return kept | {"environment": {k: v for k, v in environment(service).items() if k != "REDIS_URL"},
+                       "passed_through": passed_through(service)}
 
     servers = builtin_servers(project_services)
     assert len(servers) >= 1
@@ -572,11 +684,12 @@ def test_worker_host_binds_its_mount_of_the_shared_data_directory() -> None:
         assert "data:/data" in service["volumes"], name
         assert environment(service)["DRAFTLINE_DATA"] == environment(main[name])["DRAFTLINE_DATA"] == "/data"
         # The same service as on the main host, apart from where Redis and the share are.
-        for key in ("image", "build", "user", "init", "restart", "env_file", "command", "stop_grace_period"):
+        for key in ("image", "build", "user", "init", "restart", "command", "stop_grace_period"):
             assert service.get(key) == main[name].get(key), f"{name}.{key}"
         for key, value in environment(main[name]).items():
             if key != "REDIS_URL" and key in environment(service):
                 assert environment(service)[key] == value, f"{name}: {key}"
+        assert passed_through(service) == passed_through(main[name]), name
 
 
 # ---- Prometheus and Grafana -----------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
     dataset = write_dataset(tmp_path / "prompts.jsonl")
     with mounted_tmpfs(tmp_path / "volume", VOLUME_BYTES) as volume:
         env = {"DRAFTLINE_FEED_INTERVAL_S": "0.2", "DRAFTLINE_DISK_RESERVE_BYTES": str(128 << 10),
-               "DRAFTLINE_DISK_RESERVE_FRACTION": "0"}
+               "DRAFTLINE_DISK_RESERVE_FRACTION": "0", "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}
         config = StackConfig(data=volume.path, model_dir=tiny_model_dir, log_dir=tmp_path / "logs",
                              redis_url=redis_server.url, env=env)
         paths = RunPaths(volume.path, RUN)

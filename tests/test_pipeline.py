@@ -43,7 +43,8 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
     data = root / "data"
     dataset = root / "prompts.jsonl"
     write_dataset(dataset)
-    config = StackConfig(data=data, model_dir=tiny_model_dir, log_dir=root / "logs", redis_url=redis_server.url)
+    config = StackConfig(data=data, model_dir=tiny_model_dir, log_dir=root / "logs", redis_url=redis_server.url,
+                         env={"DRAFTLINE_DATASET_ROOTS": str(root)})
     with LocalStack(config) as stack:
         body = {
             "dataset": str(dataset),

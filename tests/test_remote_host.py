@@ -138,7 +138,8 @@ def remote_run(tmp_path_factory, protected_redis, tiny_model_dir):
     mount = root / "host-b-mnt"  # host B's mount point of that export
     mount.symlink_to(export, target_is_directory=True)
     config = StackConfig(data=export, model_dir=model, log_dir=root / "host-a" / "logs", redis_url=protected_redis,
-                         replicas={"generator": 0, "extractor": 0, "trainer": 0})
+                         replicas={"generator": 0, "extractor": 0, "trainer": 0},
+                         env={"DRAFTLINE_DATASET_ROOTS": str(root)})
     conn = redis.Redis.from_url(protected_redis)
     with LocalStack(config) as stack:
         body = {"dataset": str(dataset), "name": RUN, "evaluate": {"holdout": HOLDOUT},

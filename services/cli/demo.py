@@ -3,21 +3,26 @@
 Starts Redis if none is reachable and every service with the commands docker-compose.yml runs, builds
 the tiny target if absent, submits a run of the shipped prompts through the controller's API, shows
 progress, and ends by printing the exported drafter and its acceptance length.
+
+The demo's controller runs as the compose stack's does: with an API token (a fresh random one per demo,
+which the demo sends) and reading datasets only from ``<data>/datasets``, where the shipped prompts are
+copied.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 
-import httpx
-
+from services.cli.api import ControllerClient
 from services.cli.stack import LocalStack, StackConfig
 from services.inference.tiny_model import is_model_dir, make_tiny_model
+from shared.atomic import atomic_write_bytes
 from shared.errors import DraftlineError
 
 log = logging.getLogger(__name__)
@@ -61,27 +66,34 @@ def run_demo(data: Path, *, timeout_s: float = 600.0) -> dict:
     data = data.resolve()
     data.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model(data)
+    dataset = place_dataset(data)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    config = StackConfig(data=data, model_dir=model_dir, log_dir=data / "logs" / f"demo-{stamp}")
+    config = StackConfig(data=data, model_dir=model_dir, log_dir=data / "logs" / f"demo-{stamp}",
+                         api_token=secrets.token_urlsafe(32))
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    with LocalStack(config) as stack:
+    with LocalStack(config) as stack, ControllerClient(stack.url("controller"), token=config.api_token) as api:
         say(f"services up; logs in {config.log_dir}; status page {stack.url('controller')}/status")
         name = f"demo-{stamp}"
-        submit(stack.url("controller"), name)
-        status = follow(stack, name, timeout_s=timeout_s)
+        submit(api, dataset, name)
+        status = follow(stack, api, name, timeout_s=timeout_s)
     report(status)
     return status
 
 
-def submit(controller: str, name: str) -> None:
-    body = {"dataset": str(demo_prompts_path()), "name": name, **DEMO_RUN}
-    response = httpx.post(f"{controller}/runs", json=body, timeout=120)
-    if response.status_code != 201:
-        raise DemoFailed(f"run submission refused ({response.status_code}): {response.text}")
+def place_dataset(data: Path) -> Path:
+    """The shipped prompts in the volume's dataset folder, the one place the controller reads datasets from."""
+    target = data / "datasets" / demo_prompts_path().name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(target, demo_prompts_path().read_bytes())
+    return target
+
+
+def submit(api: ControllerClient, dataset: Path, name: str) -> None:
+    api.submit({"dataset": str(dataset), "name": name, **DEMO_RUN})
     say(f"submitted run {name}")
 
 
-def follow(stack: LocalStack, name: str, *, timeout_s: float) -> dict:
+def follow(stack: LocalStack, api: ControllerClient, name: str, *, timeout_s: float) -> dict:
     """Print a progress line whenever it changes, until the run reaches a terminal state."""
     from services.controller.status import format_status
 
@@ -89,7 +101,7 @@ def follow(stack: LocalStack, name: str, *, timeout_s: float) -> dict:
     last = ""
     while time.monotonic() < deadline:
         stack.check_alive()
-        status = httpx.get(f"{stack.url('controller')}/runs/{name}", timeout=30).json()
+        status = api.run_status(name)
         line = _progress_line(status)
         if line != last:
             say(line)

@@ -36,6 +36,8 @@ def _settings():
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.controller:
+        return _run_through_api(args)
     from services.controller.preflight import format_preflight
     from services.controller.served import served_model
     from services.controller.start import PreflightFailed, RunRequest, start_run
@@ -43,16 +45,12 @@ def _run(args: argparse.Namespace) -> int:
     from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
 
     settings = _settings()
-    generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
-                  "temperature": args.temperature}
-    train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
-             "base_checkpoint": args.base_checkpoint}
+    generation, train, evaluate = _run_sections(args)
     request = RunRequest(
         dataset=args.dataset, name=args.name, limit=args.limit, split=args.split,
         model=args.model or served_model(settings.inference_url),
-        generation=GenerationConfig(**{k: v for k, v in generation.items() if v is not None}),
-        train=TrainConfig(**{k: v for k, v in train.items() if v is not None}),
-        evaluate=EvalConfig(holdout=args.holdout) if args.holdout is not None else None,
+        generation=GenerationConfig(**generation), train=TrainConfig(**train),
+        evaluate=EvalConfig(**evaluate) if evaluate else None,
     )
     try:
         spec, report = start_run(settings, connect(settings.redis_url), request, force=args.force)
@@ -61,9 +59,56 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if report.warnings:
         sys.stderr.write(format_preflight(report) + "\n")
-    sys.stdout.write(f"run {spec.name}: {spec.rows} rows read, {spec.train_ids} sample ids queued for generation\n")
-    sys.stdout.write(f"follow it with: draftline status {spec.name}\n")
+    _submitted(spec.name, spec.rows, spec.train_ids)
     return 0
+
+
+def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """The generation, train and evaluate settings given on the command line (the rest take defaults)."""
+    generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
+                  "temperature": args.temperature}
+    train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
+             "base_checkpoint": args.base_checkpoint}
+    evaluate = {"holdout": args.holdout}
+    return tuple({k: v for k, v in section.items() if v is not None} for section in (generation, train, evaluate))
+
+
+def _run_through_api(args: argparse.Namespace) -> int:
+    """``draftline run --controller URL``: the same run through ``POST /runs``, with the API token."""
+    from services.cli.api import ControllerClient, ControllerRefused
+
+    generation, train, evaluate = _run_sections(args)
+    body = {"dataset": args.dataset, "name": args.name, "limit": args.limit, "split": args.split, "model": args.model,
+            "generation": generation or None, "train": train or None, "evaluate": evaluate or None,
+            "force": args.force}
+    token = _settings().api_token
+    with ControllerClient(args.controller, token=token.get_secret_value() if token else None) as client:
+        try:
+            spec = client.submit({k: v for k, v in body.items() if v is not None})
+        except ControllerRefused as exc:
+            if exc.status != 412:
+                raise
+            sys.stderr.write(_refused_preflight(exc.detail) + "\n")
+            return 1
+    _submitted(spec["name"], spec["rows"], spec["train_ids"])
+    return 0
+
+
+def _refused_preflight(detail: object) -> str:
+    """The controller's 412: its message, then each failed check with its fix."""
+    if not isinstance(detail, dict):
+        return f"preflight failed: {detail}"
+    lines = [str(detail.get("message", "preflight failed"))]
+    for check in detail.get("failed", []):
+        lines.append(f"  [FAIL] {check.get('name', '?'):<26} {check.get('message', '')}")
+        if check.get("fix"):
+            lines.append(f"         {'':<26} fix: {check['fix']}")
+    return "\n".join(lines)
+
+
+def _submitted(name: str, rows: int, train_ids: int) -> None:
+    sys.stdout.write(f"run {name}: {rows} rows read, {train_ids} sample ids queued for generation\n")
+    sys.stdout.write(f"follow it with: draftline status {name}\n")
 
 
 def _preflight(args: argparse.Namespace) -> int:
@@ -216,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
     run.add_argument("--holdout", type=int, help="rows held out for evaluation")
     run.add_argument("--force", action="store_true", help="start even when preflight checks fail")
+    run.add_argument("--controller", metavar="URL",
+                     help="submit through this controller's API (e.g. http://127.0.0.1:8080), sending "
+                          "DRAFTLINE_API_TOKEN, instead of through Redis and the volume directly")
     run.set_defaults(func=_run)
 
     preflight = sub.add_parser("preflight", help="check Redis, the inference server, the volume, disk, GPU, checkpoint")

@@ -56,6 +56,8 @@ class StackConfig:
     redis_url: str | None = None
     replicas: dict[str, int] = field(default_factory=lambda: {"generator": 1, "extractor": 1})
     env: dict[str, str] = field(default_factory=dict)
+    # The controller's DRAFTLINE_API_TOKEN; only the controller gets it, as in docker-compose.yml.
+    api_token: str | None = None
 
 
 @dataclass
@@ -156,6 +158,8 @@ class LocalStack:
         if name in self.ports:
             env["DRAFTLINE_PORT"] = str(self.ports[name])
             env["DRAFTLINE_HOST"] = "127.0.0.1"
+        if name == "controller" and cfg.api_token is not None:
+            env["DRAFTLINE_API_TOKEN"] = cfg.api_token
         return env
 
     def _spawn(self, name: str, index: int) -> None:

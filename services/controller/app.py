@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from services.controller.auth import RequireToken
 from services.controller.routes import health, page, preflight, runs
 from services.controller.supervisor import supervise_forever
 from shared.body_limit import BodySizeLimit
@@ -44,6 +45,8 @@ def create_app(settings: ControllerSettings, conn: redis.Redis, *, supervise: bo
     app.state.settings = settings
     app.state.conn = conn
     app.add_middleware(BodySizeLimit, max_bytes=MAX_REQUEST_BYTES)
+    # Added last, so it runs first: a request without the token is refused before its body is read.
+    app.add_middleware(RequireToken, settings=settings)
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(preflight.router)

@@ -7,6 +7,7 @@ import threading
 import uvicorn
 
 from services.controller.app import create_app
+from services.controller.auth import check_listen_address
 from shared.queues import connect
 from shared.settings import ControllerSettings, configure_logging, load_settings
 from shared.volume import keep_claimed, try_claim
@@ -15,6 +16,7 @@ from shared.volume import keep_claimed, try_claim
 def main() -> None:
     settings = load_settings(ControllerSettings)
     configure_logging(settings.log_level)
+    check_listen_address(settings)
     conn = connect(settings.redis_url)
     # Workers compare their data directory with this volume's identity before taking jobs.
     try_claim(settings.data, conn)

@@ -7,11 +7,13 @@ and the run records that directory, which is where the trainer reads it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
+from services.controller.datasets import looks_like_repo_id, split_files
 from services.controller.preflight import PreflightReport, run_preflight
 from services.controller.submit import default_run_name, submit_run
 from shared.disk import BYTES_PER_TOKEN_ESTIMATE
@@ -52,21 +54,61 @@ class RunRequest:
     evaluate: EvalConfig | None = None
 
 
-def resolve_dataset(dataset: str, data: Path) -> str:
-    """Relative paths name files on the volume when such a file exists; anything else passes through."""
+class DatasetOutsideRoots(DatasetError):
+    """A local dataset lies outside every folder ``DRAFTLINE_DATASET_ROOTS`` names."""
+
+
+def resolve_dataset(dataset: str, data: Path, roots: Sequence[Path], split: str = "train") -> str:
+    """The dataset a run reads: a local path inside one of ``roots`` (absolute, symlinks and ``..``
+    resolved), or a Hugging Face repo id.
+
+    A relative path names a file on the volume when one exists there; else a repo id (``owner/name``)
+    goes to the Hub, unless a local path of that name shadows it (it is checked like any path)."""
     path = Path(dataset)
     try:
-        on_volume = not path.is_absolute() and (Path(data) / path).exists()
-    except OSError as exc:  # a name the file system refuses (ENAMETOOLONG) names no file anywhere
-        shown = dataset[:80] + ("…" if len(dataset) > 80 else "")
-        raise DatasetError(f"dataset {shown!r}: not a readable path ({exc.strerror or exc}) and not a Hugging Face "
+        if path.is_absolute():
+            return _inside_roots(dataset, path, roots, split)
+        on_volume = Path(data) / path
+        if on_volume.exists():
+            return _inside_roots(dataset, on_volume, roots, split)
+        if path.exists():  # resolve_files would read it, relative to the working directory
+            return _inside_roots(dataset, path, roots, split)
+        if looks_like_repo_id(dataset):
+            return dataset
+        return _inside_roots(dataset, on_volume, roots, split)  # missing: submission says so, if inside a root
+    except (OSError, ValueError) as exc:  # a name the file system refuses (ENAMETOOLONG, a NUL byte)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise DatasetError(f"dataset {_shown(dataset)!r}: not a readable path ({reason}) and not a Hugging Face "
                            "repo id") from None
-    return str(Path(data) / path) if on_volume else dataset
+
+
+def _inside_roots(dataset: str, path: Path, roots: Sequence[Path], split: str) -> str:
+    """``path`` resolved, if it and every file it stands for lie inside a root; else DatasetOutsideRoots."""
+    resolved = path.resolve()
+    _check_inside(dataset, resolved, roots)
+    if resolved.is_dir():
+        # A folder's split files may be links to anywhere; each must resolve inside a root too.
+        for file in split_files(resolved, split):
+            _check_inside(dataset, file.resolve(), roots)
+    return str(resolved)
+
+
+def _check_inside(dataset: str, resolved: Path, roots: Sequence[Path]) -> None:
+    if not any(resolved == root or root in resolved.parents for root in roots):
+        shown = ", ".join(str(root) for root in roots)
+        raise DatasetOutsideRoots(
+            f"dataset {_shown(dataset)!r} resolves to {_shown(str(resolved))}, outside the dataset roots ({shown}): "
+            "put the dataset in one of them, or add its folder to DRAFTLINE_DATASET_ROOTS"
+        )
+
+
+def _shown(text: str) -> str:
+    return text[:80] + ("…" if len(text) > 80 else "")
 
 
 def draft_spec(settings: ControllerSettings, request: RunRequest) -> RunSpec:
     """The run's settings before its dataset is read (row counts stay 0): what preflight checks."""
-    dataset = resolve_dataset(request.dataset, settings.data)
+    dataset = resolve_dataset(request.dataset, settings.data, settings.dataset_root_paths(), request.split)
     return RunSpec(
         name=check_run_name(request.name or default_run_name(dataset)), dataset=dataset, split=request.split,
         limit=request.limit, model=request.model, generation=request.generation or GenerationConfig(),

@@ -1,7 +1,8 @@
 """``/runs``: submit a run (after preflight), list runs, one run's status, its failures.
 
 Submission goes through ``start.start_run`` (preflight, then submission) and answers **412** with the
-failed checks, each naming its fix, unless the body says ``"force": true``.
+failed checks, each naming its fix, unless the body says ``"force": true``; a local dataset outside the
+dataset roots is **403**. Who may call these routes is ``services.controller.auth``'s business.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.controller.routes.deps import ConnDep, SettingsDep
 from services.controller.served import served_model
-from services.controller.start import PreflightFailed, RunRequest, start_run
+from services.controller.start import DatasetOutsideRoots, PreflightFailed, RunRequest, start_run
 from services.controller.status import list_status, run_status
 from shared.errors import DatasetError, InferenceUnavailable, RunExists, RunNotFound
 from shared.jobs import SAMPLE_STAGES
@@ -37,7 +38,7 @@ class SubmitRequest(BaseModel):
 
     dataset: str = Field(
         ..., min_length=1, max_length=4096,
-        description="JSONL/Parquet path (absolute, or relative to the volume) or a Hub repo id.",
+        description="JSONL/Parquet path (absolute, or relative to the volume) inside a dataset root, or a Hub repo id.",
     )
     name: str | None = None
     limit: int | None = Field(None, ge=1)
@@ -79,6 +80,8 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
         }) from None
     except RunExists as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
+    except DatasetOutsideRoots as exc:
+        raise HTTPException(status_code=403, detail=str(exc)) from None
     except DatasetError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from None
     except InferenceUnavailable as exc:

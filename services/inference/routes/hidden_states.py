@@ -1,7 +1,10 @@
 """``POST /v1/hidden_states`` (draftline's own): run one sample through the target, write its states.
 
-A full volume answers **507 Insufficient Storage** naming the volume and its free bytes; nothing of the
-file remains, and the server keeps serving every other request.
+The server writes only ``.safetensors`` files into a run's hidden-state directory,
+``<data>/runs/<run>/hidden_states/``: any other path on the volume (a drafter's export, a run's
+``run.json``) is refused with **403**, a path outside the volume with 400. A full volume answers **507
+Insufficient Storage** naming the volume and its free bytes; nothing of the file remains, and the server
+keeps serving every other request.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from services.inference.pipeline import VolumeFull
 from services.inference.routes.deps import RuntimeDep
 from services.inference.routes.errors import ApiError
 from services.inference.runtime import HIDDEN_ENDPOINT, Runtime
-from services.inference.schemas import HiddenStatesRequest
+from services.inference.schemas import SAFETENSORS_SUFFIX, HiddenStatesRequest
 from shared import eagle3
 from shared.errors import PromptTooLong
-from shared.layout import resolve_inside
+from shared.layout import hidden_state_run, resolve_inside
 
 router = APIRouter()
 
 INSUFFICIENT_STORAGE = 507
+ALLOWED_ROOT = "<data>/runs/<run>/hidden_states/"
 
 
 @router.post(HIDDEN_ENDPOINT)
@@ -42,6 +46,7 @@ def resolve_inside_writable(volume: Path, path: str) -> Path:
     """``path`` on the volume, where a file can be written: not a directory, and under directories only."""
     try:
         target = resolve_inside(volume, path)  # PathOutsideVolume answers 400
+        check_hidden_state_path(volume, target, path)
         is_dir = target.is_dir()
         blocking = next((p for p in target.parents if volume in p.parents and p.exists() and not p.is_dir()), None)
     except (ValueError, OSError) as exc:  # a NUL byte, or a name too long for the file system
@@ -51,6 +56,14 @@ def resolve_inside_writable(volume: Path, path: str) -> Path:
     if blocking is not None:
         raise ApiError(400, "BadRequestError", f"path {path!r}: {blocking.relative_to(volume)} is a file, not a folder")
     return target
+
+
+def check_hidden_state_path(volume: Path, target: Path, path: str) -> None:
+    """Refuse a resolved ``target`` outside every run's hidden-state directory, or not a safetensors file."""
+    if hidden_state_run(volume, target) is None or not target.name.endswith(SAFETENSORS_SUFFIX):
+        shown = target.relative_to(volume) if target != volume else "."
+        raise ApiError(403, "PermissionDeniedError", f"path {path[:300]!r} resolves to {shown}: this server writes "
+                       f"only {SAFETENSORS_SUFFIX} files under {ALLOWED_ROOT} on its volume {volume}")
 
 
 def build_job(runtime: Runtime, body: HiddenStatesRequest) -> HiddenJob:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -20,6 +21,8 @@ def controller_env(data, redis_url: str, port: int, inference_url: str) -> dict[
     return {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1",
             "DRAFTLINE_FEED_INTERVAL_S": "0.1", "DRAFTLINE_GENERATE_BATCH": "4", "DRAFTLINE_FEED_WINDOW": "2",
             "DRAFTLINE_INFERENCE_URL": inference_url,
+            # Tests write their datasets beside the volume.
+            "DRAFTLINE_DATASET_ROOTS": str(data.parent),
             # Test volumes live under /tmp: preflight would refuse them as ephemeral without this.
             "DRAFTLINE_ALLOW_EPHEMERAL_DATA": "true",
             # Tests never reach the Hub: an empty cache, offline, so a repo id fails fast and by name.
@@ -96,14 +99,38 @@ def test_existing_run_is_409(api):
     assert "already exists" in response.json()["detail"]
 
 
-@pytest.mark.parametrize(("body", "words"), [
-    ({"dataset": "/nowhere/rows.jsonl", "name": "missing", "model": "served-name"}, "no such file or directory"),
-    ({"dataset": "owner/not-cached-here", "name": "hub", "model": "served-name"}, "cannot be fetched"),
+@pytest.mark.parametrize(("dataset", "words"), [
+    (lambda api: str(api["root"] / "nowhere" / "rows.jsonl"), "no such file or directory"),
+    (lambda api: "owner/not-cached-here", "cannot be fetched"),  # a repo id still goes to the Hub
 ])
-def test_unreadable_dataset_is_400(api, body, words):
-    response = post(api, body)
+def test_unreadable_dataset_is_400(api, dataset, words):
+    response = post(api, {"dataset": dataset(api), "name": "missing", "model": "served-name"})
     assert response.status_code == 400
     assert words in response.json()["detail"]
+
+
+def outside_roots(api, tmp_path) -> list[str]:
+    """Datasets that lie outside the controller's one dataset root (api["root"]), each by another way."""
+    elsewhere = write_jsonl(tmp_path / "elsewhere.jsonl", [{"prompt": "a secret"}, {"prompt": "another"}])
+    link = api["root"] / "link-out.jsonl"
+    link.unlink(missing_ok=True)
+    link.symlink_to(elsewhere)
+    folder = api["root"] / "folder-with-a-link"
+    folder.mkdir(exist_ok=True)
+    (folder / "train.jsonl").unlink(missing_ok=True)
+    (folder / "train.jsonl").symlink_to(elsewhere)
+    return [str(elsewhere), os.path.relpath(elsewhere, api["data"]), str(api["root"] / ".." / elsewhere.name),
+            str(link), str(folder), "/etc/passwd", "/nowhere/rows.jsonl"]
+
+
+def test_a_dataset_outside_the_dataset_roots_is_403_naming_them(api, tmp_path):
+    for dataset in outside_roots(api, tmp_path):
+        response = post(api, {"dataset": dataset, "name": "outside", "model": "served-name", "evaluate": {"holdout": 1}})
+        assert response.status_code == 403, (dataset, response.text)
+        detail = response.json()["detail"]
+        assert "outside the dataset roots" in detail and str(api["root"]) in detail, detail
+        assert "DRAFTLINE_DATASET_ROOTS" in detail
+    assert not (api["data"] / "runs" / "outside").exists()
 
 
 def test_dataset_without_valid_rows_is_400(api):
@@ -159,3 +186,19 @@ def test_unreachable_inference_server_is_503_and_sigterm_stops_cleanly(tmp_path,
         assert proc.proc.returncode in (0, -signal.SIGTERM)
     log = proc.log()
     assert log.index("supervisor: stopped") < log.index("Application shutdown complete")
+
+
+def test_a_repo_id_that_names_a_local_path_is_checked_as_that_path(tmp_path, monkeypatch):
+    # Reading a run's dataset looks for a local path of that name first, so the check must too.
+    from services.controller.start import DatasetOutsideRoots, resolve_dataset
+
+    data, roots = tmp_path / "data", (tmp_path / "data" / "datasets",)
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    write_jsonl(tmp_path / "owner" / "name" / "train.jsonl", [{"prompt": "from the working directory"}])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetOutsideRoots, match="outside the dataset roots"):
+        resolve_dataset("owner/name", data, roots)
+    assert resolve_dataset("owner/other", data, roots) == "owner/other"  # no local path: the Hub's
+    (roots[0] / "owner" / "name").mkdir(parents=True)
+    write_jsonl(roots[0] / "owner" / "name" / "train.jsonl", [{"prompt": "on the volume"}])
+    assert resolve_dataset("datasets/owner/name", data, roots) == str((roots[0] / "owner" / "name").resolve())

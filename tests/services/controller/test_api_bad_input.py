@@ -187,7 +187,7 @@ CONFIG_KEYS = st.sampled_from(["max_tokens", "min_completion_tokens", "temperatu
                                "epochs", "batch_size", "lr", "warmup_ratio", "grad_clip", "ttt_steps", "draft_vocab_size",
                                "save_every", "base_checkpoint", "holdout", "max_new_tokens", "draft_steps", "colour"])
 SECTION = st.dictionaries(CONFIG_KEYS, SCALARS | st.lists(st.integers(), max_size=4), max_size=4) | ANY_JSON
-ALLOWED = {201, 400, 404, 409, 412, 413, 422}
+ALLOWED = {201, 400, 403, 404, 409, 412, 413, 422}
 
 
 def bodies(good_path: str):
@@ -210,7 +210,8 @@ def test_generated_bodies_never_get_a_500(redis_url, tmp_path, monkeypatch):
     good_path = str(write_jsonl(tmp_path / "good.jsonl", GOOD_ROWS))
     seen: dict[int, int] = {}
     with OpenAIServer(model="served-name") as target:
-        app = create_app(ControllerSettings(data=data, redis_url=redis_url, inference_url=target.url),
+        app = create_app(ControllerSettings(data=data, redis_url=redis_url, inference_url=target.url,
+                                            dataset_roots=str(tmp_path)),
                          redis.Redis.from_url(redis_url))
         with TestClient(app, raise_server_exceptions=False) as client:
 

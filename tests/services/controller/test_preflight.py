@@ -307,7 +307,8 @@ def controller(tmp_path_factory, redis_server, exported_drafter):
         env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_PORT": str(port),
                "DRAFTLINE_HOST": "127.0.0.1", "DRAFTLINE_INFERENCE_URL": served.url, "DRAFTLINE_FEED_INTERVAL_S": "5",
                "DRAFTLINE_DISK_RESERVE_BYTES": "0", "DRAFTLINE_DISK_RESERVE_FRACTION": "0",
-               "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(root / "hub"), "HF_HOME": str(root / "hf-home")}
+               "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(root / "hub"), "HF_HOME": str(root / "hf-home"),
+               "DRAFTLINE_DATASET_ROOTS": str(root)}
         with ServiceProcess("controller", env=env, log_dir=root / "logs", health_url=f"http://127.0.0.1:{port}/health"):
             yield {"url": f"http://127.0.0.1:{port}", "data": data, "root": root}
 
@@ -351,7 +352,8 @@ def test_preflight_command_prints_each_check_and_fails_until_forced(tmp_path, mo
     body = {"dataset": str(dataset), "name": "cli", "model": "m", "train": TrainConfig().model_dump()}
     config.write_text(json.dumps(body))
     for name, value in {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(tmp_path / "data"),
-                        "DRAFTLINE_INFERENCE_URL": f"http://127.0.0.1:{free_port()}"}.items():
+                        "DRAFTLINE_INFERENCE_URL": f"http://127.0.0.1:{free_port()}",
+                        "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
     assert pf.preflight_main(argparse.Namespace(run_config=str(config), force=False, json=False)) == 1

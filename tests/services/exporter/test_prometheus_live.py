@@ -67,7 +67,7 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
     # Jobs and runs other tests left in the session's Redis would be picked up by this stack's workers.
     redis.Redis.from_url(redis_server.url).flushall()
     config = StackConfig(data=root / "data", model_dir=tiny_model_dir, log_dir=root / "logs",
-                         redis_url=redis_server.url)
+                         redis_url=redis_server.url, env={"DRAFTLINE_DATASET_ROOTS": str(root)})
     stack = LocalStack(config)
     address = {name: stack.url(name).removeprefix("http://") for name in ("exporter", "inference")}
     rules = rules_copy(root)

@@ -34,8 +34,12 @@ def chat(**fields) -> dict:
     return {"json": {"messages": HELLO, "max_tokens": 2, **fields}}
 
 
+# The run directory the hostile requests aim at: the only place the server writes.
+BAD_INPUT = "runs/bad-input/hidden_states"
+
+
 def hidden(**fields) -> dict:
-    return {"json": {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "bad-input/ok.safetensors", **fields}}
+    return {"json": {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "runs/bad-input/hidden_states/ok.safetensors", **fields}}
 
 
 def assert_refused(response: httpx.Response, statuses: range = range(400, 500)) -> None:
@@ -96,8 +100,8 @@ BAD_HIDDEN = [
     ("id-digit-string", hidden(input_ids=[1, "2", 3])),
     ("mask-bool", hidden(loss_mask=[0, True, True])),
     ("layer-ids-floats", hidden(layer_ids=[1.0, 2.0, 3.0])),
-    ("id-nan", raw('{"input_ids": [1, NaN, 3], "loss_mask": [0, 1, 1], "path": "bad-input/nan.safetensors"}')),
-    ("id-infinity", raw('{"input_ids": [1, Infinity, 3], "loss_mask": [0, 1, 1], "path": "bad-input/inf.safetensors"}')),
+    ("id-nan", raw('{"input_ids": [1, NaN, 3], "loss_mask": [0, 1, 1], "path": "runs/bad-input/hidden_states/nan.safetensors"}')),
+    ("id-infinity", raw('{"input_ids": [1, Infinity, 3], "loss_mask": [0, 1, 1], "path": "runs/bad-input/hidden_states/inf.safetensors"}')),
     ("id-object", hidden(input_ids=[1, {"id": 2}, 3])),
     ("ids-nested", hidden(input_ids=[[1, 2, 3]])),
     ("ids-string", hidden(input_ids="1 2 3")),
@@ -108,21 +112,23 @@ BAD_HIDDEN = [
     ("path-missing", {"json": {"input_ids": [1], "loss_mask": [1]}}),
     ("path-escape", hidden(path="../../etc/evil.safetensors")),
     ("path-absolute-outside", hidden(path="/etc/evil.safetensors")),
-    ("path-not-safetensors", hidden(path="bad-input/x.txt")),
+    ("path-not-safetensors", hidden(path="runs/bad-input/hidden_states/x.txt")),
     ("path-only-suffix", hidden(path=".safetensors")),
-    ("path-directory", hidden(path="bad-input/dir.safetensors/")),
+    ("path-directory", hidden(path="runs/bad-input/hidden_states/dir.safetensors/")),
+    ("path-a-drafter-export", hidden(path="runs/bad-input/drafter/export/model.safetensors")),
+    ("path-outside-any-run", hidden(path="evil.safetensors")),
     ("layer-ids-out-of-range", hidden(layer_ids=[-1, 2, 99])),
     ("layer-ids-two", hidden(layer_ids=[1, 2])),
     ("layer-ids-strings", hidden(layer_ids=["a", "b", "c"])),
     ("metadata-nested", hidden(metadata={"a": {"b": [1]}})),
     ("metadata-reserved", hidden(metadata={"format": "pt"})),
     ("unknown-field", hidden(colour="blue")),
-    ("path-nul", hidden(path="bad-input/a\x00b.safetensors")),
+    ("path-nul", hidden(path="runs/bad-input/hidden_states/a\x00b.safetensors")),
     ("path-300-chars", hidden(path="p" * 300 + ".safetensors")),
-    ("path-under-a-file", hidden(path="bad-input/file/x.safetensors")),
-    ("metadata-200-MB", hidden(path="bad-input/meta.safetensors", metadata={"k": "v" * (200 << 20)})),
+    ("path-under-a-file", hidden(path="runs/bad-input/hidden_states/file/x.safetensors")),
+    ("metadata-200-MB", hidden(path="runs/bad-input/hidden_states/meta.safetensors", metadata={"k": "v" * (200 << 20)})),
     ("metadata-lone-surrogate",
-     raw('{"input_ids": [1], "loss_mask": [1], "path": "bad-input/s.safetensors", "metadata": {"k": "\\ud800"}}')),
+     raw('{"input_ids": [1], "loss_mask": [1], "path": "runs/bad-input/hidden_states/s.safetensors", "metadata": {"k": "\\ud800"}}')),
 ]
 
 
@@ -133,8 +139,8 @@ def case_ids(cases) -> list[str]:
 @pytest.fixture(scope="module")
 def server(inference_server):
     """The shared server, with a plain file where a test path expects a folder."""
-    (inference_server.data / "bad-input").mkdir(exist_ok=True)
-    (inference_server.data / "bad-input" / "file").write_text("not a folder")
+    (inference_server.data / BAD_INPUT).mkdir(parents=True, exist_ok=True)
+    (inference_server.data / BAD_INPUT / "file").write_text("not a folder")
     assert inference_server.get("/v1/models").json()["data"][0]["draftline"]["vocab_size"] == VOCAB
     return inference_server
 
@@ -174,7 +180,7 @@ def test_a_body_over_the_size_limit_is_a_413_whether_declared_or_streamed(server
 def test_the_prompt_past_the_context_is_named_prompt_too_long(server):
     response = server.post(CHAT, {"messages": [{"role": "user", "content": "hello " * 20_000}], "max_tokens": 2})
     assert response.json()["error"]["type"] == "PromptTooLong"
-    response = server.post(HIDDEN, {"input_ids": [1] * 5000, "loss_mask": [1] * 5000, "path": "bad-input/long.safetensors"})
+    response = server.post(HIDDEN, {"input_ids": [1] * 5000, "loss_mask": [1] * 5000, "path": "runs/bad-input/hidden_states/long.safetensors"})
     assert response.json()["error"]["type"] == "PromptTooLong"
 
 
@@ -182,10 +188,11 @@ def test_shell_like_text_is_plain_text_in_prompts_and_paths(server):
     shell = "$(touch draftline-pwned); `touch draftline-pwned` | rm -rf x"
     reply = server.post(CHAT, {"messages": [{"role": "user", "content": shell}], "max_tokens": 2, "temperature": 0})
     assert reply.status_code == 200, reply.text
-    written = server.post(HIDDEN, {"input_ids": [1, 2], "loss_mask": [0, 1], "path": f"shell/{shell}.safetensors"})
+    written = server.post(HIDDEN, {"input_ids": [1, 2], "loss_mask": [0, 1], "path": f"runs/shell/hidden_states/{shell}.safetensors"})
     assert written.status_code == 200, written.text
-    assert (server.data / "shell" / f"{shell}.safetensors").is_file()  # the literal name, inside the volume
-    for where in (REPO, server.data, server.data / "shell"):
+    shell_dir = server.data / "runs/shell/hidden_states"
+    assert (shell_dir / f"{shell}.safetensors").is_file()  # the literal name, inside the volume
+    for where in (REPO, server.data, shell_dir):
         assert not (where / "draftline-pwned").exists()
 
 
@@ -193,9 +200,9 @@ def test_after_the_hostile_requests_the_server_still_serves_and_wrote_nothing_ou
     assert server.process.alive()
     reply = server.post(CHAT, {"messages": HELLO, "max_tokens": 3, "temperature": 0})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
-    written = server.post(HIDDEN, {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "bad-input/ok.safetensors"})
+    written = server.post(HIDDEN, {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "runs/bad-input/hidden_states/ok.safetensors"})
     assert written.status_code == 200, written.text
-    files = sorted(p.name for p in (server.data / "bad-input").iterdir())
+    files = sorted(p.name for p in (server.data / BAD_INPUT).iterdir())
     assert files == ["file", "ok.safetensors"]  # no refused request left a file, a temp file or a folder
     assert not (server.data.parent / "etc").exists()
 
@@ -241,7 +248,7 @@ def hidden_bodies(draw) -> dict:
     n = draw(st.integers(1, 12))
     body = {"input_ids": draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)),
             "loss_mask": draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
-            "path": "generated/" + draw(SAFE_NAME) + ".safetensors"}
+            "path": "runs/generated/hidden_states/" + draw(SAFE_NAME) + ".safetensors"}
     part = draw(st.sampled_from(["nothing", "input_ids", "loss_mask", "path", "layer_ids", "metadata", "one_id", "colour"]))
     junk = draw(ANY_JSON)
     if part == "one_id":
@@ -277,7 +284,7 @@ def run_generated(client: TestClient, route: str, strategy, examples: int) -> di
     def post(body):
         response = client.post(route, content=json.dumps(body).encode(), headers=JSON)  # \uXXXX escapes, NaN as NaN
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
-        assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:300])
+        assert response.status_code in (200, 400, 403, 404), (body, response.status_code, response.text[:300])
         if response.status_code != 200:
             assert response.json()["error"]["message"]
 

@@ -17,6 +17,7 @@ from services.inference.reasoning import split_reasoning
 from shared import eagle3
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
+from shared.layout import RunPaths
 
 CHAT = "/v1/chat/completions"
 HIDDEN = "/v1/hidden_states"
@@ -197,7 +198,7 @@ def test_hidden_state_files_verify_and_equal_a_direct_forward(inference_server, 
                           metadata={"sample_id": str(i), "run": "demo"})
               for i, n in enumerate([40, 7, 90, 23, 61])]
     bodies[3]["layer_ids"] = [0, 2, 5]
-    bodies[4]["path"] = str(volume / "runs/demo/absolute-inside.safetensors")
+    bodies[4]["path"] = str(volume / "runs/demo/hidden_states/absolute-inside.safetensors")
     with ThreadPoolExecutor(len(bodies)) as pool:
         responses = list(pool.map(lambda b: inference_server.post(HIDDEN, b), bodies))
 
@@ -234,7 +235,7 @@ def test_hidden_state_files_verify_and_equal_a_direct_forward(inference_server, 
 
 
 def test_rewriting_a_sample_replaces_the_file_atomically(inference_server, loaded_tiny):
-    path = "runs/demo/rewrite.safetensors"
+    path = "runs/demo/hidden_states/rewrite.safetensors"
     first = inference_server.post(HIDDEN, hidden_body(loaded_tiny, path, 12, 1)).json()
     second = inference_server.post(HIDDEN, hidden_body(loaded_tiny, path, 30, 2)).json()
     info = verify_hidden_file(inference_server.data / path, sha256=second["sha256"])
@@ -264,11 +265,43 @@ def test_paths_outside_the_volume_are_refused_and_nothing_is_written(inference_s
     assert sorted(p for p in volume.rglob("*")) == before
 
 
+def test_paths_on_the_volume_outside_a_runs_hidden_state_directory_are_403(inference_server, loaded_tiny):
+    volume = inference_server.data
+    export = volume / "runs/victim/drafter/export"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"the exported drafter")
+    (volume / "runs/victim/hidden_states").mkdir()
+    os.symlink(export, volume / "runs/victim/hidden_states/to-export")
+    attempts = [
+        "runs/victim/drafter/export/model.safetensors",  # an exported drafter
+        str(export / "model.safetensors"),
+        "runs/victim/hidden_states/../drafter/export/model.safetensors",
+        "runs/victim/hidden_states/to-export/model.safetensors",  # a link inside that leads out
+        "runs/victim/model.safetensors",
+        "runs/hidden_states/x.safetensors",  # no run
+        "runs/bad..name/hidden_states/x.safetensors",  # no valid run name
+        "models/tiny/model.safetensors",
+        "x.safetensors",
+    ]
+    before = {p: p.read_bytes() for p in volume.rglob("*") if p.is_file()}
+    for path in attempts:
+        response = inference_server.post(HIDDEN, hidden_body(loaded_tiny, path, 5, 0))
+        assert response.status_code == 403, (path, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "PermissionDeniedError", path
+        assert "<data>/runs/<run>/hidden_states/" in error["message"] and str(volume) in error["message"], path
+    assert {p: p.read_bytes() for p in volume.rglob("*") if p.is_file()} == before
+    # What the extractor sends (RunPaths.hidden_relative) is written.
+    allowed = RunPaths(volume, "victim").hidden_relative(7)
+    assert inference_server.post(HIDDEN, hidden_body(loaded_tiny, allowed, 5, 0)).status_code == 200
+    assert (volume / allowed).is_file()
+
+
 def test_sample_longer_than_the_context_is_refused(inference_server, loaded_tiny):
-    response = inference_server.post(HIDDEN, hidden_body(loaded_tiny, "runs/demo/long.safetensors", 4097, 0))
+    response = inference_server.post(HIDDEN, hidden_body(loaded_tiny, "runs/demo/hidden_states/long.safetensors", 4097, 0))
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "PromptTooLong"
-    assert not (inference_server.data / "runs/demo/long.safetensors").exists()
+    assert not (inference_server.data / "runs/demo/hidden_states/long.safetensors").exists()
 
 
 @pytest.mark.parametrize("change", [
@@ -278,10 +311,10 @@ def test_sample_longer_than_the_context_is_refused(inference_server, loaded_tiny
     {"input_ids": ["a", "b", "c"], "loss_mask": [0, 1, 1]},
     {"loss_mask": [0, 1]},
     {"loss_mask": [0, 2, 1]},
-    {"path": "runs/demo/x.pt"},
+    {"path": "runs/demo/hidden_states/x.pt"},
     {"path": ""},
-    {"path": "runs/demo/.safetensors"},
-    {"path": "runs/demo"},
+    {"path": "runs/demo/hidden_states/.safetensors"},
+    {"path": "runs/demo/hidden_states"},
     {"layer_ids": [1, 3]},
     {"layer_ids": [1, 3, 99]},
     {"metadata": {"sample_id": 3}},
@@ -289,8 +322,9 @@ def test_sample_longer_than_the_context_is_refused(inference_server, loaded_tiny
     {"surprise": True},
 ])
 def test_malformed_hidden_state_bodies_are_4xx_and_write_nothing(inference_server, change):
-    body = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "runs/demo/malformed.safetensors", **change}
+    body = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "path": "runs/demo/hidden_states/malformed.safetensors",
+            **change}
     response = inference_server.post(HIDDEN, body)
     assert response.status_code in (400, 422), response.text
     assert response.json()["error"]["message"]
-    assert not (inference_server.data / "runs/demo/malformed.safetensors").exists()
+    assert not (inference_server.data / "runs/demo/hidden_states/malformed.safetensors").exists()

@@ -1,0 +1,77 @@
+"""``draftline run --controller URL``: a run submitted through the API, with the token from the environment,
+against a real ``draftline serve controller``; each refusal printed as an error that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from services.cli.main import main
+from tests.services.controller.test_api_auth import TOKEN, start_controller
+from tests.services.controller.test_datasets import write_jsonl
+from tests.support.openai_server import OpenAIServer
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory, redis_server):
+    root = tmp_path_factory.mktemp("cli-api")
+    redis.Redis.from_url(redis_server.url).flushall()
+    with OpenAIServer(model="served-name") as served:
+        proc, url = start_controller(root, redis_server.url, served.url, DRAFTLINE_API_TOKEN=TOKEN)
+        with proc:
+            yield {"url": url, "root": root, "data": root / "data"}
+
+
+@pytest.fixture()
+def cli(controller, tmp_path, monkeypatch, capsys):
+    """``draftline run --controller`` in this process, from a directory without a .env."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DRAFTLINE_API_TOKEN", raising=False)
+
+    def run(*args: str, token: str | None = None) -> tuple[int, str, str]:
+        if token is not None:
+            monkeypatch.setenv("DRAFTLINE_API_TOKEN", token)
+        code = main(["run", "--controller", controller["url"], "--model", "served-name", "--holdout", "1", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def dataset(controller, name: str) -> str:
+    return str(write_jsonl(controller["root"] / f"{name}.jsonl", [{"prompt": f"{name} {i}"} for i in range(5)]))
+
+
+def test_without_the_token_the_cli_says_to_set_it(cli, controller):
+    code, out, err = cli("--dataset", dataset(controller, "none"), "--name", "none")
+    assert code == 2 and out == ""
+    assert "needs its API token: set DRAFTLINE_API_TOKEN" in err, err
+    assert not (controller["data"] / "runs" / "none").exists()
+
+
+def test_with_a_wrong_token_the_cli_says_it_is_not_the_controllers(cli, controller):
+    code, _, err = cli("--dataset", dataset(controller, "wrong"), "--name", "wrong", token="not-the-token-0123456789")
+    assert code == 2
+    assert "refused the API token: DRAFTLINE_API_TOKEN is not the controller's token" in err, err
+    assert "not-the-token" not in err
+
+
+def test_with_the_token_the_run_is_submitted(cli, controller):
+    code, out, _ = cli("--dataset", dataset(controller, "right"), "--name", "right", "--max-tokens", "5", token=TOKEN)
+    assert code == 0
+    assert "run right: 5 rows read, 4 sample ids queued for generation" in out
+    assert (controller["data"] / "runs" / "right" / "run.json").is_file()
+
+
+def test_a_dataset_outside_the_roots_is_an_error_naming_them(cli, controller, tmp_path):
+    outside = write_jsonl(tmp_path / "outside.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
+    code, _, err = cli("--dataset", str(outside), "--name", "outside", token=TOKEN)
+    assert code == 2
+    assert "answered 403" in err and "outside the dataset roots" in err, err
+
+
+def test_a_failed_preflight_lists_each_failed_check_with_its_fix(cli, controller):
+    code, out, err = cli("--dataset", dataset(controller, "pre"), "--name", "pre", "--base-checkpoint", "owner/missing",
+                         token=TOKEN)
+    assert code == 1 and out == ""
+    assert "preflight failed" in err and "[FAIL] base checkpoint" in err and "fix:" in err, err
