@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from shared.endpoints import parse_endpoints
+from shared.redis_acl import ROLES, role_of
 from shared.services import SERVICE_COMMANDS, SERVICE_NAMES
 from shared.settings import SERVICE_SETTINGS, ExtractorSettings, GeneratorSettings, settings_variables
 
@@ -33,6 +34,7 @@ SCALABLE = ("generator", "extractor")
 GPU_SERVICES = ("inference", "trainer", "vllm", "sglang")
 WORKER_HOST_FILE = "docker-compose.worker.yml"
 WORKER_HOST_SERVICES = ("inference", "generator", "extractor")
+REDIS_START = "/etc/draftline/redis/start.sh"
 # Every combination of files the README tells users to run, as `docker compose -f …` lists them.
 PROJECTS = {
     "main": ("docker-compose.yml",),
@@ -46,14 +48,21 @@ PROJECTS = {
 LAYOUT_GPUS = {"gpus": set(map(str, range(8))), "gpus-vllm": set(map(str, range(8))),
                "gpus-sglang": set(map(str, range(8)))}
 
-# Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}; $$ is a literal $.
-_REFERENCE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\})")
+# Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}, ${VAR:+replacement},
+# ${VAR+replacement}, nested in one another's argument; $$ is a literal $.
+_BRACED = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?+])?")
 EXAMPLE_ENV = {
     "REDIS_PASSWORD": "s3cret-pw",
     "DRAFTLINE_API_TOKEN": "api-token-0123456789abcdef",
     "DRAFTLINE_DATA_DIR": "/mnt/nvme/draftline",
     "DRAFTLINE_MODEL_DIR_HOST": "/mnt/nvme/models/target",
     "GRAFANA_ADMIN_PASSWORD": "grafana-pw",
+}
+# The same .env with a password for each Redis role (shared/redis_acl.py).
+ROLE_PASSWORDS = {
+    "DRAFTLINE_REDIS_CONTROLLER_PASSWORD": "controller-pw-0123",
+    "DRAFTLINE_REDIS_WORKER_PASSWORD": "worker-pw-0123",
+    "DRAFTLINE_REDIS_EXPORTER_PASSWORD": "exporter-pw-0123",
 }
 # A worker host's .env: the main host's Redis with its password, and this host's mount of the share.
 WORKER_ENV = {
@@ -196,20 +205,57 @@ def strings(node: Any) -> Iterator[str]:
             yield from strings(item)
 
 
+class _Reference:
+    """One ``${name<op>arg}``; ``arg`` is parsed in turn (a string may hold further references)."""
+
+    def __init__(self, name: str, op: str | None, arg: list) -> None:
+        self.name, self.op, self.arg = name, op, arg
+
+
+def _parse(text: str, start: int = 0, nested: bool = False) -> tuple[list, int]:
+    """``text`` as literal strings and references, up to the ``}`` closing a nested argument."""
+    parts: list = []
+    literal: list[str] = []
+    i = start
+    while i < len(text):
+        if nested and text[i] == "}":
+            break
+        if text.startswith("$$", i):
+            literal.append("$")
+            i += 2
+            continue
+        match = _BRACED.match(text, i)
+        if match:
+            arg, end = _parse(text, match.end(), nested=True) if match.group("op") else ([], match.end())
+            assert end < len(text) and text[end] == "}", f"unclosed reference in {text!r}"
+            parts += ["".join(literal), _Reference(match.group("name"), match.group("op"), arg)]
+            literal = []
+            i = end + 1
+            continue
+        literal.append(text[i])
+        i += 1
+    return parts + ["".join(literal)], i
+
+
+def _references(parts: list) -> Iterator[_Reference]:
+    for part in parts:
+        if isinstance(part, _Reference):
+            yield part
+            yield from _references(part.arg)
+
+
 def referenced_variables(doc: dict) -> dict[str, bool]:
-    """Every ``${VAR}`` in the document -> whether some reference requires it (``?``)."""
+    """Every ``${VAR}`` in the document, nested ones too -> whether some reference requires it (``?``)."""
     found: dict[str, bool] = {}
     for text in strings(doc):
-        for match in _REFERENCE.finditer(text):
-            if match.group("name"):
-                name = match.group("name")
-                found[name] = found.get(name, False) or "?" in (match.group("op") or "")
+        for ref in _references(_parse(text)[0]):
+            found[ref.name] = found.get(ref.name, False) or "?" in (ref.op or "")
     return found
 
 
 def interpolate(node: Any, env: Mapping[str, str]) -> Any:
     if isinstance(node, str):
-        return _REFERENCE.sub(lambda m: _substitute(m, env), node)
+        return _evaluate(_parse(node)[0], env)
     if isinstance(node, Mapping):
         return {interpolate(k, env): interpolate(v, env) for k, v in node.items()}
     if isinstance(node, list):
@@ -217,17 +263,35 @@ def interpolate(node: Any, env: Mapping[str, str]) -> Any:
     return node
 
 
-def _substitute(match: re.Match, env: Mapping[str, str]) -> str:
-    name, op, arg = match.group("name"), match.group("op"), match.group("arg")
-    if name is None:
-        return "$"
-    value = env.get(name)
+def _evaluate(parts: list, env: Mapping[str, str]) -> str:
+    return "".join(part if isinstance(part, str) else _substitute(part, env) for part in parts)
+
+
+def _substitute(ref: _Reference, env: Mapping[str, str]) -> str:
+    value, op = env.get(ref.name), ref.op
     missing = value is None or (value == "" and op is not None and op.startswith(":"))
     if op in (":-", "-"):
-        return arg if missing else value
+        return _evaluate(ref.arg, env) if missing else value
+    if op in (":+", "+"):
+        return "" if missing else _evaluate(ref.arg, env)
     if op in (":?", "?") and missing:
-        raise MissingVariable(f"{name}: {arg}")
+        raise MissingVariable(f"{ref.name}: {_evaluate(ref.arg, env)}")
     return value or ""
+
+
+def test_interpolation_follows_compose_rules() -> None:
+    env = {"SET": "value", "EMPTY": ""}
+    cases = {
+        "${SET}": "value", "${UNSET}": "", "${UNSET:-d}": "d", "${EMPTY:-d}": "d", "${EMPTY-d}": "",
+        "${SET:+alt}": "alt", "${EMPTY:+alt}": "", "${EMPTY+alt}": "alt", "${UNSET+alt}": "",
+        "${UNSET:-${SET}}": "value", "${UNSET:-${ALSO:-deep}}x": "deepx", "$$SET": "$SET", "a${SET}b": "avalueb",
+        "${SET:+u}:${SET:-${UNSET:?no}}@h": "u:value@h",
+    }
+    for text, expected in cases.items():
+        assert interpolate(text, env) == expected, text
+    with pytest.raises(MissingVariable, match="UNSET: no"):
+        interpolate("${EMPTY:-${UNSET:?no}}", env)
+    assert referenced_variables({"k": "${A:+u}:${A:-${B:?m}}"}) == {"A": False, "B": True}
 
 
 @pytest.fixture(scope="module")
@@ -359,15 +423,57 @@ def test_draftline_services_share_the_common_settings_of_the_anchor(raw: dict, s
 
 
 def test_redis_url_carries_the_password_to_the_redis_service(services: dict) -> None:
+    # No role password set: every service is Redis' default user with REDIS_PASSWORD, as before roles.
     password = EXAMPLE_ENV["REDIS_PASSWORD"]
     for name in SERVICE_NAMES:
         if "REDIS_URL" not in settings_variables(SERVICE_SETTINGS[name]):
             continue  # the inference server
         url = urlsplit(environment(services[name])["REDIS_URL"])
-        assert (url.scheme, url.hostname, url.port, url.password) == ("redis", "redis", 6379, password), name
+        assert (url.scheme, url.hostname, url.port, url.username, url.password) == (
+            "redis", "redis", 6379, "", password), name
     redis = services["redis"]
-    assert redis["command"][redis["command"].index("--requirepass") + 1] == password
-    assert environment(redis)["REDISCLI_AUTH"] == password  # the healthcheck's redis-cli authenticates
+    assert redis["command"][:2] == ["sh", REDIS_START]
+    assert "./redis:/etc/draftline/redis:ro" in redis["volumes"]
+    assert (REPO / "redis" / "start.sh").is_file() and (REPO / "redis" / "roles.acl").is_file()
+    env = environment(redis)
+    assert env["REDIS_PASSWORD"] == password  # redis/start.sh hands it to --requirepass
+    assert env["REDISCLI_AUTH"] == password  # the healthcheck's redis-cli authenticates as the default user
+    assert all(env[role.password_variable] == "" for role in ROLES.values())  # no role user is added
+
+
+def redis_user(service: dict) -> tuple[str, str]:
+    url = urlsplit(environment(service)["REDIS_URL"])
+    return url.username or "", url.password or ""
+
+
+@pytest.mark.parametrize("roles", [list(ROLES), *([name] for name in ROLES)], ids=lambda r: "+".join(r))
+def test_each_service_is_its_roles_redis_user_when_that_password_is_set(roles: list[str]) -> None:
+    passwords = {ROLES[name].password_variable: ROLE_PASSWORDS[ROLES[name].password_variable] for name in roles}
+    services = interpolate(load_compose(), {**EXAMPLE_ENV, **passwords})["services"]
+    for name in SERVICE_NAMES:
+        role = role_of(name)
+        assert (role is None) == ("REDIS_URL" not in settings_variables(SERVICE_SETTINGS[name])), name
+        if role is None:
+            continue
+        if role.name in roles:
+            assert redis_user(services[name]) == (role.name, passwords[role.password_variable]), name
+        else:
+            assert redis_user(services[name]) == ("", EXAMPLE_ENV["REDIS_PASSWORD"]), name
+    env = environment(services["redis"])
+    for role in ROLES.values():  # redis/start.sh adds a user for each set one
+        assert env[role.password_variable] == passwords.get(role.password_variable, ""), role.name
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if PROJECTS[p][0] != WORKER_HOST_FILE])
+def test_with_every_role_set_each_redis_password_reaches_only_its_role_and_redis(project: str) -> None:
+    services = interpolate(load_project(project), {**EXAMPLE_ENV, **ROLE_PASSWORDS})["services"]
+    assert holders(services, EXAMPLE_ENV["REDIS_PASSWORD"]) == {"redis"}  # the operator's, and no service's
+    for role in ROLES.values():
+        users = {name for name, s in draftline_services(services).items() if role_of(service_kind(s)) is role}
+        assert users >= set(role.services), role.name
+        assert holders(services, ROLE_PASSWORDS[role.password_variable]) == users | {"redis"}, role.name
+    assert redis_user(services["exporter"])[0] == "exporter"
+    assert all(redis_user(services[name])[0] == "worker" for name in ("generator", "extractor", "trainer"))
 
 
 # ---- what each container holds --------------------------------------------------------------------

@@ -21,8 +21,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from rq import worker_registration
+from rq.queue import Queue
 from rq.registry import StartedJobRegistry
-from rq.worker import Worker, WorkerStatus
+from rq.worker import WorkerStatus
 
 from services.exporter import names
 from shared.gpu import GpuReader, GpuReading
@@ -47,6 +49,8 @@ RUN_STAGE = ("run", "stage")
 SCRAPE_CONNECT_TIMEOUT_S = 2.0
 SCRAPE_SOCKET_TIMEOUT_S = 5.0
 WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
+# The field of an RQ worker's hash holding its state (rq.worker.BaseWorker.refresh reads it).
+WORKER_STATE_FIELD = "state"
 ACCURACY_FIELD = re.compile(rf"{names.META_TRAIN_ACCURACY_PREFIX}(\d+)")
 
 
@@ -274,9 +278,21 @@ def _collect_queues(families: Families, conn: redis.Redis) -> None:
     for name in QUEUES:
         q = queue(name, conn)
         jobs.add_metric([name], q.count)
-        states = Counter(w.get_state() for w in Worker.all(queue=q, serializer=SERIALIZER))
+        states = _worker_states(conn, q)
         for state in sorted(set(WORKER_STATES) | set(states)):
             workers.add_metric([name, state], states[state])
+
+
+def _worker_states(conn: redis.Redis, q: Queue) -> Counter[str]:
+    """States of the workers registered on ``q``, read without writing: RQ's Worker.all() removes the
+    registration of a worker whose hash expired (SREM), which the read-only exporter role may not do and
+    which is the workers' own clean-up anyway. A registration without a hash is skipped, as Worker.all()
+    skips it."""
+    keys = sorted(worker_registration.get_keys(queue=q))
+    pipe = conn.pipeline(transaction=False)
+    for key in keys:
+        pipe.hget(key, WORKER_STATE_FIELD)
+    return Counter(state.decode() for state in pipe.execute() if state is not None)
 
 
 # ---- volume and GPUs ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -24,28 +25,43 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server on a free loopback port, without persistence, owned by the test."""
+    """A redis-server on a free loopback port, without persistence, owned by the test.
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    With ``acl_env`` (REDIS_PASSWORD and any role passwords, shared/redis_acl.py) it starts the way the
+    compose stack's redis service does, through redis/start.sh: the default user's password and one ACL
+    user per role password set."""
+
+    def __init__(self, workdir: Path, port: int | None = None, *, acl_env: Mapping[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.workdir = Path(workdir)
+        self.acl_env = dict(acl_env) if acl_env is not None else None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The default user's URL (with REDIS_PASSWORD when ``acl_env`` gave one)."""
+        password = (self.acl_env or {}).get("REDIS_PASSWORD")
+        return self.url_for("", password) if password else f"redis://127.0.0.1:{self.port}/0"
+
+    def url_for(self, user: str, password: str) -> str:
+        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; `make test` installs it as root, or run: sudo bash tools/system-packages.sh redis-server")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        options = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--dir", str(self.workdir)]
+        env = None
+        argv = [binary, *options]
+        if self.acl_env is not None:
+            argv = ["sh", str(REPO / "redis" / "start.sh"), *options]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTLINE_REDIS_")} | self.acl_env
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
-            stdout=open(self.workdir / "redis.log", "ab"), stderr=subprocess.STDOUT,
+            argv, env=env, stdout=open(self.workdir / "redis.log", "ab"), stderr=subprocess.STDOUT,
         )
-        conn = redis.Redis(port=self.port)
+        conn = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -53,7 +69,8 @@ class RedisServer:
                 return self
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                    raise RuntimeError(f"redis-server on port {self.port} did not start: "
+                                       f"{(self.workdir / 'redis.log').read_text(errors='replace')[-2000:]}")
                 time.sleep(0.05)
 
     def stop(self) -> None:
