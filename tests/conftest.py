@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,10 +41,33 @@ def redis_conn(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
+# Set by bench/run_gpu_tests.sh: on the machine lent for them a missing CUDA device is a broken setup.
+REQUIRE_GPU_ENV = "DRAFTLINE_REQUIRE_GPU"
+
+
+def cuda_missing() -> str:
+    """Why no CUDA device can run a ``gpu`` test here, or "" where one can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})"
+    return ""
+
+
+def skips_for_gpu(item: pytest.Item) -> bool:
+    return item.get_closest_marker("gpu") is not None and bool(cuda_missing()) and not os.environ.get(REQUIRE_GPU_ENV)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked ``needs_package`` fails before its fixtures start where the package is missing:
-    `make test` installs it, so a skip would only hide a broken setup."""
+    `make test` installs it, so a skip would only hide a broken setup. A test marked ``gpu`` skips on a
+    machine without a CUDA device (a GPU is hardware, not a package), and fails there when
+    ``DRAFTLINE_REQUIRE_GPU`` is set."""
+    if item.get_closest_marker("gpu") is not None and (why := cuda_missing()):
+        if os.environ.get(REQUIRE_GPU_ENV):
+            pytest.fail(f"{REQUIRE_GPU_ENV} is set, but {why}", pytrace=False)
+        pytest.skip(why)
     for mark in item.iter_markers("needs_package"):
         for package in mark.args:
             if not is_installed(package):
@@ -55,7 +79,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     inside the first test that needs it, a slow build would time out and error every test after it."""
     if session.config.option.collectonly or is_intact(entry_for()):
         return
-    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) and not skips_for_gpu(item) for item in session.items):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(f"building the tiny target into {entry_for()} (once per version of its code)")

@@ -19,7 +19,7 @@ from services.trainer.model import Eagle3Drafter, KVCache
 
 @torch.inference_mode()
 def greedy_tokens(target: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+    out = target.generate(torch.tensor([prompt], device=target.device), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
 
 
@@ -27,13 +27,14 @@ def greedy_tokens(target: Any, prompt: list[int], max_new_tokens: int) -> list[i
 def proposals_from_scratch(target: Any, drafter: Eagle3Drafter, sequence: list[int], k: int) -> list[int]:
     """The drafter's ``k`` chained proposals after ``sequence`` (prompt + emitted tokens; the last one is
     the newest, which the target has not read yet)."""
-    verified = sequence[:-1]
-    states = target(torch.tensor([verified]), output_hidden_states=True).hidden_states
+    verified, device = sequence[:-1], drafter.fc.weight.device  # each model on its own device (CPU or CUDA)
+    states = target(torch.tensor([verified], device=target.device), output_hidden_states=True).hidden_states
     aux = torch.cat([states[i + 1][0] for i in drafter.config.layer_ids], dim=-1)  # (L, 3Ht), index 0 = embeddings
-    hidden = drafter.fuse(aux[None].to(drafter.fc.weight.dtype))  # (1, L, H): position p pairs with token p + 1
+    hidden = drafter.fuse(aux[None].to(device, drafter.fc.weight.dtype))  # (1, L, H): position p pairs with token p + 1
     tokens, drafts = list(sequence[1:]), []
     for _ in range(k):
-        out = drafter(hidden, torch.tensor([tokens]), torch.arange(len(tokens))[None], KVCache())  # (1, T, H)
+        out = drafter(hidden, torch.tensor([tokens], device=device), torch.arange(len(tokens), device=device)[None],
+                      KVCache())  # (1, T, H)
         last = out[:, -1:]  # (1, 1, H)
         drafts.append(int(drafter.to_target_ids(drafter.logits(last)[0, -1].argmax())))
         # The next chain step reads this step's output and its token, one position further on.

@@ -78,22 +78,3 @@ def test_empty_prompt_or_zero_budget_is_refused(loaded_tiny):
         generate_batch(loaded_tiny, [GenerationRequest([], 4)])
     with pytest.raises(ValueError):
         generate_batch(loaded_tiny, [GenerationRequest([1, 2], 0)])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_decode_in_bf16_follows_hf_generate_and_seeds_repeat(tiny_model_dir):
-    from services.inference.model import load_model
-    from shared.settings import InferenceSettings
-
-    loaded = load_model(InferenceSettings(model_dir=tiny_model_dir, device="cuda"))
-    assert loaded.dtype == torch.bfloat16
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    for ids, max_new in zip(prompts, MAX_NEW):
-        (result,) = generate_batch(loaded, [GenerationRequest(ids, max_new)])
-        out = loaded.model.generate(torch.tensor([ids], device="cuda"), do_sample=False, max_new_tokens=max_new)
-        assert result.token_ids == out[0, len(ids):].tolist()
-    batched = generate_batch(loaded, [GenerationRequest(ids, n) for ids, n in zip(prompts, MAX_NEW)])
-    assert all(len(r.token_ids) == n or r.finish_reason == "stop" for r, n in zip(batched, MAX_NEW))
-    sampled = [GenerationRequest(ids, 10, SamplingParams(temperature=1.0, seed=5)) for ids in prompts]
-    assert [r.token_ids for r in generate_batch(loaded, sampled)] == [r.token_ids for r in generate_batch(loaded, sampled)]

@@ -1,0 +1,127 @@
+"""The trainer's CUDA paths for real: batches moved to the GPU, autocast to bf16, CUDA RNG state in the
+checkpoints, and the evaluation in bf16 against an independent recomputation of its acceptance."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from services.trainer import checkpoint as ckpt
+from services.trainer import train as train_module
+from services.trainer.evaluate import EvalPrompt, evaluate_prompts, load_target
+from services.trainer.export import export_drafter, load_drafter
+from services.trainer.train import TrainProgress, train_drafter
+from shared.runspec import EvalConfig, RunSpec
+from tests.services.trainer.conftest import demo_messages, write_run
+from tests.support.acceptance import assert_report_matches, expected_report
+
+pytestmark = pytest.mark.gpu
+
+MAX_NEW = 24
+
+
+class Crash(Exception):
+    """Stands in for a killed worker: raised from the progress callback after a given step."""
+
+
+def log_records(paths) -> list[dict]:
+    return [json.loads(line) for line in paths.train_log.read_text().splitlines()]
+
+
+@pytest.fixture()
+def batches_seen(monkeypatch) -> list[dict]:
+    """What each real ``train_step`` received and computed: where the batch lives, in which dtype, and the
+    dtype the drafter's first linear layer put out (bf16 where autocast is on)."""
+    seen: list[dict] = []
+    real_step = train_module.train_step
+
+    def spying_step(s, batch):
+        record = {"tensors": {(t.device.type, t.dtype) for t in (batch.aux_hidden, batch.last_hidden)},
+                  "ids": batch.input_ids.device.type, "mask": batch.loss_mask.device.type}
+        hook = s.drafter.fc.register_forward_hook(lambda _m, _i, out: record.setdefault("fc_out", out.dtype))
+        try:
+            result = real_step(s, batch)
+        finally:
+            hook.remove()
+        record["params"] = {(p.device.type, p.dtype) for p in s.drafter.trainable_parameters()}
+        seen.append(record)
+        return result
+
+    monkeypatch.setattr(train_module, "train_step", spying_step)
+    return seen
+
+
+def test_training_on_cuda_moves_batches_to_the_gpu_autocasts_to_bf16_and_learns(
+    tmp_path, tiny_target, tiny_samples, eval_messages, batches_seen
+):
+    data = tmp_path / "data"
+    data.mkdir()
+    paths = write_run(data, "cuda", tiny_target, tiny_samples, eval_messages, train={"epochs": 30, "save_every": 1000})
+    result = train_drafter(RunSpec.load(data, "cuda"), data=data, model_dir=tiny_target.model_dir, device="cuda")
+    records = log_records(paths)
+    assert [r["step"] for r in records] == list(range(1, 121)) and result.steps == 120 == len(batches_seen)
+    for record in batches_seen:
+        assert record["tensors"] == {("cuda", torch.float32)} and record["ids"] == record["mask"] == "cuda"
+        assert record["fc_out"] == torch.bfloat16  # autocast ran the forward in bf16
+        assert record["params"] == {("cuda", torch.float32)}  # the weights the optimizer updates stay fp32
+    assert all(math.isfinite(r["loss"]) and all(math.isfinite(x) for x in r["loss_k"]) for r in records)
+    first, last = records[:5], records[-10:]
+    mean = lambda rows, key: sum(key(r) for r in rows) / len(rows)
+    assert mean(last, lambda r: r["loss"]) < mean(first, lambda r: r["loss"]) - 1.0
+    assert mean(last, lambda r: r["acc"][0]) > mean(first, lambda r: r["acc"][0]) + 0.15
+    # The checkpoint keeps the GPU's random state beside the CPU's.
+    from safetensors.torch import load_file
+
+    rng = load_file(ckpt.latest_checkpoint(paths.checkpoints_dir) / ckpt.RNG_FILE)
+    assert {"torch_cpu", "torch_cuda_0"} <= rng.keys()
+
+
+def test_a_cuda_run_killed_mid_epoch_resumes_on_the_gpu_to_the_end(tmp_path, tiny_target, tiny_samples, eval_messages):
+    data = tmp_path / "data"
+    data.mkdir()
+    paths = write_run(data, "resume", tiny_target, tiny_samples, eval_messages, train={"epochs": 3, "save_every": 2})
+
+    def crash_at_5(p: TrainProgress) -> None:
+        if p.step == 5:
+            raise Crash(5)
+
+    spec = RunSpec.load(data, "resume")
+    with pytest.raises(Crash):
+        train_drafter(spec, data=data, model_dir=tiny_target.model_dir, device="cuda", progress=crash_at_5)
+    assert ckpt.latest_checkpoint(paths.checkpoints_dir).name.endswith("4")  # saved at 4; 5 was lost
+    result = train_drafter(spec, data=data, model_dir=tiny_target.model_dir, device="cuda")
+    assert result.steps == 12
+    steps = [r["step"] for r in log_records(paths)]
+    assert steps[-8:] == list(range(5, 13))  # the resumed run redid step 5 from the checkpoint at 4
+    assert next(result.drafter.parameters()).device.type == "cuda"
+
+
+@pytest.fixture(scope="module")
+def cuda_export(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
+    """A drafter trained on the GPU and exported in bf16 straight from it, as the train job does."""
+    data = tmp_path_factory.mktemp("eval") / "data"
+    data.mkdir()
+    write_run(data, "trained", tiny_target, tiny_samples, eval_messages, train={"epochs": 40, "lr": 1e-2, "save_every": 1000})
+    result = train_drafter(RunSpec.load(data, "trained"), data=data, model_dir=tiny_target.model_dir, device="cuda")
+    out = data / "export"
+    export_drafter(result.drafter, out, target_model="tiny", target_fingerprint=tiny_target.fingerprint)
+    return out
+
+
+def test_evaluation_on_cuda_in_bf16_reports_the_recomputed_acceptance(cuda_export, tiny_target, eval_messages):
+    device = torch.device("cuda")
+    # What the evaluate job does (services/trainer/jobs.py _evaluate_export), less the run state in Redis.
+    target, tokenizer = load_target(tiny_target.model_dir, device)
+    assert target.dtype == torch.bfloat16 and target.device.type == "cuda"
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    drafter = load_drafter(cuda_export, tiny_target.model_dir, embed=embed).to(device).eval()
+    prompts = [EvalPrompt(100 + i, m) for i, m in enumerate([*eval_messages, *demo_messages()[:3]])]
+    report = evaluate_prompts(target, tokenizer, drafter, prompts, EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2))
+    assert all(row["tokens"] == sum(row["accepted"]) + 1 for row in report["prompts"])
+    # The reference on the same device and dtype: greedy generate, cache-free proposals, the rule replayed.
+    expected = expected_report(target, tokenizer, drafter, [p.messages for p in prompts], draft_steps=2, max_new_tokens=MAX_NEW)
+    assert_report_matches(report, expected)
+    assert expected[1] > 1.0  # drafts were accepted: the number pinned is not the one any drafter gets
