@@ -44,5 +44,5 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
         raise ValueError(f"EAGLE-3 uses exactly three auxiliary layers, got {layer_ids}")
     for layer in layer_ids:
         if not 0 <= layer < num_layers:
-            raise ValueError(f"layer id {layer} outside a {num_layers}-layer target")
+            raise ValueError(f"layer id {layer} is outside the target's {num_layers} layers")
     return list(layer_ids)

@@ -45,6 +45,9 @@ DATA_SUFFIXES = (".jsonl", ".parquet")
 UTF8_BOM = b"\xef\xbb\xbf"  # editors on Windows start files with it; JSON forbids it
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+FORMAT_FIELDS = ("messages", "conversations", "prompt")  # in the order a row with several is read by
+FORMAT_EXPECTS = {"messages": "a list of turns", "conversations": "a list of turns", "prompt": "a string"}
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 OPENAI_ROLES = {"system", "user", "assistant"}
 
@@ -73,7 +76,7 @@ class EmptyRow(RowError):
 
 
 class MissingField(RowError):
-    """The row has none of the fields a known format needs."""
+    """The row has none of the fields a known format needs, or only null ones."""
 
 
 class WrongType(RowError):
@@ -98,10 +101,12 @@ class NoUserTurn(RowError):
 def normalize_row(row: object) -> list[dict[str, str]]:
     """Messages the target answers, or a RowError naming what is wrong with ``row``."""
     if not isinstance(row, dict):
-        raise WrongType(f"row is a JSON {type(row).__name__}, expected an object")
-    present = {k: v for k, v in row.items() if v is not None}
-    if not present:
+        raise WrongType(f"row is {_kind(row)}, expected a JSON object")
+    if not row:
         raise EmptyRow("row has no fields")
+    # A null field counts as absent when choosing the format: a Parquet row has every column of its file,
+    # null where the row uses another format.
+    present = {k: v for k, v in row.items() if v is not None}
     if "messages" in present:
         messages = _openai_messages(present["messages"])
     elif "conversations" in present:
@@ -109,8 +114,26 @@ def normalize_row(row: object) -> list[dict[str, str]]:
     elif "prompt" in present:
         messages = _plain_messages(present["prompt"], present.get("system"))
     else:
-        raise MissingField(f"row has none of 'messages', 'conversations', 'prompt' (fields: {sorted(present)[:8]})")
+        raise _no_format_field(row)
     return _finish(messages)
+
+
+def _no_format_field(row: dict) -> MissingField:
+    """Why a row with fields has no usable one: the format fields it holds are null, or it holds none."""
+    nulls = [field for field in FORMAT_FIELDS if field in row]
+    if len(nulls) == 1:
+        return MissingField(f"{nulls[0]} is null, expected {FORMAT_EXPECTS[nulls[0]]}")
+    if nulls:
+        return MissingField(f"{' and '.join(nulls)} are null, expected one of them to hold the row")
+    return MissingField(f"row has none of 'messages', 'conversations', 'prompt' (fields: {sorted(map(str, row))[:8]})")
+
+
+def _kind(value: object) -> str:
+    """What a value is, for a message: ``null``, ``an int``, ``a list`` (its Python type, with its article)."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _openai_messages(turns: object) -> list[dict[str, str]]:
@@ -119,7 +142,7 @@ def _openai_messages(turns: object) -> list[dict[str, str]]:
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
-            raise WrongType(f"{where} is a {type(turn).__name__}, expected an object")
+            raise WrongType(f"{where} is {_kind(turn)}, expected an object")
         role = _required(turn, "role", where)
         if role not in OPENAI_ROLES:
             raise UnknownRole(f"{where}.role is {role!r}; known roles: {sorted(OPENAI_ROLES)}")
@@ -133,7 +156,7 @@ def _sharegpt_messages(turns: object) -> list[dict[str, str]]:
     for i, turn in enumerate(turns):
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
-            raise WrongType(f"{where} is a {type(turn).__name__}, expected an object")
+            raise WrongType(f"{where} is {_kind(turn)}, expected an object")
         speaker = _required(turn, "from", where)
         if speaker not in SHAREGPT_ROLES:
             raise UnknownRole(f"{where}.from is {speaker!r}; known: {sorted(SHAREGPT_ROLES)}")
@@ -143,11 +166,11 @@ def _sharegpt_messages(turns: object) -> list[dict[str, str]]:
 
 def _plain_messages(prompt: object, system: object) -> list[dict[str, str]]:
     if not isinstance(prompt, str):
-        raise WrongType(f"prompt is a {type(prompt).__name__}, expected a string")
+        raise WrongType(f"prompt is {_kind(prompt)}, expected a string")
     messages = []
     if system is not None:
         if not isinstance(system, str):
-            raise WrongType(f"system is a {type(system).__name__}, expected a string")
+            raise WrongType(f"system is {_kind(system)}, expected a string")
         if system.strip():
             messages.append({"role": "system", "content": _encodable(system, "system")})
     messages.append({"role": "user", "content": _text(prompt, "prompt")})
@@ -157,7 +180,7 @@ def _plain_messages(prompt: object, system: object) -> list[dict[str, str]]:
 def _turn_list(turns: object, field: str) -> list:
     # Parquet hands lists over as lists; numpy arrays never reach here because we read via to_pylist().
     if not isinstance(turns, list):
-        raise WrongType(f"{field} is a {type(turns).__name__}, expected a list of turns")
+        raise WrongType(f"{field} is {_kind(turns)}, expected a list of turns")
     if not turns:
         raise EmptyRow(f"{field} is an empty list")
     return turns
@@ -168,7 +191,7 @@ def _required(turn: dict, key: str, where: str, *, str_only: bool = True) -> obj
         raise MissingField(f"{where} has no {key!r}")
     value = turn[key]
     if str_only and not isinstance(value, str):
-        raise WrongType(f"{where}.{key} is a {type(value).__name__}, expected a string")
+        raise WrongType(f"{where}.{key} is {_kind(value)}, expected a string")
     return value
 
 
@@ -182,7 +205,7 @@ def _text(content: object, where: str) -> str:
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise WrongType(f"{where}.content is a {type(content).__name__}, expected a string")
+        raise WrongType(f"{where}.content is {_kind(content)}, expected a string")
     if not content.strip():
         raise EmptyContent(f"{where} has empty content")
     return _encodable(content, where)
@@ -276,7 +299,8 @@ def _jsonl_line(raw: bytes, number: int) -> Item:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        return InvalidJson(f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+        # Some of json's messages end in "at" themselves ("Unterminated string starting at").
+        return InvalidJson(f"line {number}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
     except (ValueError, RecursionError) as exc:  # a 5,000-digit number, arrays nested thousands deep
         return InvalidJson(f"line {number}: JSON this reader refuses ({type(exc).__name__}: {str(exc)[:120]})")
 

@@ -148,19 +148,45 @@ def test_an_overlong_line_is_skipped_without_being_read_whole(tmp_path, monkeypa
     (b'{"conversations": [{"from": "human", "value": "\\ud83d"}]}', "InvalidUtf8", "conversations[0]"),
     (b'{"prompt": "caf\xc3"}', "InvalidUtf8", "invalid UTF-8"),
     (b'\xef\xbb\xbf{"prompt": "a BOM only belongs at the start of the file"}', "InvalidJson", "BOM"),
-    (b'{"messages": [null]}', "WrongType", "messages[0] is a NoneType"),
+    (b'{"messages": [null]}', "WrongType", "messages[0] is null"),
     (b'{"messages": [{"role": ["user"], "content": "x"}]}', "WrongType", "role is a list"),
     (b'{"messages": [{"role": "user", "content": {"text": "x"}}]}', "WrongType", "content is a dict"),
     (b'{"prompt": true}', "WrongType", "prompt is a bool"),
-    (b'"just a string"', "WrongType", "JSON str"),
-    (b"null", "WrongType", "JSON NoneType"),
-    (b'{"prompt": null}', "EmptyRow", "no fields"),
+    (b'"just a string"', "WrongType", "row is a str"),
+    (b"null", "WrongType", "row is null"),
+    (b'{"prompt": null}', "MissingField", "prompt is null"),
 ])
 def test_hostile_json_fails_only_its_row(tmp_path, line, name, words):
     path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "first"}, line, {"prompt": "last"}])
     rows = list(iter_rows(path))
     assert classes(rows) == ["ok", name, "ok"], rows[1][1]
     assert words in str(rows[1][1])
+
+
+@pytest.mark.parametrize(("line", "name", "message"), [
+    # json's own messages for these end in "at"; the column follows once.
+    (b'{"prompt": "tab\there"}', "InvalidJson", "line 2: invalid JSON (Invalid control character at column 16)"),
+    (b'{"prompt": "never closed', "InvalidJson", "line 2: invalid JSON (Unterminated string starting at column 12)"),
+    (b'{"prompt": }', "InvalidJson", "line 2: invalid JSON (Expecting value at column 12)"),
+    (b'{"prompt": 42}', "WrongType", "prompt is an int, expected a string"),
+    (b'{"prompt": 1.5}', "WrongType", "prompt is a float, expected a string"),
+    (b'{"prompt": "ok", "system": 7}', "WrongType", "system is an int, expected a string"),
+    (b'{"messages": [{"role": "user", "content": 7}]}', "WrongType", "messages[0].content is an int, expected a string"),
+    (b'{"messages": [null]}', "WrongType", "messages[0] is null, expected an object"),
+    (b"[1]", "WrongType", "row is a list, expected a JSON object"),
+    (b"null", "WrongType", "row is null, expected a JSON object"),
+    (b"{}", "EmptyRow", "row has no fields"),
+    # A null field is a field: the row names it rather than claiming to have none.
+    (b'{"prompt": null}', "MissingField", "prompt is null, expected a string"),
+    (b'{"messages": null}', "MissingField", "messages is null, expected a list of turns"),
+    (b'{"messages": null, "prompt": null}', "MissingField", "messages and prompt are null, expected one of them to hold the row"),
+    (b'{"system": null}', "MissingField", "row has none of 'messages', 'conversations', 'prompt' (fields: ['system'])"),
+])
+def test_bad_rows_are_named_in_these_words(tmp_path, line, name, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "first"}\n' + line)  # the last line, unterminated: a string left open ends there
+    rows = list(iter_rows(path))
+    assert (type(rows[1][1]).__name__, str(rows[1][1])) == (name, message)
 
 
 def test_a_byte_order_mark_at_the_start_of_the_file_is_ignored(tmp_path):
@@ -179,26 +205,32 @@ TURN = pa.struct([("role", pa.string()), ("content", pa.string())])
 
 
 @pytest.mark.parametrize(("columns", "name", "words"), [
-    ({"prompt": pa.array([1, 2], pa.int64())}, "WrongType", "prompt is a int"),
+    ({"prompt": pa.array([1, 2], pa.int64())}, "WrongType", "prompt is an int"),
     ({"prompt": pa.array([b"bytes", b"more"], pa.binary())}, "WrongType", "prompt is a bytes"),
     ({"prompt": pa.array([1.5, float("nan")], pa.float64())}, "WrongType", "prompt is a float"),
     ({"messages": pa.array(["a string", "another"])}, "WrongType", "messages is a str"),
     ({"messages": pa.array([["user says"], ["hi"]], pa.list_(pa.string()))}, "WrongType", "messages[0] is a str"),
     ({"messages": pa.array([[{"role": 1, "content": "x"}]] * 2, pa.list_(pa.struct([("role", pa.int64()), ("content", pa.string())])))},
-     "WrongType", "role is a int"),
+     "WrongType", "role is an int"),
     ({"messages": pa.array([[{"role": "user", "content": None}]] * 2, pa.list_(TURN))}, "MissingField", "no 'content'"),
     ({"messages": pa.array([[{"role": "user", "content": [1, 2]}]] * 2,
                            pa.list_(pa.struct([("role", pa.string()), ("content", pa.list_(pa.int64()))])))},
      "WrongType", "non-text part"),
     ({"conversations": pa.array([[{"from": "human", "value": 3}]] * 2,
-                                pa.list_(pa.struct([("from", pa.string()), ("value", pa.int64())])))}, "WrongType", "value is a int"),
-    ({"prompt": pa.array(["ok", "ok"]), "system": pa.array([7, 8], pa.int64())}, "WrongType", "system is a int"),
+                                pa.list_(pa.struct([("from", pa.string()), ("value", pa.int64())])))}, "WrongType", "value is an int"),
+    ({"prompt": pa.array(["ok", "ok"]), "system": pa.array([7, 8], pa.int64())}, "WrongType", "system is an int"),
     ({"prompt": pa.array([{"text": "x"}] * 2, pa.struct([("text", pa.string())]))}, "WrongType", "prompt is a dict"),
 ])
 def test_parquet_columns_of_the_wrong_type_fail_each_row_by_name(tmp_path, columns, name, words):
     rows = list(iter_rows(parquet(tmp_path, columns)))
     assert classes(rows) == [name, name]
     assert words in str(rows[0][1])
+
+
+def test_a_null_parquet_cell_names_its_column(tmp_path):
+    rows = list(iter_rows(parquet(tmp_path, {"prompt": pa.array([None, "fine"], pa.string())})))
+    assert (type(rows[0][1]).__name__, str(rows[0][1])) == ("MissingField", "prompt is null, expected a string")
+    assert rows[1][1] == [{"role": "user", "content": "fine"}]
 
 
 def test_a_parquet_text_cell_with_invalid_utf8_fails_only_its_row(tmp_path):

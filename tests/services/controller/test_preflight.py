@@ -181,7 +181,7 @@ def test_layer_ids_outside_the_served_target_are_refused_before_any_generation(t
                                                    extraction=ExtractionConfig(layer_ids=[1, 3, 8])))
     found = check(bad, "layer ids")
     assert (found.ok, found.severity) == (False, pf.ERROR) and not bad.allowed
-    assert "layer id 8 outside a 8-layer target" in found.message and "0..7" in found.fix
+    assert "layer id 8 is outside the target's 8 layers" in found.message and "0..7" in found.fix
     good = pf.run_preflight(settings, spec=spec_for(dataset, model=tiny_model_dir.name,
                                                     extraction=ExtractionConfig(layer_ids=[0, 3, 7])))
     assert check(good, "layer ids").ok
@@ -196,7 +196,7 @@ def test_layer_ids_are_read_from_the_model_dir_when_the_server_does_not_say(tmp_
         facts = pf.Facts()
         assert pf.check_inference(settings_for(tmp_path, inference_url=served.url), spec, facts).ok
     refused = pf.check_layer_ids(settings_for(tmp_path, model_dir=target), spec, facts)
-    assert not refused.ok and refused.severity == pf.ERROR and "61-layer" in refused.message
+    assert not refused.ok and refused.severity == pf.ERROR and "the target's 61 layers" in refused.message
     unknown = pf.check_layer_ids(settings_for(tmp_path), spec, facts)
     assert (unknown.ok, unknown.severity) == (False, pf.WARNING) and "DRAFTLINE_MODEL_DIR" in unknown.fix
 

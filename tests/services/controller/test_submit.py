@@ -54,7 +54,7 @@ def test_each_bad_row_is_a_named_generate_failure_on_volume_and_in_redis(data_di
     failures = {f.sample_id: f for f in state.failures()}
     assert set(failures) == {3, 4}
     assert (failures[3].stage, failures[3].error_class, failures[3].kind) == ("generate", "InvalidJson", "error")
-    assert failures[4].error_class == "WrongType" and "prompt is a int" in failures[4].message
+    assert failures[4].error_class == "WrongType" and failures[4].message == "prompt is an int, expected a string"
     on_disk = json.loads(state.paths.failure("generate", 4).read_text())
     assert on_disk["error_class"] == "WrongType"
     assert state.counts("generate").failed == 2

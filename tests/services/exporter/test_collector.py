@@ -247,7 +247,12 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
             )
             return samples if ready else None
 
-        samples = wait_for(settled, "busy train and extract workers and an idle generate worker", list(logs.values()))
+        wait_for(settled, "busy train and extract workers and an idle generate worker", list(logs.values()))
+        # A scrape reads the started-job registries before the workers, so the scrape that first sees a
+        # worker busy may have read its registry just before the job started. RQ records a started job in
+        # the transaction that marks its worker busy, and these jobs run for minutes: a scrape begun after
+        # both workers were seen busy counts both jobs.
+        samples = scrape(redis_url, data_dir)
         assert value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="idle") == 0
         assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="busy") == 0
         assert value(samples, names.QUEUE_JOBS, queue=TRAIN_QUEUE) == 0
