@@ -22,8 +22,10 @@ from services.exporter.collector import (
 )
 from shared.gpu import GpuReader, GpuReading
 from shared.jobs import (
+    EXTRACT_FUNC,
     EXTRACT_QUEUE,
     GENERATE_QUEUE,
+    TRAIN_FUNC,
     TRAIN_QUEUE,
     extract_job_id,
     train_job_id,
@@ -31,6 +33,7 @@ from shared.jobs import (
 from shared.queues import queue
 from shared.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import Samples, parse, value
+from tests.services.controller.test_reaper import take
 from tests.support.processes import REPO, free_port
 
 
@@ -195,7 +198,8 @@ def test_every_run_in_redis_is_reported(redis_url, redis_conn, data_dir) -> None
 def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> None:
     extract = queue(EXTRACT_QUEUE, redis_conn)
     for sample_id in range(3):
-        extract.enqueue("time.sleep", 0, job_id=extract_job_id("r1", sample_id))
+        extract.enqueue_call(EXTRACT_FUNC, args=({"run": "r1", "sample_id": sample_id},),
+                             job_id=extract_job_id("r1", sample_id))
     samples = scrape(redis_url, data_dir)
     assert value(samples, names.QUEUE_JOBS, queue=EXTRACT_QUEUE) == 3
     assert value(samples, names.QUEUE_JOBS, queue=GENERATE_QUEUE) == 0
@@ -229,14 +233,17 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
     populate(redis_conn, data_dir, "r1")
     populate(redis_conn, data_dir, "my_run.v2")  # a name RQ cannot take verbatim inside a job id
     RunState(redis_conn, data_dir, "r1").set_progress("train", 0, 100)
-    logs = {name: tmp_path / f"{name}.log" for name in (TRAIN_QUEUE, EXTRACT_QUEUE, GENERATE_QUEUE)}
-    workers = [start_worker(redis_url, name, log) for name, log in logs.items()]
+    logs = {GENERATE_QUEUE: tmp_path / "generate.log"}
+    workers = [start_worker(redis_url, GENERATE_QUEUE, logs[GENERATE_QUEUE])]  # a real process, idle
     try:
-        # The jobs block long past the test; the workers are killed below, the jobs never complete.
-        queue(TRAIN_QUEUE, redis_conn).enqueue("time.sleep", 600, job_id=train_job_id("r1"), job_timeout=900)
-        queue(EXTRACT_QUEUE, redis_conn).enqueue(
-            "time.sleep", 600, job_id=extract_job_id("my_run.v2", 7), job_timeout=900
-        )
+        # Workers only run draftline's own job functions, and these jobs must stay running while the
+        # test scrapes: they are taken the way RQ's own worker takes a job (dequeue, execution, busy),
+        # with no work horse behind them, so they never end.
+        queue(TRAIN_QUEUE, redis_conn).enqueue_call(TRAIN_FUNC, args=({"run": "r1"},), job_id=train_job_id("r1"))
+        queue(EXTRACT_QUEUE, redis_conn).enqueue_call(EXTRACT_FUNC, args=({"run": "my_run.v2", "sample_id": 7},),
+                                                     job_id=extract_job_id("my_run.v2", 7))
+        take(redis_conn, "trainer-busy", TRAIN_QUEUE)
+        take(redis_conn, "extractor-busy", EXTRACT_QUEUE)
 
         def settled() -> Samples | None:
             samples = scrape(redis_url, data_dir)
@@ -250,8 +257,8 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
         wait_for(settled, "busy train and extract workers and an idle generate worker", list(logs.values()))
         # A scrape reads the started-job registries before the workers, so the scrape that first sees a
         # worker busy may have read its registry just before the job started. RQ records a started job in
-        # the transaction that marks its worker busy, and these jobs run for minutes: a scrape begun after
-        # both workers were seen busy counts both jobs.
+        # the transaction that marks its worker busy, and these jobs never end: a scrape begun after both
+        # workers were seen busy counts both jobs.
         samples = scrape(redis_url, data_dir)
         assert value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="idle") == 0
         assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="busy") == 0
