@@ -18,9 +18,11 @@ from safetensors.torch import load_file
 
 from services.trainer.export import verify_export
 from services.trainer.launch import TrainingProcessFailed, torchrun_command, train_procs
-from services.trainer.lock import exclusive_training
+from services.trainer.lock import TrainingInProgress, exclusive_training
 from shared.errors import SettingsError
-from shared.jobs import evaluate_job_id
+from shared.jobs import evaluate_job_id, train_job_id
+from shared.queues import SERIALIZER
+from shared.requeue import REQUEUES_META
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from tests.services.trainer.test_jobs import enqueue_train
@@ -143,8 +145,22 @@ def test_a_work_horse_killed_as_rq_kills_it_leaves_no_rank_training(make_run, re
             assert time.monotonic() < deadline, f"ranks still running after their job was killed: {ranks}"
             time.sleep(0.1)
         assert len(ranks) == 2 and state.progress("train")[0] < 60  # killed mid-run, not after it
-    with exclusive_training(paths):
-        pass  # the run's lock is free for the next trainer
+        # A horse killed from outside (the OOM killer) is a lost execution: its worker, alive, runs the
+        # job again from its last checkpoint, with ranks of its own.
+        while len(re.findall(r"rank \d of 2 \(pid (\d+)\)", service.log())) < 4:
+            assert time.monotonic() < deadline and service.alive(), service.log()
+            time.sleep(0.1)
+        assert Job.fetch(train_job_id("horse"), connection=redis_conn,
+                         serializer=SERIALIZER).meta[REQUEUES_META] == 1
+        service.stop(signal.SIGKILL)  # the worker, then its horse, torchrun and ranks, each with its parent
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with exclusive_training(paths):
+                break  # the run's lock is free for the next trainer: no rank outlived the worker
+        except TrainingInProgress:
+            assert time.monotonic() < deadline, "a rank still holds the run's lock after its worker died"
+            time.sleep(0.2)
 
 
 def test_torchrun_starts_from_this_python_not_from_path(tmp_path):
