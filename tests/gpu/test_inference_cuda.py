@@ -19,9 +19,14 @@ from tests.services.inference.test_hidden import make_job, reference
 pytestmark = pytest.mark.gpu
 
 LENGTHS = [17, 64, 33, 5, 128, 90]
-# bf16 keeps 8 bits of mantissa (a relative step of 2^-8 ≈ 0.4%); through 8 layers the states drift by
-# about 1%. The bound is 4%, and a wrong row (another sample's states) is off by far more.
-REL_TOLERANCE = 0.04
+# Two references. The same model in bf16 on the GPU, one unpadded sample at a time: what the pipeline
+# (groups, padding, pinned buffers, non_blocking copies) must reproduce up to bf16 kernels taking other
+# shapes; a relative step of bf16 is 2^-8 ≈ 0.4%, so 2% allows a few steps of drift and no wrong row.
+# And the CPU in float32: bf16 compute itself drifts with depth, and the final norm rescales each row to
+# unit RMS, keeping the relative error rather than shrinking it (5.8% measured on the H200 for the last
+# state, under 4% for the auxiliary ones), so that bound is 8%. Another sample's states are off by far more.
+SAME_DTYPE_TOLERANCE = 0.02
+REL_TOLERANCE = 0.08
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -46,6 +51,9 @@ def test_pipeline_on_cuda_writes_through_pinned_buffers_what_a_cpu_fp32_forward_
         verify_hidden_file(job.path, layer_ids=[1, 3, 4], dtype="BF16", hidden_size=64, sha256=result.sha256)
         tensors = load_file(job.path)
         assert tensors["input_ids"].tolist() == job.input_ids and tensors["loss_mask"].tolist() == job.loss_mask
+        same_aux, same_last, _ = reference(loaded_cuda, job)  # bf16 on the GPU, one unpadded sample
+        assert rel_error(tensors["aux_hidden_states"], same_aux.cpu()) < SAME_DTYPE_TOLERANCE
+        assert rel_error(tensors["hidden_states"], same_last.cpu()) < SAME_DTYPE_TOLERANCE
         ref_aux, ref_last, _ = reference(loaded_cpu, job)  # fp32 on the CPU, one unpadded sample
         assert tensors["aux_hidden_states"].dtype == tensors["hidden_states"].dtype == torch.bfloat16
         assert rel_error(tensors["aux_hidden_states"], ref_aux) < REL_TOLERANCE

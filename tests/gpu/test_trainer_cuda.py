@@ -41,7 +41,10 @@ def batches_seen(monkeypatch) -> list[dict]:
     def spying_step(s, batch):
         record = {"tensors": {(t.device.type, t.dtype) for t in (batch.aux_hidden, batch.last_hidden)},
                   "ids": batch.input_ids.device.type, "mask": batch.loss_mask.device.type}
-        hook = s.drafter.fc.register_forward_hook(lambda _m, _i, out: record.setdefault("fc_out", out.dtype))
+        def note_dtype(_module, _inputs, out):  # returns None: a forward hook's return value replaces the output
+            record.setdefault("fc_out", out.dtype)
+
+        hook = s.drafter.fc.register_forward_hook(note_dtype)
         try:
             result = real_step(s, batch)
         finally:

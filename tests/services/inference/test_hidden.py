@@ -27,7 +27,7 @@ def make_job(loaded, root: Path, name: str, length: int, *, layer_ids=(1, 3, 4),
 def reference(loaded, job: HiddenJob) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(aux, last, logits)`` of one unpadded sample straight from the Hugging Face model."""
     with torch.inference_mode():
-        out = loaded.model(torch.tensor([job.input_ids]), output_hidden_states=True)
+        out = loaded.model(torch.tensor([job.input_ids], device=loaded.device), output_hidden_states=True)
     states = out.hidden_states
     aux = torch.cat([states[eagle3.hf_hidden_index(i)] for i in job.layer_ids], dim=-1)[0]
     return aux, states[-1][0], out.logits[0]
