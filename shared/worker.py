@@ -18,8 +18,8 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-import redis
 from rq import Queue, Worker, worker_registration
 from rq.exceptions import (
     DeserializationError,
@@ -32,6 +32,7 @@ from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.utils import now
 
+import redis
 from shared.errors import ForeignJob
 from shared.jobs import JOB_FUNCS
 from shared.outage import REDIS_DOWN, RedisOutage
@@ -42,6 +43,7 @@ from shared.settings import CommonSettings, configure_logging
 from shared.volume import VolumeMismatch, verify_volume
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A busy worker heartbeats every JOB_MONITORING_INTERVAL_S (RQ's default is 30 s); the reaper calls a
 # worker dead after STALE_HEARTBEAT_S without one, so a killed worker's job is back on its queue within
@@ -183,38 +185,31 @@ class DraftlineWorker(Worker):
         self.outage.up()
         self.stay_registered()
 
+    def until_redis_answers(self, call: Callable[[], T]) -> T:
+        """``call()``, waiting out every outage it meets (with backoff, logged once) and calling again."""
+        while True:
+            try:
+                return call()
+            except REDIS_DOWN as exc:
+                self.outage.down(exc)
+                self.wait_for_redis()
+
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
         # Called between jobs and first in every round of the dequeue loop: block here until Redis is
         # back, so the loop's own retries (and their log lines) do not start.
         if pipeline is not None:
             super().heartbeat(timeout, pipeline)
             return
-        while True:
-            try:
-                super().heartbeat(timeout)
-                break
-            except REDIS_DOWN as exc:
-                self.outage.down(exc)
-                self.wait_for_redis()
+        self.until_redis_answers(lambda: super(DraftlineWorker, self).heartbeat(timeout))
         self.outage.up()
         self.stay_registered()
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
-        while True:
-            try:
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            except REDIS_DOWN as exc:
-                self.outage.down(exc)
-                self.wait_for_redis()
+        return self.until_redis_answers(lambda: super(DraftlineWorker, self).dequeue_job_and_maintain_ttl(
+            timeout, max_idle_time))
 
     def check_for_suspension(self, burst: bool) -> None:
-        while True:
-            try:
-                super().check_for_suspension(burst)
-                return
-            except REDIS_DOWN as exc:
-                self.outage.down(exc)
-                self.wait_for_redis()
+        self.until_redis_answers(lambda: super(DraftlineWorker, self).check_for_suspension(burst))
 
     def run_maintenance_tasks(self) -> None:
         try:
