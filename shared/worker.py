@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import redis
 from rq import Queue, Worker, worker_registration
 from rq.exceptions import (
     DeserializationError,
@@ -32,7 +33,6 @@ from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.utils import now
 
-import redis
 from shared.errors import ForeignJob
 from shared.jobs import JOB_FUNCS
 from shared.outage import REDIS_DOWN, RedisOutage
