@@ -146,7 +146,8 @@ def test_a_work_horse_killed_as_rq_kills_it_leaves_no_rank_training(make_run, re
             time.sleep(0.1)
         assert len(ranks) == 2 and state.progress("train")[0] < 60  # killed mid-run, not after it
         # A horse killed from outside (the OOM killer) is a lost execution: its worker, alive, runs the
-        # job again from its last checkpoint, with ranks of its own.
+        # job again from its last checkpoint, with ranks of its own (started as slowly as the first ones).
+        deadline = time.monotonic() + 300
         while len(re.findall(r"rank \d of 2 \(pid (\d+)\)", service.log())) < 4:
             assert time.monotonic() < deadline and service.alive(), service.log()
             time.sleep(0.1)
