@@ -77,7 +77,7 @@ class DraftlineWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.outage = RedisOutage(f"worker {self.name}")
-        self._killed_by: int | None = None  # the signal that killed the current job's work horse
+        self._horse_lost: str | None = None  # how the current job's work horse was lost, when it was
 
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
@@ -133,13 +133,12 @@ class DraftlineWorker(Worker):
     # ---- a work horse killed by a signal (the OOM killer's SIGKILL) is requeued, not failed -----------
     def handle_work_horse_killed(self, job: Job, retpid, ret_val, rusage) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)
-        if ret_val is not None and os.WIFSIGNALED(ret_val) and not overran(job):
-            self._killed_by = os.WTERMSIG(ret_val)
+        self._horse_lost = horse_loss(job, ret_val)
 
     def handle_job_failure(self, job: Job, queue: Queue, started_job_registry=None, exc_string: str = "",
                            execution: Execution | None = None) -> None:
-        killed_by, self._killed_by = self._killed_by, None
-        if killed_by is None or execution is None:
+        lost, self._horse_lost = self._horse_lost, None
+        if lost is None or execution is None:
             super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
             return
         # Taking the execution off the started registry is the claim, as in the reaper: whoever removes
@@ -149,8 +148,7 @@ class DraftlineWorker(Worker):
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job, pipeline=pipe, execution=execution)
             pipe.execute()
-        cause = f"work horse of worker {self.name} killed by {signal.Signals(killed_by).name}"
-        requeue_lost(job, queue, cause=cause)
+        requeue_lost(job, queue, cause=f"work horse of worker {self.name} {lost}")
 
     # ---- Redis outages: every call of the work loop waits Redis out instead of ending the worker -------
     def wait_for_redis(self) -> None:
@@ -249,6 +247,22 @@ def refuse_foreign(job: Job, queue: Queue) -> None:
         record_job_failure(job, message, pipe)
         pipe.execute()
     log.error("%s", message)
+
+
+def horse_loss(job: Job, ret_val: int | None) -> str | None:
+    """How a work horse that ended without settling its job was lost, or None when its end is a failure
+    of the job itself (a non-zero exit, or the worker's own kill of a horse past its timeout).
+
+    A signal from outside (the OOM killer's SIGKILL) says nothing against the job. Neither does an exit
+    status nobody can read any more: RQ's wait for the horse finds no child (``ret_val`` None) when the
+    horse was reaped elsewhere, as seen under load after a SIGKILL of its process group."""
+    if overran(job):
+        return None
+    if ret_val is None:
+        return "gone, its exit status lost"
+    if os.WIFSIGNALED(ret_val):
+        return f"killed by {signal.Signals(os.WTERMSIG(ret_val)).name}"
+    return None
 
 
 def overran(job: Job) -> bool:

@@ -26,7 +26,7 @@ from shared.queues import SERIALIZER, queue
 from shared.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
-from shared.worker import JOB_MONITORING_INTERVAL_S, overran
+from shared.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import RedisServer, ServiceProcess
@@ -258,3 +258,13 @@ def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir
         assert reason.startswith("ForeignJob: ") and "refused, nothing ran" in reason, reason
         assert GENERATE_FUNC in reason  # names what the queue does run
     assert "Processing os.mkdir" not in worker.log() and "foreign_mkdir" in worker.log()
+
+
+def test_a_horse_lost_from_outside_is_a_loss_and_one_that_exits_non_zero_is_a_failure():
+    job = Job(id="j", connection=redis.Redis())
+    job.timeout, job.started_at = 600, datetime.now(timezone.utc)
+    assert horse_loss(job, signal.SIGKILL) == "killed by SIGKILL"  # waitpid's status of a SIGKILLed child
+    assert horse_loss(job, None) == "gone, its exit status lost"
+    assert horse_loss(job, 1 << 8) is None  # exit(1): the job's own failure
+    job.started_at = datetime.now(timezone.utc) - timedelta(seconds=661)  # the worker killed it: overrun
+    assert horse_loss(job, signal.SIGKILL) is None

@@ -152,8 +152,16 @@ def test_root_without_apt_get_names_the_packages_and_fails(world):
     assert result.returncode == 1 and "missing system packages: chromium; no apt-get" in result.stderr
 
 
+def dry_run(target: str) -> list[str]:
+    """The commands a plain ``make TARGET`` would run. Under ``make test`` itself this would be a sub-make,
+    with the outer make's variables (PYTEST_ARGS, say) and "Entering directory" lines: neither is wanted."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PYTEST_ARGS")}
+    return subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO, env=env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+
+
 def test_make_test_and_ci_run_the_script_for_every_package_before_the_suite():
-    dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    dry = dry_run("test")
     setup = f"bash tools/system-packages.sh {' '.join(ALL)}"
     assert dry[0] == setup and dry[-1].rstrip().endswith("-m pytest")
     ci = (REPO / ".ci" / "run").read_text().splitlines()
@@ -162,5 +170,5 @@ def test_make_test_and_ci_run_the_script_for_every_package_before_the_suite():
 
 
 def test_make_demo_installs_redis_server_before_the_demo():
-    dry = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    dry = dry_run("demo")
     assert dry[0] == "bash tools/system-packages.sh redis-server"
