@@ -11,7 +11,7 @@
         failures/<stage>/00000123.json      a named failure: sample id, stage, error class, message
         drafter/checkpoints/step_00000100/  trainer checkpoints
         drafter/export/                     config.json + model.safetensors, loadable by vLLM and SGLang
-        drafter/train_log.jsonl             loss and per-step accuracy per logging step
+        drafter/train_log.jsonl             loss, per-step accuracy, gradient norm per optimizer step
         eval.json                           acceptance length against the target
 
 Sample ids are dataset row indices; a shard directory holds ``SHARD_SIZE`` consecutive ids.

@@ -379,13 +379,14 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
         for index, batch in enumerate(loader, start=first):
             if is_filler(len(s.dataset), s.cfg.batch_size, s.rank, s.world, index):
                 batch = batch.without_loss()
-            loss, step_losses, accs, step_tokens = train_step(s, batch.to(s.device, torch.float32))
+            done = train_step(s, batch.to(s.device, torch.float32))
             step += 1
-            tokens += step_tokens
+            tokens += done.tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
-            s.result.last = TrainProgress(step, s.total, epoch, loss, accs, s.scheduler.get_last_lr()[0], speed)
-            train_log.write({"step": step, "epoch": epoch, "loss": loss, "loss_k": step_losses, "acc": accs,
-                             "lr": s.result.last.lr, "elapsed_s": round(time.monotonic() - started, 3)})
+            s.result.last = TrainProgress(step, s.total, epoch, done.loss, done.acc, s.scheduler.get_last_lr()[0], speed)
+            train_log.write({"step": step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
+                             "grad_norm": done.grad_norm, "lr": s.result.last.lr,
+                             "elapsed_s": round(time.monotonic() - started, 3)})
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
@@ -396,8 +397,19 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     return s.result
 
 
-def train_step(s: Session, batch: Batch) -> tuple[float, list[float], list[float], int]:
-    """One optimizer step on the global batch; returns its loss, loss_k, acc_k and loss-mask token count."""
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step on the global batch, as the training log records it."""
+
+    loss: float  # sum_k 0.8^k loss_k
+    loss_k: list[float]  # each TTT step's mean cross-entropy over the global batch's masked positions
+    acc: list[float]
+    grad_norm: float  # the global gradient's L2 norm before clipping (at or under grad_clip: not clipped)
+    tokens: int  # loss-mask tokens of the global batch
+
+
+def train_step(s: Session, batch: Batch) -> StepResult:
+    """One optimizer step on the global batch."""
     targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
     with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.device.type == "cuda"):
         ce_sums, counts = s.objective(batch, targets)  # (K,), (3, K)
@@ -410,9 +422,10 @@ def train_step(s: Session, batch: Batch) -> tuple[float, list[float], list[float
     loss = (weights.to(ce_sums.dtype) * ce_sums / denominators).sum()
     s.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(s.drafter.trainable_parameters(), s.cfg.grad_clip)
+    # After backward every rank holds DDP's averaged gradient, so this is the global batch's gradient norm.
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.trainable_parameters(), s.cfg.grad_clip)
     s.optimizer.step()
     s.scheduler.step()
     step_losses, accs = g_ce / g_masked.clamp(min=1), g_hits / g_learned.clamp(min=1)
-    return (float((weights * step_losses).sum()), [round(float(x), 6) for x in step_losses],
-            [round(float(x), 6) for x in accs], int(g_tokens))
+    return StepResult(float((weights * step_losses).sum()), [round(float(x), 6) for x in step_losses],
+                      [round(float(x), 6) for x in accs], float(grad_norm), int(g_tokens))
