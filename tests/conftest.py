@@ -104,3 +104,20 @@ def data_dir(tmp_path: Path) -> Path:
     path = tmp_path / "data"
     path.mkdir()
     return path
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A CLI or service entrypoint run in-process reconfigures root logging onto pytest's captured stream,
+    which closes with the test; later tests' log lines would then fail to emit ("I/O operation on closed
+    file"). Each test gets back the root handlers and level it started with."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)

@@ -143,14 +143,20 @@ def test_controller_feeds_a_worker_generates_and_the_exporter_reports_each_as_it
                "DRAFTLINE_INFERENCE_URL": server.url}
         worker = ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start()
         try:
+            jobs = (generate_job_id("acl", 0), generate_job_id("acl", 2))
             wait_for(lambda: state.counts("generate").done == 4, "4 generated samples", 120, worker)
-            for job_id in (generate_job_id("acl", 0), generate_job_id("acl", 2)):
-                assert job_status(controller, job_id) == JobStatus.FINISHED
+            # A job's samples land before RQ marks the job finished and the worker idle: wait for both.
+            wait_for(lambda: all(job_status(controller, job_id) == JobStatus.FINISHED for job_id in jobs),
+                     "both generate jobs finished", 60, worker)
             # A registration whose worker hash expired: RQ's Worker.all() would SREM it, which the
             # exporter may not; the exporter skips it and leaves it to the workers.
             admin = redis.Redis.from_url(acl.url)
             admin.sadd(f"rq:workers:{GENERATE_QUEUE}", "rq:worker:gone")
-            samples = scrape(acl.url_for("exporter", PASSWORDS["exporter"]), data_dir)
+            exporter_url = acl.url_for("exporter", PASSWORDS["exporter"])
+            # The worker turns idle after its last job is marked finished.
+            wait_for(lambda: value(scrape(exporter_url, data_dir), names.QUEUE_WORKERS, queue=GENERATE_QUEUE,
+                                   state="idle") == 1, "the worker reported idle by the exporter", 30, worker)
+            samples = scrape(exporter_url, data_dir)
             assert value(samples, names.REDIS_UP) == 1
             assert value(samples, names.STAGE_DONE, run="acl", stage="generate") == 4
             assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
