@@ -33,6 +33,10 @@ class ChatTemplateError(DraftlineError):
     """The chat template renders the prompt and the conversation inconsistently."""
 
 
+class ReasoningNotRendered(ChatTemplateError):
+    """The chat template drops the reply's reasoning, and the form the target wrote it in cannot be rebuilt."""
+
+
 class InferenceUnavailable(DraftlineError):
     """The inference server cannot be reached or answers 5xx; worth retrying later."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from functools import lru_cache
+from pathlib import Path
 
 import redis
 
@@ -23,6 +24,7 @@ from services.extractor.client import (
 from services.extractor.tokenize import build_sample
 from shared import eagle3
 from shared.atomic import read_json
+from shared.chat_turns import TurnEnd, find_turn_end
 from shared.disk import record_landed, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
@@ -54,8 +56,25 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+@lru_cache(maxsize=2)
+def turn_end_of(tokenizer, model_dir: str) -> TurnEnd:
+    """The target's end-of-turn token, found once per tokenizer from its template and eos ids."""
+    turn_end = find_turn_end(tokenizer, eos_ids=generation_eos(Path(model_dir)))
+    log.info("target %s: end of turn %r (from %s)", model_dir, turn_end.token(tokenizer), turn_end.source)
+    return turn_end
 
 
+def preload(model_dir: str) -> None:
+    """What the worker loads before forking, so each job's child inherits it."""
+    turn_end_of(load_tokenizer(model_dir), model_dir)
+
+
+def generation_eos(model_dir: Path) -> int | list[int] | None:
+    """``eos_token_id`` of ``generation_config.json`` (an int or a list), None where it names none."""
+    try:
+        return read_json(model_dir / "generation_config.json").get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def extract(payload: dict) -> str:
@@ -77,7 +96,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     wait_for_headroom(conn, settings.data, job.run)  # a paused run's samples wait here instead of failing
     spec = cached_spec(settings.data, job.run)
     try:
-        result, info = _extract(job, spec, state, tokenizer, client)
+        result, info = _extract(job, spec, state, tokenizer, turn_end_of(tokenizer, str(settings.model_dir)), client)
         _record_manifest(state, job.sample_id, info)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
@@ -94,12 +113,13 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     return "done"
 
 
-def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer,
+def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, turn_end: TurnEnd,
              client: HiddenStatesClient) -> tuple[HiddenStatesResult, HiddenFileInfo]:
     record = _read_reply(state, job.sample_id)
     reply = record.get("reply") or {}
     input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
-                                        reply.get("reasoning_content"), spec.extraction.max_length)
+                                        reply.get("reasoning_content"), spec.extraction.max_length,
+                                        turn_end=turn_end)
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},

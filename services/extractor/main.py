@@ -1,10 +1,10 @@
-"""``draftline serve extractor``: an RQ worker on the extract queue, tokenizer loaded once before forking."""
+"""``draftline serve extractor``: an RQ worker on the extract queue, tokenizer and end of turn loaded once before forking."""
 
 from __future__ import annotations
 
 import os
 
-from services.extractor.jobs import load_tokenizer
+from services.extractor.jobs import preload
 from shared.jobs import EXTRACT_QUEUE
 from shared.settings import ExtractorSettings, load_settings
 from shared.worker import run_worker
@@ -14,4 +14,4 @@ def main() -> None:
     settings = load_settings(ExtractorSettings)
     # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_worker([EXTRACT_QUEUE], settings, role="extractor", preload=lambda: load_tokenizer(str(settings.model_dir)))
+    run_worker([EXTRACT_QUEUE], settings, role="extractor", preload=lambda: preload(str(settings.model_dir)))

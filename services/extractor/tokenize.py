@@ -1,28 +1,63 @@
 """Token ids and loss mask of one sample, built with the target's own chat template.
 
-The prompt is rendered with ``add_generation_prompt=True`` (what the target saw when it replied) and the
-whole conversation with the reply appended as an assistant message. The full ids must extend the
-prompt ids; the drafter then learns every token from the end of the prompt through the reply's
-end-of-turn token, and nothing the template appends after it.
+The prompt is rendered with ``add_generation_prompt=True``: exactly what the target saw when it replied
+(the built-in server, vLLM and SGLang render it so, then tokenize the text without adding specials).
+The drafter learns the tokens the target wrote after it, and nothing else.
+
+**Template path** (the usual one). The whole conversation is rendered with the reply appended as an
+assistant message (``reasoning_content`` included, which thinking templates such as Qwen3's render as
+``<think>…</think>``). Its ids must extend the prompt's (else ``ChatTemplateError``). The mask covers
+the ids after the prompt through the reply's end-of-turn token, the one the template closes an
+assistant turn with (``shared.chat_turns``: ``<|im_end|>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``),
+which is not always the tokenizer's eos; what the template appends after it (ChatML's ``\\n``) is not
+learned.
+
+**Explicit path** (the template drops the reasoning). Some templates never show reasoning of a finished
+turn: DeepSeek-R1's cuts everything before ``</think>`` and its prompt ends in ``<think>\\n``, Kimi-K2-
+Thinking's renders the last assistant turn with an empty ``<think></think>``. They drop it because old
+reasoning is not shown back to the model in later turns; the target still wrote it after this very
+prompt, so a sample without it would teach the drafter replies the target never gives. The sample is
+then the prompt's ids followed by the reply as the target wrote it: ``<think>`` (unless the prompt
+already opened it) + reasoning + ``</think>`` + content, tokenized on their own as the target produced
+them, and the end-of-turn token. The fields are joined without added whitespace: the built-in server's
+and vLLM's reasoning parsers split the text at ``</think>`` and keep every character, so joining them
+gives back the target's text exactly, where a canonical ``<think>\n{reasoning}\n</think>\n\n`` would
+double the newlines those fields already hold (and Kimi writes none). After a prompt that opened the
+think block, an empty reasoning still gets its ``</think>``: the target must close the block to answer.
+Reasoning a server without a parser left in the content (``…</think>answer``) is split off first, the
+same way, so both kinds of reply record give one sample.
+
+The explicit path refuses (``ReasoningNotRendered``) where it would invent tokens: a vocabulary without
+``</think>`` (the reasoning came in another format, which this code cannot rebuild), or a prompt that
+already closes the think block (the target was told not to think, yet reasoning is recorded).
+
+``{% generation %}`` markers (``return_assistant_tokens_mask``) are not used: few real templates have
+them and they disagree on whether the end-of-turn token is inside. Tests use them as an oracle where the
+template has them.
 """
 
 from __future__ import annotations
 
+import os
+
 from jinja2 import TemplateError
 
-from shared.errors import ChatTemplateError, PromptTooLong
+from shared.chat_turns import THINK_CLOSE, THINK_OPEN, TurnEnd, find_turn_end
+from shared.errors import ChatTemplateError, PromptTooLong, ReasoningNotRendered
 
 
-def render_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> str:
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except (TemplateError, ValueError, TypeError) as exc:
         raise ChatTemplateError(
             f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}"
         ) from None
-    return list(ids)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """The template writes the special tokens (BOS included) itself, as servers tokenize a rendered prompt."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def assistant_message(content: str, reasoning_content: str | None) -> dict:
@@ -32,23 +67,53 @@ def assistant_message(content: str, reasoning_content: str | None) -> dict:
     return message
 
 
-def reply_end(full_ids: list[int], start: int, eos_id: int | None) -> int:
+def reply_end(full_ids: list[int], start: int, end_of_turn: int | None) -> int:
     """Index just past the reply's last end-of-turn token, or the end when the template writes none."""
-    if eos_id is not None:
+    if end_of_turn is not None:
         for i in range(len(full_ids) - 1, start - 1, -1):
-            if full_ids[i] == eos_id:
+            if full_ids[i] == end_of_turn:
                 return i + 1
     return len(full_ids)
 
 
-def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_content: str | None,
-                 max_length: int) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)``, truncated to ``max_length``; PromptTooLong when no reply token fits."""
-    prefix = render_ids(tokenizer, messages, add_generation_prompt=True)
-    if len(prefix) >= max_length:
-        raise PromptTooLong(f"prompt is {len(prefix)} tokens; max_length {max_length} leaves no room for the reply")
-    full = render_ids(tokenizer, [*messages, assistant_message(reply_content, reasoning_content)],
-                      add_generation_prompt=False)
+def separate_reasoning(tokenizer, content: str, reasoning: str | None) -> tuple[str, str | None]:
+    """``(content, reasoning)``, with reasoning left in the content moved out of it, as a server without a
+    reasoning parser returns it: text before ``</think>`` (minus a leading ``<think>``) is the reasoning,
+    the split the built-in server and vLLM make, so the explicit path joins it back unchanged."""
+    if reasoning or THINK_CLOSE not in content or THINK_CLOSE not in tokenizer.get_vocab():
+        return content, reasoning
+    head, _, tail = content.partition(THINK_CLOSE)
+    return tail, head.removeprefix(THINK_OPEN)
+
+
+def drops_reasoning(prompt_text: str, full_text: str, reasoning: str | None) -> bool:
+    """True when the rendered reply lacks the reasoning the target wrote, or lacks the close of the think
+    block the prompt opened (the target must have written ``</think>`` to answer)."""
+    reply = full_text[len(os.path.commonprefix([prompt_text, full_text])):]
+    if reasoning and reasoning.strip() not in reply:
+        return True
+    return opens_think(prompt_text) and not full_text.startswith(prompt_text)
+
+
+def opens_think(prompt_text: str) -> bool:
+    return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+def explicit_reply(tokenizer, prompt_text: str, content: str, reasoning: str | None) -> str:
+    """The reply as the target wrote it after ``prompt_text`` (see the module docstring)."""
+    if THINK_CLOSE not in tokenizer.get_vocab():
+        raise ReasoningNotRendered(
+            "the chat template drops the reply's reasoning and the tokenizer has no </think> token, so the "
+            "form in which the target wrote it is unknown"
+        )
+    if prompt_text.rstrip().endswith(THINK_CLOSE):
+        raise ReasoningNotRendered("the prompt closes the think block before the reply, "
+                                   "yet the reply records reasoning")
+    opener = "" if opens_think(prompt_text) else THINK_OPEN
+    return f"{opener}{reasoning or ''}{THINK_CLOSE}{content}"
+
+
+def check_extends(prefix: list[int], full: list[int]) -> None:
     if full[: len(prefix)] != prefix:
         at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
         raise ChatTemplateError(
@@ -56,6 +121,31 @@ def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_
             f"(first difference at token {at} of {len(prefix)}); "
             "the chat template renders the prompt differently once the reply is appended"
         )
-    end = reply_end(full, len(prefix), tokenizer.eos_token_id)
+
+
+def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_content: str | None,
+                 max_length: int, *, turn_end: TurnEnd | None = None) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)``, truncated to ``max_length``; PromptTooLong when no reply token fits.
+
+    ``turn_end`` is the target's end of turn (``shared.chat_turns.find_turn_end``); callers that build
+    many samples pass it once found, else it is found here.
+    """
+    turn_end = turn_end if turn_end is not None else find_turn_end(tokenizer)
+    reply_content, reasoning_content = separate_reasoning(tokenizer, reply_content, reasoning_content)
+    prompt_text = render_text(tokenizer, messages, add_generation_prompt=True)
+    prefix = encode(tokenizer, prompt_text)
+    if len(prefix) >= max_length:
+        raise PromptTooLong(f"prompt is {len(prefix)} tokens; max_length {max_length} leaves no room for the reply")
+    full_text = render_text(tokenizer, [*messages, assistant_message(reply_content, reasoning_content)],
+                            add_generation_prompt=False)
+    if drops_reasoning(prompt_text, full_text, reasoning_content):
+        reply = encode(tokenizer, explicit_reply(tokenizer, prompt_text, reply_content, reasoning_content))
+        if turn_end.token_id is not None:
+            reply.append(turn_end.token_id)
+        full, end = prefix + reply, len(prefix) + len(reply)
+    else:
+        full = encode(tokenizer, full_text)
+        check_extends(prefix, full)
+        end = reply_end(full, len(prefix), turn_end.token_id)
     mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
     return full[:max_length], mask[:max_length]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
 from shared.settings import InferenceSettings
@@ -79,17 +80,18 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Every id that ends a reply: generation_config's (an int or a list) plus the tokenizer's."""
-    ids: set[int] = set()
+    """Every id that ends a reply: generation_config's (an int or a list), the tokenizer's eos, and the
+    end-of-turn token the chat template closes an assistant turn with. The last matters where it differs
+    from eos (ChatML's ``<|im_end|>`` beside ``<|endoftext|>``): a chat reply ends there, and decoding on
+    would write the next turn."""
     configured = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    ids = set(eos_candidates(tokenizer, configured))
+    turn_end = find_turn_end(tokenizer, eos_ids=configured)
+    if turn_end.token_id is not None:
+        ids.add(turn_end.token_id)
     if not ids:
         raise ValueError("the target defines no end-of-sequence token (generation_config or tokenizer)")
+    log.info("target stops on %s (end of turn %r, from %s)", sorted(ids), turn_end.token(tokenizer), turn_end.source)
     return frozenset(ids)
 
 

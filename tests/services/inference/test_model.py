@@ -49,6 +49,21 @@ def test_model_name_setting_and_integer_eos_in_generation_config(tiny_model_dir:
     assert loaded.eos_token_ids == {0, loaded.tokenizer.eos_token_id}
 
 
+def test_server_stops_on_the_templates_end_of_turn_where_no_eos_names_it(tiny_model_dir: Path, tmp_path: Path):
+    # A ChatML target whose tokenizer and generation_config name only <|endoftext|> (as a base model's do):
+    # its chat replies still end with the <|im_end|> the template closes assistant turns with.
+    copy = Path(shutil.copytree(tiny_model_dir, tmp_path / "copy"))
+    for name, key in (("tokenizer_config.json", "eos_token"), ("generation_config.json", "eos_token_id")):
+        config = json.loads((copy / name).read_text())
+        config[key] = "<|endoftext|>" if key == "eos_token" else 0
+        (copy / name).write_text(json.dumps(config))
+
+    loaded = load_model(InferenceSettings(model_dir=copy, device="cpu"))
+    tokenizer = loaded.tokenizer
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>"
+    assert loaded.eos_token_ids == {0, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
 def test_auto_device_and_dtype_follow_the_hardware():
     cuda = torch.cuda.is_available()
     assert resolve_device("auto").type == ("cuda" if cuda else "cpu")
