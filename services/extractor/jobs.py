@@ -119,7 +119,7 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, turn_en
     reply = record.get("reply") or {}
     input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
                                         reply.get("reasoning_content"), spec.extraction.max_length,
-                                        turn_end=turn_end)
+                                        turn_end=turn_end, finished=record.get("finish_reason") != "length")
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},

@@ -124,11 +124,14 @@ def check_extends(prefix: list[int], full: list[int]) -> None:
 
 
 def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_content: str | None,
-                 max_length: int, *, turn_end: TurnEnd | None = None) -> tuple[list[int], list[int]]:
+                 max_length: int, *, turn_end: TurnEnd | None = None,
+                 finished: bool = True) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)``, truncated to ``max_length``; PromptTooLong when no reply token fits.
 
     ``turn_end`` is the target's end of turn (``shared.chat_turns.find_turn_end``); callers that build
-    many samples pass it once found, else it is found here.
+    many samples pass it once found, else it is found here. A reply cut off at ``max_tokens``
+    (``finished=False``) ends where the target stopped: the end-of-turn token the template writes after
+    it, and what follows, are left out, since the target never chose to end the turn there.
     """
     turn_end = turn_end if turn_end is not None else find_turn_end(tokenizer)
     reply_content, reasoning_content = separate_reasoning(tokenizer, reply_content, reasoning_content)
@@ -147,5 +150,8 @@ def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_
         full = encode(tokenizer, full_text)
         check_extends(prefix, full)
         end = reply_end(full, len(prefix), turn_end.token_id)
+    if not finished:
+        end -= int(turn_end.token_id is not None and end > len(prefix) and full[end - 1] == turn_end.token_id)
+        full = full[:end]
     mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
     return full[:max_length], mask[:max_length]

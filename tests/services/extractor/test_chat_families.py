@@ -140,3 +140,18 @@ def test_chatml_base_tokenizer_does_not_learn_the_newline_after_im_end():
     assert tokenizer.eos_token_id not in input_ids
     assert loss_mask[-1] == 0 and tokenizer.decode(input_ids[-1:]) == "\n"
     assert QWEN25.tokenizer().eos_token == "<|im_end|>"  # the instruct tokenizer's eos is the end of turn
+
+
+@pytest.mark.parametrize("family", ids_of(FAMILIES))
+def test_a_reply_cut_off_at_max_tokens_teaches_no_end_of_turn(family):
+    """The target never ended that turn: the sample stops at its last token, with nothing after it."""
+    tokenizer = family.tokenizer()
+    messages = CONVERSATIONS["single"]
+    content = "Eleven is prime, and so is"
+    reasoning = "Primes have two divisors." if family.thinks else None
+    input_ids, loss_mask = build_sample(tokenizer, messages, content, reasoning, max_length=4096, finished=False)
+    prefix = prompt_ids(tokenizer, messages)
+    text, first, last = learned(tokenizer, input_ids, loss_mask)
+    assert first == len(prefix) and last == len(input_ids) - 1
+    assert text == family.reply_text(content, reasoning)
+    assert tokenizer.convert_tokens_to_ids(family.end_of_turn) not in input_ids[len(prefix):]
