@@ -33,12 +33,18 @@ class ExtractionConfig(_Frozen):
 
 class TrainConfig(_Frozen):
     epochs: int = Field(2, ge=1)
-    batch_size: int = Field(4, ge=1)
+    batch_size: int = Field(4, ge=1, description="Samples per batch per training process (when max_tokens is unset).")
     lr: float = Field(1e-4, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     grad_clip: float = Field(0.5, gt=0)
     ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
-    max_length: int = Field(2048, ge=8)
+    max_length: int | None = Field(None, ge=8, description="Train on each sample's first max_length tokens; unset "
+                                   "trains on every token extraction kept (extraction.max_length). A smaller value "
+                                   "drops stored loss tokens, which the trainer logs as a warning with their count.")
+    max_tokens: int | None = Field(None, ge=8, description="Token budget per batch per training process (samples x "
+                                   "the longest, padding included); set, it replaces batch_size. A sample longer "
+                                   "than the budget trains alone.")
+    group_by_length: bool = Field(True, description="Batch samples of similar length together so batches pad little.")
     draft_vocab_size: int = Field(32000, ge=2, description="Capped at the target vocabulary size.")
     seed: int = 0
     save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps.")
@@ -65,6 +71,11 @@ class RunSpec(_Frozen):
     extraction: ExtractionConfig = ExtractionConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+
+    @property
+    def train_max_length(self) -> int:
+        """The tokens of each sample training reads: train.max_length, or all that extraction kept."""
+        return self.extraction.max_length if self.train.max_length is None else self.train.max_length
 
     def save(self, data: Path) -> None:
         atomic_write_json(RunPaths(data, self.name).spec, self.model_dump(mode="json"))

@@ -58,6 +58,18 @@ def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -
     return infos
 
 
+def loss_tokens_beyond(infos: list[HiddenFileInfo], limit: int) -> tuple[int, int]:
+    """``(files, loss tokens)`` that reading only each file's first ``limit`` rows leaves out; only the
+    small loss masks of the files longer than ``limit`` are read."""
+    files = tokens = 0
+    for info in infos:
+        if info.num_tokens > limit:
+            with safe_open(info.path, framework="pt") as handle:
+                tokens += int(handle.get_slice(eagle3.LOSS_MASK)[limit:].sum())
+            files += 1
+    return files, tokens
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, L) int64, 0 after each row's length

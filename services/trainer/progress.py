@@ -10,11 +10,12 @@ from shared.runstate import RunState
 
 
 def progress_reporter(state: RunState) -> ProgressFn:
-    """A progress callback writing train_done/total, loss, epoch, lr, tokens_per_s and acc<k>."""
+    """A progress callback writing train_done/total, loss, epoch, lr, tokens_per_s, epoch_padding and acc<k>."""
 
     def report(p: TrainProgress) -> None:
         accs = {f"acc{k}": round(a, 4) for k, a in enumerate(p.acc)}
         state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
-                           tokens_per_s=round(p.tokens_per_s, 1), **accs)
+                           tokens_per_s=round(p.tokens_per_s, 1),
+                           epoch_padding=round(p.padding, 4), **accs)
 
     return report

@@ -17,11 +17,27 @@ position t have seen x_0..x_t, and softmax(lm_head(g_t)) is the target's distrib
   attention. The older EAGLE code that also masked step 0's diagonals hid valid context (SafeAILab/EAGLE
   PR #299); we do not.
 - Loss of step k at index t counts when the predicted token x_{t+2+k} is loss-masked (a token the
-  drafter learns) and the target's argmax at t+1+k lies in the draft vocabulary. It is the cross-entropy
+  drafter learns: ``loss_mask[t+2+k]``, the mask of the label, never of the input token x_{t+1+k}) and
+  the target's argmax at t+1+k lies in the draft vocabulary. It is the cross-entropy
   of the drafter's distribution against the target's softmax restricted to the draft vocabulary;
   total = sum_k 0.8^k L_k. acc_k = share of loss-masked predictions whose drafter argmax (as a target id)
   equals the target's argmax, counted over all masked positions, so tokens outside the draft vocabulary
   count as misses, as they do at serving time.
+
+At the prompt/reply boundary (prompt x_0..x_{P-1}, first reply token x_P): a prompt token is never a
+label (its mask is 0), so no step learns to predict the prompt. The first reply token's target
+distribution is the last prompt position's, softmax(lm_head(g_{P-1})), and step 0 learns it at index
+P-2, from f_{P-2} and the last prompt token x_{P-1}. Serving never drafts x_P (the target's prefill
+samples it): the first draft is step 0 at index P-1, from f_{P-1} and x_P, predicting x_{P+1}, which is
+what ``evaluate.DrafterProposer`` feeds (``extend`` pairs position p with x_{p+1}, the target's newest
+token last) and what vLLM's EAGLE proposer feeds. The k + 1 chains of step k that start inside the
+prompt (indices P-2-k .. P-2) are trained though never served; they are a few positions per reply.
+The last k + 2 indices of a sample have no label at step k (x_L is not stored).
+tests/services/trainer/test_alignment.py pins both: which mask entries gate which loss positions, and
+that training's step-k logits at index t equal the proposer's chain step k after verifying x_0..x_{t+1}.
+
+Data order (batching.py): global batches of samples of similar length, each sample once per epoch, the
+same on every rank and after a resume; each rank takes a strided share of every global batch.
 
 Data parallel (DDP, several processes started by torchrun): each rank trains on its slice of every global
 batch, the objective is one ``nn.Module`` call (so DDP can wrap it), and only rank 0 writes logs and
@@ -51,11 +67,12 @@ from torch.utils.data import DataLoader
 from shared import eagle3
 from shared.atomic import atomic_write_text
 from shared.errors import CheckpointFormatError, HiddenStateFileError
-from shared.hidden_file import read_header
+from shared.hidden_file import HiddenFileInfo, read_header
 from shared.layout import RunPaths, resolve_inside
 from shared.runspec import RunSpec, TrainConfig
 from services.trainer import checkpoint as ckpt
-from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, verify_files
+from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
+from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
 from services.trainer.export import load_drafter
 from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
@@ -75,6 +92,7 @@ class TrainProgress:
     acc: list[float]
     lr: float
     tokens_per_s: float = 0.0  # loss-mask tokens all ranks trained on per second since the session began
+    padding: float = 0.0  # share of the epoch's computed positions that are padding (batching.Padding)
 
 
 ProgressFn = Callable[[TrainProgress], None]
@@ -155,7 +173,7 @@ class TTTObjective(nn.Module):
         return torch.stack(ce_sums), torch.stack(counts, dim=1).float()  # (K,), (3, K)
 
 
-# ---- schedule, data order, logging -------------------------------------------------------------
+# ---- schedule, logging --------------------------------------------------------------------------
 
 def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
     """LR factor: linear warmup to 1, then cosine decay to 0 at ``total``."""
@@ -163,29 +181,6 @@ def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The same shuffle on every rank and after every resume."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-
-
-def rank_batches(order: list[int], batch_size: int, rank: int, world: int) -> list[list[int]]:
-    """Global batches of ``batch_size * world``; this rank's share of each. A tail shorter than the world
-    leaves some ranks nothing: they get a stand-in sample (``is_filler``) and add no loss."""
-    span = batch_size * world
-    batches = []
-    for start in range(0, len(order), span):
-        chunk = order[start : start + span]
-        mine = chunk[rank::world] or chunk[:1]
-        batches.append(mine)
-    return batches
-
-
-def is_filler(n: int, batch_size: int, rank: int, world: int, index: int) -> bool:
-    """Whether this rank's share of global batch ``index`` (of ``n`` samples) is a stand-in: every rank must
-    join each step's all-reduces, so it still runs a sample, with its loss mask cleared."""
-    return rank >= n - index * batch_size * world
 
 
 class TrainLog:
@@ -252,7 +247,7 @@ def base_checkpoint_dir(data: Path, value: str) -> Path:
 
 
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
-                  embed: torch.Tensor, files: list[Path]) -> Eagle3Drafter:
+                  embed: torch.Tensor, files: list[Path], max_length: int) -> Eagle3Drafter:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
     if cfg.base_checkpoint:
         base = base_checkpoint_dir(data, cfg.base_checkpoint)
@@ -264,7 +259,7 @@ def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_confi
     config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
     drafter = Eagle3Drafter(config)
     drafter.load_embedding(embed)
-    drafter.set_vocab_mapping(*build_mapping(count_tokens(files, config.vocab_size), config.draft_vocab_size))
+    drafter.set_vocab_mapping(*build_mapping(count_tokens(files, config.vocab_size, max_length), config.draft_vocab_size))
     return drafter
 
 
@@ -287,8 +282,11 @@ class Session:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     dataset: HiddenStateDataset
+    lengths: list[int]  # tokens of each sample training reads, in dataset order
+    plans: list[list[list[int]]]  # each epoch's global batches (batching.plan_epoch)
     total: int
     position: ckpt.Position
+    batching: str
     rank: int = 0
     world: int = 1
     result: TrainResult = field(init=False)
@@ -302,26 +300,55 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     layer_ids = expected_layer_ids(spec, target_config)
     files = [path for _, path in list_hidden_files(paths)]
     infos = verify_files(files, layer_ids=layer_ids, hidden_size=int(text_config(target_config)["hidden_size"]))
+    max_length = spec.train_max_length
+    if rank == 0:
+        report_truncation(infos, max_length, spec)
     head = load_target_head(model_dir, dtype=None)  # the target's own dtype: the head is (V, H), keep it small
 
     torch.manual_seed(cfg.seed)
     drafter = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids,
-                            embed=head.embed, files=files).to(dev)
+                            embed=head.embed, files=files, max_length=max_length).to(dev)
     objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps)
     if world > 1:
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
-    total = cfg.epochs * len(rank_batches(list(range(len(files))), cfg.batch_size, rank, world))
+    lengths = [min(info.num_tokens, max_length) for info in infos]
+    batching = checkpoint_batching(paths, cfg)
+    plans = [plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
+                        max_tokens=cfg.max_tokens, batching=batching) for epoch in range(cfg.epochs)]
+    total = sum(len(plan) for plan in plans)
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     position = resume(paths, total, world, drafter, optimizer, scheduler)
     session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), optimizer, scheduler,
-                      HiddenStateDataset(files, cfg.max_length), total, position, rank, world)
+                      HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world)
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
-    log.info("training %s: %d files, %d steps, starting at step %d", spec.name, len(files), total, session.position.step)
+    log.info("training %s: %d files of up to %d tokens, %s batches, %d steps, starting at step %d",
+             spec.name, len(files), max_length, batching, total, session.position.step)
     return session
+
+
+def report_truncation(infos: list[HiddenFileInfo], max_length: int, spec: RunSpec) -> None:
+    """A train.max_length under what extraction kept leaves stored loss tokens untrained: say how many."""
+    files, tokens = loss_tokens_beyond(infos, max_length)
+    if files:
+        log.warning("train.max_length %d is below extraction.max_length %d: %d of %d files are cut, and %d stored "
+                    "loss tokens past position %d are never trained on (leave train.max_length unset to train on them)",
+                    max_length, spec.extraction.max_length, files, len(infos), tokens, max_length)
+
+
+def checkpoint_batching(paths: RunPaths, cfg: TrainConfig) -> str:
+    """The batch order a run trains in: its latest checkpoint's (a run resumes in the order it started
+    in; checkpoints that name none predate length grouping), otherwise the one its settings ask for."""
+    found = ckpt.latest_checkpoint(paths.checkpoints_dir)
+    if found is None:
+        return LENGTH if cfg.group_by_length else SHUFFLE
+    batching = ckpt.read_checkpoint_state(found).get("batching", SHUFFLE)
+    if batching not in BATCHINGS:
+        raise CheckpointFormatError(f"{found}: unknown batching {batching!r}")
+    return batching
 
 
 def resume(paths: RunPaths, total: int, world: int, drafter: Eagle3Drafter, optimizer: torch.optim.Optimizer,
@@ -372,29 +399,39 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     tokens, session_start = 0, time.monotonic()
     for epoch in range(s.position.epoch, s.cfg.epochs):
-        batches = rank_batches(epoch_order(len(s.dataset), s.cfg.seed, epoch), s.cfg.batch_size, s.rank, s.world)
+        plan, padding = s.plans[epoch], plan_padding(s.plans[epoch], s.lengths, s.world)
+        if s.rank == 0:
+            log.info("epoch %d: %d batches, %d real of %d computed tokens (padding %.1f%%)",
+                     epoch, len(plan), padding.real, padding.computed, 100 * padding.fraction)
         first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
-        workers = 2 if s.device.type == "cuda" else 0  # prefetch file reads while the GPU works
-        loader = DataLoader(s.dataset, batch_sampler=batches[first:], collate_fn=collate, num_workers=workers)
-        for index, batch in enumerate(loader, start=first):
-            if is_filler(len(s.dataset), s.cfg.batch_size, s.rank, s.world, index):
+        for index, batch in enumerate(epoch_loader(s, plan, first), start=first):
+            if share(plan[index], s.rank, s.world).filler:
                 batch = batch.without_loss()
             done = train_step(s, batch.to(s.device, torch.float32))
             step += 1
             tokens += done.tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
-            s.result.last = TrainProgress(step, s.total, epoch, done.loss, done.acc, s.scheduler.get_last_lr()[0], speed)
+            s.result.last = TrainProgress(step, s.total, epoch, done.loss, done.acc, s.scheduler.get_last_lr()[0], speed,
+                                          padding.fraction)
             train_log.write({"step": step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
                              "grad_norm": done.grad_norm, "lr": s.result.last.lr,
+                             "padding": round(batch_padding(plan[index], s.lengths, s.world).fraction, 6),
                              "elapsed_s": round(time.monotonic() - started, 3)})
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
                 ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer, scheduler=s.scheduler,
                                      position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
-                                     extra={"total_steps": s.total, "world_size": s.world})
+                                     extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching})
     s.result.steps = step
     return s.result
+
+
+def epoch_loader(s: Session, plan: list[list[int]], first: int) -> DataLoader:
+    """This rank's shares of the epoch's global batches from batch ``first`` on."""
+    workers = 2 if s.device.type == "cuda" else 0  # prefetch file reads while the GPU works
+    shares = [share(batch, s.rank, s.world).indices for batch in plan[first:]]
+    return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=workers)
 
 
 @dataclass(frozen=True)

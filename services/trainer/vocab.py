@@ -19,13 +19,14 @@ from shared import eagle3
 log = logging.getLogger(__name__)
 
 
-def count_tokens(files: Iterable[Path], vocab_size: int) -> torch.Tensor:
-    """How often each target id appears at a loss-masked position: int64 [V]."""
+def count_tokens(files: Iterable[Path], vocab_size: int, max_length: int | None = None) -> torch.Tensor:
+    """How often each target id appears at a loss-masked position among each file's first ``max_length``
+    rows (the ones training reads; all when None): int64 [V]."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for path in files:
         with safe_open(path, framework="pt") as handle:  # reads only the two small tensors
-            ids = handle.get_tensor(eagle3.INPUT_IDS)
-            mask = handle.get_tensor(eagle3.LOSS_MASK).bool()
+            ids = handle.get_slice(eagle3.INPUT_IDS)[:max_length]
+            mask = handle.get_slice(eagle3.LOSS_MASK)[:max_length].bool()
         counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return counts
 

@@ -119,7 +119,7 @@ def write_run(
     *, train: dict | None = None, evaluate: dict | None = None,
 ) -> RunPaths:
     """A prepared run directory: run.json, one hidden-state file per sample, held-out prompts."""
-    train_cfg = {"epochs": 2, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3, "max_length": 128,
+    train_cfg = {"epochs": 2, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3,
                  "draft_vocab_size": 256, "save_every": 4, **(train or {})}
     spec = RunSpec(name=name, dataset="tiny-demo", model=MODEL_NAME, rows=len(samples) + len(eval_messages),
                    train_ids=len(samples), train=TrainConfig(**train_cfg), evaluate=EvalConfig(**(evaluate or {})))

@@ -13,13 +13,8 @@ from safetensors.torch import load_file
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun
-from services.trainer.train import (
-    is_filler,
-    rank_batches,
-    resume,
-    train_drafter,
-    trained_from_checkpoint,
-)
+from services.trainer.batching import SHUFFLE, plan_epoch, share
+from services.trainer.train import resume, train_drafter, trained_from_checkpoint
 from shared import eagle3
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec
@@ -53,15 +48,18 @@ def log_records(paths) -> list[dict]:
     return [json.loads(line) for line in paths.train_log.read_text().splitlines()]
 
 
-def test_rank_shares_cover_each_global_batch_once_and_only_the_tail_has_stand_ins() -> None:
-    order = list(range(SAMPLES))
-    shares = [rank_batches(order, 2, rank, 2) for rank in range(2)]
-    assert len(shares[0]) == len(shares[1]) == 4  # every rank takes every step
-    for index in range(4):
-        real = [i for rank in range(2) if not is_filler(SAMPLES, 2, rank, 2, index) for i in shares[rank][index]]
-        assert sorted(real) == order[index * 4 : index * 4 + 4]
-    assert [is_filler(SAMPLES, 2, 1, 2, i) for i in range(4)] == [False, False, False, True]
-    assert not any(is_filler(SAMPLES, 4, 0, 1, i) for i in range(4))
+@pytest.mark.parametrize("batching", [SHUFFLE, "length"])
+def test_rank_shares_cover_each_global_batch_once_and_only_the_tail_has_stand_ins(batching) -> None:
+    lengths = [10 + (i * 7) % 23 for i in range(SAMPLES)]
+    plan = plan_epoch(lengths, seed=0, epoch=0, batch_size=2, world=2, batching=batching)
+    assert len(plan) == 4  # every rank takes every step
+    assert sorted(i for batch in plan for i in batch) == list(range(SAMPLES))
+    for batch in plan:
+        parts = [share(batch, rank, 2) for rank in range(2)]
+        assert sorted(i for p in parts if not p.filler for i in p.indices) == sorted(batch)
+    fillers = [share(batch, 1, 2).filler for batch in plan]
+    assert fillers.count(True) == 1 and len(plan[fillers.index(True)]) == 1  # the one-sample tail only
+    assert not any(share(batch, 0, 2).filler for batch in plan)
 
 
 def regrouping_tolerance(samples: list[dict[str, torch.Tensor]], ttt_steps: int) -> float:

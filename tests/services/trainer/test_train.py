@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
+from services.trainer.batching import batch_padding, epoch_order, plan_epoch, plan_padding
 from services.trainer.checkpoint import list_checkpoints
+from services.trainer.data import Batch, collate
 from services.trainer.export import export_drafter
-from services.trainer.train import TrainProgress, train_drafter
+from services.trainer.train import TrainProgress, make_targets, prepare, train_drafter
+from shared import eagle3
 from shared.atomic import TEMP_PREFIX
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
@@ -107,3 +111,101 @@ def test_a_hostile_base_checkpoint_fails_by_name_before_training(make_run, tiny_
         train(paths, tiny_model_dir)
     assert type(info.value).__name__ == error and words in str(info.value)
     assert not paths.checkpoints_dir.exists() and not paths.train_log.exists()
+
+
+# ---- what training reads, and in which order ------------------------------------------------------
+
+def prepared(paths, model_dir):
+    return prepare(RunSpec.load(paths.data, paths.run), data=paths.data, model_dir=model_dir, device="cpu")
+
+
+def test_training_reads_every_token_extraction_kept_when_max_length_is_unset(make_run, tiny_model_dir, tiny_samples):
+    s = prepared(make_run(), tiny_model_dir)
+    assert RunSpec.load(s.paths.data, s.paths.run).train.max_length is None
+    assert s.dataset.max_length == 4096  # extraction.max_length
+    assert s.lengths == [int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples]
+
+
+def test_a_smaller_max_length_warns_with_the_stored_loss_tokens_it_drops(make_run, tiny_model_dir, tiny_samples, caplog):
+    limit = 50
+    cut = [x for x in tiny_samples if x[eagle3.INPUT_IDS].shape[0] > limit]
+    dropped = sum(int(x[eagle3.LOSS_MASK][limit:].sum()) for x in cut)
+    assert cut and dropped > 0
+    with caplog.at_level(logging.WARNING, logger="services.trainer.train"):
+        s = prepared(make_run(train={"max_length": limit}), tiny_model_dir)
+    assert s.lengths == [min(int(x[eagle3.INPUT_IDS].shape[0]), limit) for x in tiny_samples]
+    assert f"{len(cut)} of {len(tiny_samples)} files are cut, and {dropped} stored loss tokens past position {limit}" in caplog.text
+
+
+@torch.no_grad()
+def per_sample_losses(s, plan: list[list[int]]) -> dict[int, tuple[list[float], list[float]]]:
+    """Each sample's (ce sums, counts) from the objective, batch by batch as ``plan`` groups them."""
+    found = {}
+    for indices in plan:
+        batch = collate([s.dataset[i] for i in indices])
+        targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
+        for row, index in enumerate(indices):  # one row's loss: every other row's mask cleared
+            only = torch.zeros_like(batch.loss_mask)
+            only[row] = batch.loss_mask[row]
+            ce, counts = s.objective(Batch(batch.input_ids, only, batch.aux_hidden, batch.last_hidden, batch.lengths), targets)
+            found[index] = (ce.tolist(), counts.tolist())
+    return found
+
+
+def test_each_sample_keeps_its_loss_whatever_batch_the_length_grouped_order_puts_it_in(make_run, tiny_model_dir):
+    s = prepared(make_run(train={"batch_size": 1}), tiny_model_dir)
+    old = [[i] for i in epoch_order(len(s.lengths), s.cfg.seed, 0)]  # the order before length grouping
+    assert sorted(s.plans[0]) == sorted(old) and s.batching == "length"
+    alone = per_sample_losses(s, old)
+    assert per_sample_losses(s, s.plans[0]) == alone  # batch_size 1: identical
+    grouped = per_sample_losses(s, plan_epoch(s.lengths, seed=0, epoch=0, batch_size=4, world=1))  # padded rows
+    for index, (ce, counts) in alone.items():
+        assert grouped[index][1] == counts
+        assert grouped[index][0] == pytest.approx(ce, rel=1e-5)
+
+
+@pytest.mark.parametrize("train_cfg", [{"max_tokens": 120}, {"group_by_length": False}])
+def test_a_run_killed_mid_epoch_resumes_exactly_in_each_batch_order(make_run, tiny_model_dir, train_cfg):
+    train_cfg = {"epochs": 3, "save_every": 3, **train_cfg}
+    straight = train(make_run("straight", train=train_cfg), tiny_model_dir)
+    paths = make_run("killed", train=train_cfg)
+    with pytest.raises(Crash):
+        train(paths, tiny_model_dir, progress=crash_after(5))
+    resumed = train(paths, tiny_model_dir)
+    assert resumed.steps == straight.steps and same_weights(resumed.drafter, straight.drafter)
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    assert drop_time(log_records(paths)) == drop_time(log_records(RunPaths(paths.data, "straight")))
+
+
+def test_a_checkpoint_from_before_length_grouping_resumes_in_the_order_it_was_made_with(make_run, tiny_model_dir):
+    """A run.json written before these settings existed loads with length grouping on; its checkpoints name
+    no batching, so the run goes on in the plain shuffle it started in and ends where it would have."""
+    train_cfg = {"epochs": 3, "save_every": 3, "group_by_length": False}
+    straight = train(make_run("straight", train=train_cfg), tiny_model_dir)
+    paths = make_run("old", train=train_cfg)
+    with pytest.raises(Crash):
+        train(paths, tiny_model_dir, progress=crash_after(5))
+    state_file = paths.checkpoint(3) / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state.pop("batching") == "shuffle"
+    state_file.write_text(json.dumps(state))
+    spec = json.loads(paths.spec.read_text())
+    for key in ("max_tokens", "group_by_length"):
+        del spec["train"][key]
+    paths.spec.write_text(json.dumps(spec))
+    assert RunSpec.load(paths.data, paths.run).train.group_by_length
+    resumed = train(paths, tiny_model_dir)
+    assert same_weights(resumed.drafter, straight.drafter)
+
+
+def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run, tiny_model_dir):
+    paths = make_run(train={"epochs": 2, "batch_size": 3})
+    s = prepared(paths, tiny_model_dir)
+    seen = []
+    train(paths, tiny_model_dir, progress=seen.append)
+    records = log_records(paths)
+    plans = [batch for plan in s.plans for batch in plan]
+    assert [r["padding"] for r in records] == [round(batch_padding(b, s.lengths, 1).fraction, 6) for b in plans]
+    assert [p.padding for p in seen] == [plan_padding(s.plans[p.epoch], s.lengths, 1).fraction for p in seen]
+    shuffled = plan_padding(plan_epoch(s.lengths, seed=0, epoch=0, batch_size=3, world=1, batching="shuffle"), s.lengths, 1)
+    assert seen[0].padding < shuffled.fraction

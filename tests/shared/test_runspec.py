@@ -1,0 +1,39 @@
+"""Run settings: run.json files written before a setting existed still load, with today's meaning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from shared.layout import RunPaths
+from shared.runspec import ExtractionConfig, RunSpec, TrainConfig
+
+# The train section as run.json held it before max_length could be unset and batches grouped by length.
+OLD_TRAIN = {"epochs": 2, "batch_size": 4, "lr": 1e-4, "warmup_ratio": 0.05, "grad_clip": 0.5, "ttt_steps": 7,
+             "max_length": 2048, "draft_vocab_size": 32000, "seed": 0, "save_every": 200, "base_checkpoint": None}
+
+
+def test_an_old_run_json_loads_and_keeps_the_max_length_it_names(tmp_path):
+    spec = RunSpec(name="old", dataset="d.jsonl", model="m").model_dump(mode="json")
+    spec["train"] = OLD_TRAIN
+    path = RunPaths(tmp_path, "old").spec
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(spec))
+    loaded = RunSpec.load(tmp_path, "old")
+    assert loaded.train.max_length == 2048 and loaded.train_max_length == 2048
+    assert loaded.train.max_tokens is None and loaded.train.group_by_length
+
+
+def test_an_unset_max_length_trains_on_what_extraction_keeps():
+    assert RunSpec(name="r", dataset="d", model="m").train_max_length == 4096
+    spec = RunSpec(name="r", dataset="d", model="m", extraction=ExtractionConfig(max_length=1000))
+    assert spec.train_max_length == 1000
+    assert spec.model_copy(update={"train": TrainConfig(max_length=512)}).train_max_length == 512
+
+
+@pytest.mark.parametrize("field", ["max_length", "max_tokens"])
+def test_lengths_below_eight_tokens_are_refused(field):
+    with pytest.raises(ValidationError, match=field):
+        TrainConfig(**{field: 4})
