@@ -164,6 +164,7 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
     train["loss"] = _float(meta, "train_loss")
+    train["padding"] = _float(meta, "train_epoch_padding")  # share of the epoch's computed positions
     evaluate["acceptance_length"] = _float(meta, "acceptance_length")
     errors = error_summary(conn, run, meta, gen, ext)
     return {
@@ -229,7 +230,8 @@ def format_status(status: dict) -> str:
         f"run {status['run']}: {status['state']} ({status['expected']:,} samples expected)",
         _sample_line("generate", stages["generate"]),
         _sample_line("extract", stages["extract"]),
-        _whole_line("train", stages["train"], f"  loss {loss:.4f}" if loss is not None else ""),
+        _whole_line("train", stages["train"], (f"  loss {loss:.4f}" if loss is not None else "")
+                    + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")),
         _whole_line("evaluate", stages["evaluate"], f"  acceptance length {accept:.2f}" if accept is not None else ""),
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
         f"{errors['dropped']:,} dropped",

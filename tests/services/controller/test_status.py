@@ -51,7 +51,7 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
                            "drafter", "updated_at"}
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == set(status["stages"]["extract"]) == STAGE_KEYS
-    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "loss"}
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "loss", "padding"}
     assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "acceptance_length"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
@@ -77,7 +77,7 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert status["disk"]["run_bytes"] == 3000
     assert status["disk"]["path"] == str(data_dir)
     assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
-    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "loss": None}
+    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "loss": None, "padding": None}
     assert status["drafter"] == {"export_path": None, "acceptance_length": None}
 
 
@@ -111,11 +111,13 @@ def test_errors_since_resume_count_only_later_failures(data_dir, redis_conn, sta
 
 
 def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
-    state.set_progress("train", 5, 20, loss=1.25)
+    state.set_progress("train", 5, 20, loss=1.25, epoch_padding=0.025)
     state.set_meta(train_state="running")
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "training"
-    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "loss": 1.25}
+    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "loss": 1.25,
+                                         "padding": 0.025}
+    assert "padding 2.5%" in format_status(status)
     state.set_progress("evaluate", 4, 4)
     state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
     status = run_status(data_dir, redis_conn, RUN)
