@@ -17,19 +17,29 @@ Layer ids. draftline records auxiliary layers as *outputs of 0-indexed decoder l
 With no ids at all both engines fall back to ``(2, N//2, N-3)`` in their own terms, which is our default
 ``[1, N//2 - 1, N - 4]``; writing the ids explicitly keeps non-default choices correct too. A vLLM
 build that only reads ``eagle_config`` would be one layer off; ``verify_export`` pins both fields.
+
+Reading a checkpoint back, ``layer_ids_of`` is the one place that turns a config's ids into ours:
+draftline's record, else ``eagle_config``'s (SGLang's, ours unchanged), else the top-level field (vLLM's,
+minus one). A published config that carries both engine fields must have them agree (top-level = ours + 1),
+or the two engines would read different layers.
+
+A base checkpoint for fine-tuning is a draftline export or a published drafter: the engines' layout with no
+``draftline`` block, any float dtype, maybe its own ``embed_tokens``, maybe no ``d2t``/``t2d``.
+``check_base_fits`` compares it with the target before any training starts.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shared import eagle3
-from shared.errors import CheckpointFormatError
+from shared.errors import BaseCheckpointMismatch, CheckpointFormatError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
@@ -41,8 +51,11 @@ CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
     "intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
     "rms_norm_eps": (int, float), "rope_theta": (int, float), "max_position_embeddings": int,
     "vocab_size": int, "draft_vocab_size": int, "tie_word_embeddings": bool, "target_hidden_size": int,
-    "eagle_config": dict, "torch_dtype": str, "draftline": dict,
+    "eagle_config": dict, "torch_dtype": str, "draftline": dict, "rope_scaling": (dict, type(None)),
 }
+MAPPING_TENSORS = ("d2t", "t2d")
+VLLM_IDS = "eagle_aux_hidden_state_layer_ids"  # top level: vLLM's, HF hidden-states index (ours + 1)
+SGLANG_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"  # SGLang's, our convention
 
 
 def vllm_layer_ids(layer_ids: list[int]) -> list[int]:
@@ -108,15 +121,20 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointFormatError(f"{file}: not valid JSON ({exc})") from None
 
 
-def check_tensors(path: Path, config: dict[str, Any]) -> None:
-    """Every required tensor present with its shape and dtype; d2t/t2d a consistent mapping."""
+def check_tensors(path: Path, config: dict[str, Any], *, published: bool = False) -> None:
+    """Every required tensor present with its shape and dtype; d2t/t2d a consistent mapping.
+
+    ``published``: a drafter not written by draftline, whose weights may be in any float dtype (its
+    ``torch_dtype`` is often not theirs) and which may lack the mapping (then the trainer computes one).
+    """
     weights = Path(path) / WEIGHTS_FILE
     header = read_safetensors_header(weights)
-    float_dtype = FLOAT_DTYPES.get(config.get("torch_dtype", ""))
+    float_dtype = None if published else FLOAT_DTYPES.get(config.get("torch_dtype", ""))
     problems = []
     for name, (shape, dtype) in expected_tensors(config).items():
         if name not in header:
-            problems.append(f"{name} missing")
+            if not (published and name in MAPPING_TENSORS):
+                problems.append(f"{name} missing")
             continue
         found_shape, found_dtype = tuple(header[name]["shape"]), header[name]["dtype"]
         want_dtype = dtype or float_dtype
@@ -126,10 +144,39 @@ def check_tensors(path: Path, config: dict[str, Any]) -> None:
             problems.append(f"{name} has dtype {found_dtype}, expected {want_dtype or 'a float dtype'}")
     if problems:
         raise CheckpointFormatError(f"{weights}: " + "; ".join(problems))
+    mapping = read_mapping(path, config["vocab_size"])
+    if mapping is None:
+        return
     try:
-        check_mapping(read_array(weights, "d2t", np.int64), read_array(weights, "t2d", np.bool_))
+        check_mapping(*mapping)
     except ValueError as exc:
         raise CheckpointFormatError(f"{weights}: {exc}") from None
+
+
+def mapping_tensors(path: Path) -> list[str]:
+    """Which of ``d2t`` and ``t2d`` the checkpoint's weights hold."""
+    header = read_safetensors_header(Path(path) / WEIGHTS_FILE)
+    return [name for name in MAPPING_TENSORS if name in header]
+
+
+def read_mapping(path: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(d2t, t2d)`` of a checkpoint, a missing half derived from the other (draft ids follow ascending
+    target ids, as every EAGLE-3 trainer builds them); None when it holds neither."""
+    weights, present = Path(path) / WEIGHTS_FILE, mapping_tensors(path)
+    if not present:
+        return None
+    d2t = read_array(weights, "d2t", np.int64) if "d2t" in present else None
+    t2d = read_array(weights, "t2d", np.bool_) if "t2d" in present else None
+    if t2d is None:
+        targets = np.arange(d2t.shape[0], dtype=np.int64) + d2t
+        if targets.size and (targets.min() < 0 or targets.max() >= vocab_size):
+            raise CheckpointFormatError(f"{weights}: d2t maps outside the target vocabulary of {vocab_size}")
+        t2d = np.zeros(vocab_size, dtype=bool)
+        t2d[targets] = True
+    if d2t is None:
+        targets = np.flatnonzero(t2d).astype(np.int64)
+        d2t = targets - np.arange(targets.size, dtype=np.int64)
+    return d2t, t2d
 
 
 def has_type(value: Any, expected: type | tuple[type, ...]) -> bool:
@@ -165,14 +212,29 @@ def check_config(path: Path, config: dict[str, Any]) -> None:
         raise CheckpointFormatError(f"{path / CONFIG_FILE}: " + "; ".join(problems))
 
 
+def with_engine_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A drafter config with the fields a published one may omit filled in as the engines fill them."""
+    heads = config["num_attention_heads"]
+    return {**config, "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "num_key_value_heads": config.get("num_key_value_heads") or heads,
+            "draft_vocab_size": config.get("draft_vocab_size") or config["vocab_size"]}
+
+
 def check_drafter(path: Path, config: dict[str, Any]) -> None:
     """Our own exports in full; a published EAGLE-3 drafter (no ``draftline`` block) by the tensors the
     trainer loads, with their shapes, taking the engines' defaults for the head fields it may omit."""
-    if "draftline" in config:
+    path = Path(path)
+    published = "draftline" not in config
+    if not published:
         check_config(path, config)
-    heads = config["num_attention_heads"]
-    check_tensors(path, {**config, "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-                         "num_key_value_heads": config.get("num_key_value_heads") or heads})
+    try:
+        filled = with_engine_defaults(config)
+        expected_tensors(filled)  # every field the shapes need is there
+    except (KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"{path / CONFIG_FILE}: {exc} missing or not a number") from None
+    if published:
+        layer_ids_of(config, None, path=path)  # the two engine fields, if both are there, must agree
+    check_tensors(path, filled, published=published)
 
 
 def verify_export(path: Path) -> dict[str, Any]:
@@ -198,14 +260,79 @@ def check_mapping(d2t: np.ndarray, t2d: np.ndarray) -> None:
         raise ValueError("t2d does not mark exactly the target ids that d2t names")
 
 
-def layer_ids_of(config: dict[str, Any], target_layers: int) -> list[int]:
-    """Our ids from a drafter config: draftline's record, else SGLang's field (same convention), else
-    vLLM's top-level field (one higher), else the default for the target."""
+def layer_ids_source(config: dict[str, Any], path: Path | None = None) -> tuple[str, list[int] | None]:
+    """Which field a drafter config's layer ids come from and our ids in it (None: no field names any).
+    The one place that maps vLLM's ids to ours."""
+    where = f"{path / CONFIG_FILE}: " if path is not None else ""
     if "draftline" in config:
-        return list(config["draftline"]["layer_ids"])
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        return list(ids)
-    if config.get("eagle_aux_hidden_state_layer_ids"):
-        return [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-    return eagle3.default_layer_ids(target_layers)
+        return "draftline.layer_ids", list(config["draftline"]["layer_ids"])
+    sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    vllm = config.get(VLLM_IDS)
+    for field, ids in ((SGLANG_IDS, sglang), (VLLM_IDS, vllm)):
+        if ids is not None and not (isinstance(ids, list) and all(has_type(i, int) for i in ids)):
+            raise CheckpointFormatError(f"{where}{field} is {ids!r}, expected a list of layer ids")
+    if sglang and vllm and vllm != vllm_layer_ids(sglang):
+        raise CheckpointFormatError(f"{where}{VLLM_IDS} is {vllm} and {SGLANG_IDS} is {sglang}: vLLM reads the "
+                                    "first and SGLang the second, so the two engines would read different layers "
+                                    "(vLLM's ids count layer inputs: they must be SGLang's plus one)")
+    if sglang:
+        return SGLANG_IDS, list(sglang)
+    if vllm:
+        return VLLM_IDS, [i - 1 for i in vllm]
+    return "default", None
+
+
+def layer_ids_of(config: dict[str, Any], target_layers: int | None, *, path: Path | None = None) -> list[int]:
+    """Our ids from a drafter config: draftline's record, else SGLang's field (same convention), else
+    vLLM's top-level field (one higher), else the default for the target ([] when its layers are unknown)."""
+    _, ids = layer_ids_source(config, path)
+    if ids is not None:
+        return ids
+    return eagle3.default_layer_ids(target_layers) if target_layers is not None else []
+
+
+# ---- a base checkpoint against the target it is fine-tuned for ------------------------------------
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What a base checkpoint must agree with; None where the caller does not know (it is then not compared)."""
+
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    num_layers: int | None = None
+    fingerprint: str | None = None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], fingerprint: str | None = None) -> TargetFacts:
+        """From the target's ``config.json`` (a multimodal target's language model under ``text_config``)."""
+        text = config.get("text_config") or config
+        number = lambda key: text[key] if has_type(text.get(key), int) else None  # noqa: E731
+        return cls(number("hidden_size"), number("vocab_size"), number("num_hidden_layers"), fingerprint)
+
+
+def check_base_fits(path: Path, config: dict[str, Any], target: TargetFacts) -> list[int]:
+    """Our layer ids of the base checkpoint at ``path``; BaseCheckpointMismatch naming every field that
+    does not fit the target, with both values: hidden size, vocabulary, layer ids in range, and for a
+    draftline export the target fingerprint it recorded."""
+    hidden_field = "target_hidden_size" if config.get("target_hidden_size") else "hidden_size"
+    field, ids = layer_ids_source(config, Path(path))
+    problems = []
+    if target.hidden_size is not None and config.get(hidden_field) != target.hidden_size:
+        problems.append(f"{hidden_field} is {config.get(hidden_field)}, the target's hidden_size is {target.hidden_size}")
+    if target.vocab_size is not None and config.get("vocab_size") != target.vocab_size:
+        problems.append(f"vocab_size is {config.get('vocab_size')}, the target's vocab_size is {target.vocab_size}")
+    if target.num_layers is not None and ids is not None:
+        outside = [i for i in ids if not 0 <= i < target.num_layers]
+        if len(ids) != 3 or outside:
+            shown = config[VLLM_IDS] if field == VLLM_IDS else ids
+            ours = f" (layer outputs {ids})" if field == VLLM_IDS else ""
+            problems.append(f"{field} is {shown}{ours}, the target has num_hidden_layers {target.num_layers} "
+                            f"(three layer outputs in 0..{target.num_layers - 1})")
+    recorded = (config.get("draftline") or {}).get("target_fingerprint")
+    if target.fingerprint and recorded and recorded != target.fingerprint:
+        problems.append(f"draftline.target_fingerprint is {recorded}, the target's fingerprint is {target.fingerprint}")
+    if problems:
+        raise BaseCheckpointMismatch(f"base checkpoint {path} does not fit the target: " + "; ".join(problems))
+    if ids is None:
+        return eagle3.default_layer_ids(target.num_layers) if target.num_layers is not None else []
+    return ids

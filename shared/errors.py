@@ -67,6 +67,15 @@ class CheckpointFormatError(DraftlineError):
     """A drafter checkpoint lacks a key or a tensor has the wrong shape."""
 
 
+class BaseCheckpointMismatch(CheckpointFormatError):
+    """A base checkpoint does not fit the target it would be fine-tuned for; the message names each field
+    that differs with both values."""
+
+
+class UnsupportedRopeScaling(DraftlineError):
+    """A config names a RoPE scaling type the drafter cannot reproduce the way the engines compute it."""
+
+
 def error_class(exc: BaseException) -> str:
     """The name recorded for a failure: the exception's class name."""
     return type(exc).__name__

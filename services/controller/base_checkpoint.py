@@ -15,8 +15,8 @@ import uuid
 from pathlib import Path
 
 from shared.atomic import TEMP_PREFIX, fsync_dir
-from shared.drafter_format import check_drafter, read_config
-from shared.errors import CheckpointFormatError, DraftlineError
+from shared.drafter_format import TargetFacts, check_base_fits, check_drafter, mapping_tensors, read_config
+from shared.errors import DraftlineError
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +63,23 @@ def fetch_checkpoint(data: Path, repo_id: str) -> Path:
     return target
 
 
+def served_target(card: dict | None) -> TargetFacts:
+    """What the served target's card says about it (the built-in server's ``draftline`` block; vLLM's and
+    SGLang's cards say nothing, and nothing is then compared)."""
+    served = (card or {}).get("draftline") or {}
+    number = lambda key: served[key] if isinstance(served.get(key), int) and not isinstance(served[key], bool) else None  # noqa: E731
+    fingerprint = served.get("fingerprint") if isinstance(served.get("fingerprint"), str) else None
+    return TargetFacts(number("hidden_size"), number("vocab_size"), number("num_layers"), fingerprint)
+
+
 def verify_checkpoint(path: Path, card: dict | None) -> str:
-    """The trainer's own checks (``shared.drafter_format``); CheckpointFormatError if anything is missing
-    or does not fit the served target."""
+    """The trainer's own checks (``shared.drafter_format``): the format, then the fit to the served target;
+    CheckpointFormatError (BaseCheckpointMismatch for a misfit) naming what is wrong."""
     config = read_config(path)
-    try:
-        check_drafter(path, config)
-    except KeyError as exc:
-        raise CheckpointFormatError(f"{path / 'config.json'}: {exc.args[0]} missing") from None
-    target = (card or {}).get("draftline") or {}
+    check_drafter(path, config)
+    ids = check_base_fits(path, config, served_target(card))
     hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    problems = []
-    if target.get("hidden_size") and hidden != target["hidden_size"]:
-        problems.append(f"drafts for hidden size {hidden}, the served target has {target['hidden_size']}")
-    if target.get("vocab_size") and config.get("vocab_size") != target["vocab_size"]:
-        problems.append(f"vocabulary {config.get('vocab_size')}, the served target's is {target['vocab_size']}")
-    if problems:
-        raise CheckpointFormatError("; ".join(problems))
-    return f"hidden size {hidden}, draft vocabulary {config.get('draft_vocab_size')}"
+    vocab = ("its own d2t/t2d" if mapping_tensors(path)
+             else "no d2t/t2d: the trainer computes the draft vocabulary from the run's data")
+    layers = f", layer outputs {ids}" if ids else ""
+    return f"hidden size {hidden}, draft vocabulary {config.get('draft_vocab_size') or config.get('vocab_size')} ({vocab}){layers}"

@@ -96,7 +96,8 @@ def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
     done, total = int(float(meta.get(f"{stage}_done", 0))), int(float(meta.get(f"{stage}_total", 0)))
     default = "queued" if stage == "train" and "train_enqueued_at" in meta else "pending"
     return {"total": total, "done": done, "percent": _percent(done, total),
-            "state": meta.get(f"{stage}_state") or default}
+            "state": meta.get(f"{stage}_state") or default,
+            "error": meta.get(f"{stage}_error") or None}  # "ErrorClass: message" of the job that failed
 
 
 # ---- errors and failures -------------------------------------------------------------------------
@@ -219,7 +220,8 @@ def _sample_line(name: str, s: dict) -> str:
 
 
 def _whole_line(name: str, s: dict, extra: str) -> str:
-    return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}"
+    error = f"\n  {'':<9} {s['error']}" if s["state"] == "failed" and s["error"] else ""
+    return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
 
 
 def format_status(status: dict) -> str:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 from shared import SCHEMA_VERSION
 from shared.atomic import TEMP_PREFIX, atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 from shared.errors import CheckpointFormatError
-from services.trainer.model import Eagle3Drafter
+from services.trainer.model import DrafterConfig, Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +183,12 @@ def load_weights(path: Path, drafter: Eagle3Drafter) -> dict[str, Any]:
     """Load a checkpoint's weights into ``drafter``, whose config must be the one saved; returns the state."""
     path = Path(path)
     state = read_checkpoint_state(path)
-    if state["config"] != drafter.config.to_dict():
-        raise CheckpointFormatError(f"{path}: drafter config {state['config']} differs from this run's {drafter.config.to_dict()}")
+    try:
+        saved = DrafterConfig(**state["config"]).to_dict()  # fields added since it was saved take their defaults
+    except (TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: drafter config {state['config']} is not one this trainer builds ({exc})") from None
+    if saved != drafter.config.to_dict():
+        raise CheckpointFormatError(f"{path}: drafter config {saved} differs from this run's {drafter.config.to_dict()}")
     missing, unexpected = drafter.load_state_dict(load_file(path / MODEL_FILE), strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:

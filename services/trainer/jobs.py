@@ -32,7 +32,14 @@ from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
 from services.trainer.target_head import read_target_config, text_config
-from services.trainer.train import TrainResult, pick_device, train_drafter, trained_from_checkpoint
+from services.trainer.train import (
+    TrainResult,
+    check_base_checkpoint,
+    expected_layer_ids,
+    pick_device,
+    train_drafter,
+    trained_from_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +77,24 @@ def train(payload: dict) -> dict:
     except Exception as exc:
         state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
         raise
-    state.set_meta(train_state="done", export_path=str(paths.export_dir), train_finished_at=time.time())
+    state.set_meta(train_state="done", export_path=str(paths.export_dir), train_finished_at=time.time(),
+                   train_draft_vocab=result.draft_vocab)
     queue(TRAIN_QUEUE, conn).enqueue_call(
         EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
         timeout=EVALUATE_TIMEOUT_S, result_ttl=RESULT_TTL_S, failure_ttl=RESULT_TTL_S,
     )
-    log.info("run %s: trained %d steps, exported to %s, evaluation queued", job.run, result.steps, paths.export_dir)
-    return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir)}
+    log.info("run %s: trained %d steps (draft vocabulary from the %s), exported to %s, evaluation queued", job.run,
+             result.steps, result.draft_vocab, paths.export_dir)
+    return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir), "draft_vocab": result.draft_vocab}
 
 
 def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState, paths: RunPaths) -> TrainResult:
     procs = train_procs(settings)
+    target_config = read_target_config(settings.model_dir)
+    # A base checkpoint that does not fit fails here by name, before any process trains (in torchrun's
+    # ranks it would surface as a failed rank).
+    check_base_checkpoint(spec.train, data=settings.data, model_dir=settings.model_dir, target_config=target_config,
+                          layer_ids=expected_layer_ids(spec, target_config))
     state.set_meta(train_state="running", train_started_at=time.time(), train_procs=procs)
     if procs > 1:
         run_torchrun(spec.name, procs, settings)  # rank 0 reports progress and writes the checkpoints

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.errors import UnsupportedRopeScaling
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -36,11 +38,13 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    rope_scaling: dict[str, Any] | None = None  # as config.json writes it: {"rope_type": ..., params}; None is plain RoPE
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{self.num_attention_heads} heads do not split into {self.num_key_value_heads} kv groups")
         object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+        object.__setattr__(self, "rope_scaling", dict(self.rope_scaling) if self.rope_scaling else None)
 
     @classmethod
     def from_target_config(
@@ -68,6 +72,7 @@ class DrafterConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta_of(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            rope_scaling=rope_scaling_of(text),
         )
         derived.update(overrides)
         return cls(**derived)
@@ -78,12 +83,59 @@ class DrafterConfig:
         return data
 
 
+def rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE block of a config: ``rope_scaling`` (transformers 4, what the engines read) or
+    ``rope_parameters`` (transformers 5); of a per-layer-type block, the full-attention layers' entry."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    return dict(params)
+
+
 def rope_theta_of(config: dict[str, Any]) -> float:
     """``rope_theta`` from a config in either the flat (transformers 4) or ``rope_parameters`` (5) style."""
     if "rope_theta" in config:
         return float(config["rope_theta"])
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return float(params.get("rope_theta", 10000.0))
+    return float(rope_params(config).get("rope_theta", 10000.0))
+
+
+# RoPE types the drafter computes with transformers' own ROPE_INIT_FUNCTIONS, which vLLM and SGLang match.
+# "mrope" rotates text positions exactly as plain RoPE (all three position components are equal), and the
+# engines' Llama drafter takes it as such.
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
+PLAIN_ROPE_TYPES = ("default", "mrope")
+
+
+def rope_scaling_of(config: dict[str, Any]) -> dict[str, Any] | None:
+    """A config's RoPE scaling as the export writes it, ``{"rope_type": ..., <params>}`` without
+    ``rope_theta`` (a field of its own); None for plain RoPE. UnsupportedRopeScaling for any other type."""
+    params = rope_params(config)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    params.pop("rope_theta", None)
+    if kind in PLAIN_ROPE_TYPES:
+        return None
+    if kind not in SCALED_ROPE_TYPES:
+        raise UnsupportedRopeScaling(f"rope_scaling type {kind!r}: the drafter computes {list(SCALED_ROPE_TYPES)} "
+                                     "and plain RoPE only")
+    return {"rope_type": kind, **params}
+
+
+def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """``(inv_freq (hd/2,), attention_scaling)``: plain RoPE, or transformers' own computation for a
+    LlamaConfig of the same fields, so the rotation at train time is the one the engines apply."""
+    if config.rope_scaling is None:
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        return inv_freq, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
+                        rope_scaling=dict(config.rope_scaling))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_scaling["rope_type"]](llama, None)
+    return inv_freq.float(), float(scaling)
 
 
 class RMSNorm(nn.Module):
@@ -99,17 +151,19 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Llama RoPE (rotate-half layout, what vLLM and SGLang use for ``LlamaForCausalLMEagle3``)."""
+    """Llama RoPE (rotate-half layout, what vLLM and SGLang use for ``LlamaForCausalLMEagle3``), with the
+    config's scaling: scaled frequencies, and YaRN's attention factor on cos and sin as the engines apply it."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
+        inv_freq, self.attention_scaling = rope_frequencies(config)  # (hd/2,), float
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
-        return angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, hd) each
+        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return cos[:, None], sin[:, None]  # (B, 1, T, hd) each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,7 +248,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
-        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.rope = RotaryEmbedding(c)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         b, t, _ = x.shape  # x: (B, T, 2H)

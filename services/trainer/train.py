@@ -66,7 +66,9 @@ from torch.utils.data import DataLoader
 
 from shared import eagle3
 from shared.atomic import atomic_write_text
-from shared.errors import CheckpointFormatError, HiddenStateFileError
+from shared.drafter_format import TargetFacts, check_base_fits, check_drafter, mapping_tensors, read_config
+from shared.errors import BaseCheckpointMismatch, CheckpointFormatError, HiddenStateFileError, UnsupportedRopeScaling
+from shared.fingerprint import model_fingerprint
 from shared.hidden_file import HiddenFileInfo, read_header
 from shared.layout import RunPaths, resolve_inside
 from shared.runspec import RunSpec, TrainConfig
@@ -74,13 +76,15 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
 from services.trainer.export import load_drafter
-from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache
+from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache, rope_scaling_of
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
 
 log = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
+VOCAB_FROM_BASE = "base checkpoint"  # the base checkpoint's own d2t/t2d, kept as it is
+VOCAB_FROM_DATA = "training data"  # the most frequent loss-masked target tokens of this run's files
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class TrainResult:
     target_fingerprint: str
     num_files: int
     last: TrainProgress | None = None
+    draft_vocab: str = VOCAB_FROM_DATA  # where the draft vocabulary (d2t/t2d) came from
 
 
 # ---- targets and the TTT objective ---------------------------------------------------------------
@@ -246,21 +251,70 @@ def base_checkpoint_dir(data: Path, value: str) -> Path:
     return base
 
 
+def check_base_checkpoint(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict,
+                          layer_ids: list[int]) -> Path | None:
+    """The base checkpoint's directory once it is a drafter that fits the target (hidden size, vocabulary,
+    layers, the recorded fingerprint) and reads this run's layers; None for a run without one. Checked
+    before any training, by the job itself, so a mismatch fails the run by name."""
+    if not cfg.base_checkpoint:
+        return None
+    base = base_checkpoint_dir(data, cfg.base_checkpoint)
+    config = read_config(base)
+    check_drafter(base, config)
+    ids = check_base_fits(base, config, TargetFacts.from_config(target_config, model_fingerprint(model_dir)))
+    if ids != layer_ids:
+        raise BaseCheckpointMismatch(f"base checkpoint {base} reads the outputs of layers {ids}, this run extracted "
+                                     f"{layer_ids} (extraction.layer_ids)")
+    return base
+
+
+def draft_vocab_source(cfg: TrainConfig, data: Path) -> str:
+    """Where the run's draft vocabulary comes from: a base checkpoint's d2t/t2d, else the training data."""
+    if cfg.base_checkpoint and mapping_tensors(base_checkpoint_dir(data, cfg.base_checkpoint)):
+        return VOCAB_FROM_BASE
+    return VOCAB_FROM_DATA
+
+
+def data_mapping(files: list[Path], config: DrafterConfig, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most frequent learned tokens over the rows training reads (each file's first ``max_length``)."""
+    return build_mapping(count_tokens(files, config.vocab_size, max_length), config.draft_vocab_size)
+
+
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
-                  embed: torch.Tensor, files: list[Path], max_length: int) -> Eagle3Drafter:
-    """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own."""
-    if cfg.base_checkpoint:
-        base = base_checkpoint_dir(data, cfg.base_checkpoint)
-        drafter = load_drafter(base, model_dir, embed=embed)
-        if list(drafter.config.layer_ids) != layer_ids:
-            raise CheckpointFormatError(f"base checkpoint reads layers {list(drafter.config.layer_ids)}, this run extracted {layer_ids}")
+                  embed: torch.Tensor, files: list[Path], max_length: int) -> tuple[Eagle3Drafter, str]:
+    """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own
+    (one from the files if it has none); and where the vocabulary came from."""
+    base = check_base_checkpoint(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids)
+    if base is None:
+        config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
+        drafter = Eagle3Drafter(config)
+        drafter.load_embedding(embed)
+        drafter.set_vocab_mapping(*data_mapping(files, config, max_length))
+        return drafter, VOCAB_FROM_DATA
+    drafter = load_drafter(base, model_dir, embed=embed)
+    warn_on_rope_difference(base, drafter.config, target_config)
+    if draft_vocab_source(cfg, data) == VOCAB_FROM_BASE:
         log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)
-        return drafter
-    config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
-    drafter = Eagle3Drafter(config)
-    drafter.load_embedding(embed)
-    drafter.set_vocab_mapping(*build_mapping(count_tokens(files, config.vocab_size, max_length), config.draft_vocab_size))
-    return drafter
+        return drafter, VOCAB_FROM_BASE
+    drafter.set_vocab_mapping(*data_mapping(files, drafter.config, max_length))
+    log.warning("fine-tuning %s: it has no d2t/t2d, so its draft vocabulary of %d is computed from this run's %d "
+                "training files; its lm_head rows are taken to follow that mapping", base,
+                drafter.config.draft_vocab_size, len(files))
+    return drafter, VOCAB_FROM_DATA
+
+
+def warn_on_rope_difference(base: Path, config: DrafterConfig, target_config: dict) -> None:
+    """A base keeps its own RoPE and length (its weights learned them); say so when the target's differ."""
+    text = text_config(target_config)
+    ours = (config.rope_scaling, config.max_position_embeddings)
+    try:
+        target_rope = rope_scaling_of(text)
+    except UnsupportedRopeScaling:
+        target_rope = text.get("rope_scaling") or text.get("rope_parameters")
+    theirs = (target_rope, int(text.get("max_position_embeddings", config.max_position_embeddings)))
+    if ours != theirs:
+        log.warning("base checkpoint %s has rope_scaling %s and max_position_embeddings %d, the target %s and %d; "
+                    "the drafter keeps the base's", base, ours[0], ours[1], theirs[0], theirs[1])
 
 
 def pick_device(name: str) -> torch.device:
@@ -306,8 +360,9 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     head = load_target_head(model_dir, dtype=None)  # the target's own dtype: the head is (V, H), keep it small
 
     torch.manual_seed(cfg.seed)
-    drafter = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids,
-                            embed=head.embed, files=files, max_length=max_length).to(dev)
+    drafter, draft_vocab = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config,
+                                         layer_ids=layer_ids, embed=head.embed, files=files, max_length=max_length)
+    drafter = drafter.to(dev)
     objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps)
     if world > 1:
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -324,7 +379,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
                       HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world)
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
-                                 meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
+                                 meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
     log.info("training %s: %d files of up to %d tokens, %s batches, %d steps, starting at step %d",
              spec.name, len(files), max_length, batching, total, session.position.step)
     return session
@@ -387,7 +442,7 @@ def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> Tr
         raise HiddenStateFileError(f"{paths.hidden_dir}: no hidden-state files")
     meta = read_header(files[0])[0].get("__metadata__", {})  # the file ``prepare`` takes them from
     return TrainResult(drafter, step, list(drafter.config.layer_ids), meta.get(eagle3.META_MODEL, spec.model),
-                       meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files))
+                       meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab_source(spec.train, data))
 
 
 # ---- the loop -----------------------------------------------------------------------------------

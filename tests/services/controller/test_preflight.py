@@ -281,7 +281,34 @@ def test_a_base_checkpoint_that_does_not_verify_is_named(tmp_path, exported_draf
     shutil.copytree(exported_drafter, data / "wide")
     other_target = {"id": "big", "draftline": {"hidden_size": 4096, "vocab_size": 774}}
     found, _ = pf.check_base_checkpoint(settings_for(data), "wide", pf.Facts(card=other_target))
-    assert not found.ok and "hidden size 64, the served target has 4096" in found.message
+    assert not found.ok and "target_hidden_size is 64, the target's hidden_size is 4096" in found.message
+
+
+def test_a_published_base_checkpoint_verifies_and_says_where_its_draft_vocabulary_comes_from(tmp_path, tiny_model_dir):
+    from tests.support.published_drafter import VLLM, Published, write_published_drafter
+
+    data = tmp_path / "data"
+    write_published_drafter(data / "drafters" / "kept", tiny_model_dir, Published())
+    write_published_drafter(data / "drafters" / "bare", tiny_model_dir, Published(convention=VLLM, mapping=()))
+    kept, _ = pf.check_base_checkpoint(settings_for(data), "drafters/kept", pf.Facts(card=TINY_CARD))
+    bare, relative = pf.check_base_checkpoint(settings_for(data), "drafters/bare", pf.Facts(card=TINY_CARD))
+    assert kept.ok and "its own d2t/t2d" in kept.message, kept.message
+    assert bare.ok and relative == "drafters/bare" and "computes the draft vocabulary from the run's data" in bare.message
+    assert "layer outputs [1, 3, 4]" in bare.message  # vLLM's [2, 4, 5], read once into our terms
+
+
+def test_a_base_checkpoint_for_other_layers_or_another_target_is_named(tmp_path, tiny_model_dir, exported_drafter):
+    from tests.support.published_drafter import Published, write_published_drafter
+
+    data = tmp_path / "data"
+    write_published_drafter(data / "drafters" / "deep", tiny_model_dir, Published(layer_ids=[1, 3, 6]))
+    shutil.copytree(exported_drafter, data / "drafters" / "mine")
+    shallow = {"id": "tiny", "draftline": {**TINY_CARD["draftline"], "num_layers": 6}}
+    other = {"id": "tiny", "draftline": {**TINY_CARD["draftline"], "fingerprint": "f" * 64}}
+    deep, _ = pf.check_base_checkpoint(settings_for(data), "drafters/deep", pf.Facts(card=shallow))
+    foreign, _ = pf.check_base_checkpoint(settings_for(data), "drafters/mine", pf.Facts(card=other))
+    assert not deep.ok and "eagle_config.eagle_aux_hidden_state_layer_ids is [1, 3, 6], the target has num_hidden_layers 6" in deep.message
+    assert not foreign.ok and f"draftline.target_fingerprint is {'0' * 64}, the target's fingerprint is {'f' * 64}" in foreign.message
 
 
 def test_a_base_checkpoint_outside_the_volume_or_nowhere_is_named(tmp_path, exported_drafter):

@@ -51,8 +51,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
                            "drafter", "updated_at"}
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == set(status["stages"]["extract"]) == STAGE_KEYS
-    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "loss", "padding"}
-    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "acceptance_length"}
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding"}
+    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}
@@ -77,7 +77,8 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert status["disk"]["run_bytes"] == 3000
     assert status["disk"]["path"] == str(data_dir)
     assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
-    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "loss": None, "padding": None}
+    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "error": None,
+                                         "loss": None, "padding": None}
     assert status["drafter"] == {"export_path": None, "acceptance_length": None}
 
 
@@ -115,8 +116,8 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     state.set_meta(train_state="running")
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "training"
-    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "loss": 1.25,
-                                         "padding": 0.025}
+    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "error": None,
+                                         "loss": 1.25, "padding": 0.025}
     assert "padding 2.5%" in format_status(status)
     state.set_progress("evaluate", 4, 4)
     state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
@@ -124,6 +125,15 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     assert status["state"] == "complete_with_failures"
     assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
     assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5}
+
+
+def test_a_failed_train_job_shows_its_named_error_in_the_status_and_its_text(data_dir, redis_conn, state):
+    error = "BaseCheckpointMismatch: base checkpoint /v/b does not fit the target: vocab_size is 800, the target's vocab_size is 774"
+    state.set_meta(train_state="failed", train_error=error)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "failed" and status["stages"]["train"]["error"] == error
+    assert status["stages"]["evaluate"]["error"] is None
+    assert re.search(r"train +0 / 0 +0\.0% +failed\n +BaseCheckpointMismatch: base checkpoint /v/b ", format_status(status))
 
 
 @pytest.mark.parametrize(("meta", "errors", "expected"), [

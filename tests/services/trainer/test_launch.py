@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from services.trainer.export import verify_export
 from services.trainer.launch import TrainingProcessFailed, torchrun_command, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
-from shared.errors import SettingsError
+from shared.errors import BaseCheckpointMismatch, SettingsError
 from shared.jobs import evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER
 from shared.requeue import REQUEUES_META
@@ -73,6 +73,19 @@ def test_a_failing_rank_fails_the_job_with_a_named_error_and_its_cause(ddp_jobs,
     meta = RunState(redis_conn, data_dir, "broken").meta()
     assert meta["train_state"] == "failed" and meta["train_error"].startswith("TrainingProcessFailed: rank ")
     assert not paths.export_dir.exists()
+
+
+def test_a_base_checkpoint_that_does_not_fit_fails_the_job_by_name_before_any_rank_starts(ddp_jobs, make_run, redis_conn,
+                                                                                            data_dir, tiny_model_dir):
+    from tests.support.published_drafter import Published, write_published_drafter
+
+    write_published_drafter(data_dir / "published" / "drafter", tiny_model_dir, Published(hidden_size=32))
+    paths = make_run("misfit", train={**TRAIN, "base_checkpoint": "published/drafter"})
+    with pytest.raises(BaseCheckpointMismatch, match="hidden_size is 32, the target's hidden_size is 64"):
+        ddp_jobs.train({"run": "misfit"})
+    meta = RunState(redis_conn, data_dir, "misfit").meta()
+    assert meta["train_state"] == "failed" and meta["train_error"].startswith("BaseCheckpointMismatch: ")
+    assert "train_procs" not in meta and not paths.checkpoints_dir.exists()  # no rank was started
 
 
 def test_a_killed_rank_fails_the_job_instead_of_hanging_and_the_next_job_resumes(ddp_jobs, make_run, redis_conn, data_dir, caplog):

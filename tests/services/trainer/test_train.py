@@ -90,11 +90,11 @@ def test_a_finished_run_resumes_to_no_further_steps_and_keeps_two_checkpoints(ma
     assert len(log_records(paths)) == 8
 
 
-def test_fine_tuning_keeps_the_base_checkpoints_vocabulary(make_run, tiny_model_dir, data_dir):
+def test_fine_tuning_keeps_the_base_checkpoints_vocabulary(make_run, tiny_model_dir, tiny_target, data_dir):
     base_run = make_run("base", train={"draft_vocab_size": 128})
     base = train(base_run, tiny_model_dir)
-    export_drafter(base.drafter, data_dir / "published" / "drafter", target_model="tiny", target_fingerprint="x",
-                   dtype=torch.float32)
+    export_drafter(base.drafter, data_dir / "published" / "drafter", target_model="tiny",
+                   target_fingerprint=tiny_target.fingerprint, dtype=torch.float32)
     tuned = train(make_run("tuned", train={"draft_vocab_size": 256, "base_checkpoint": "published/drafter"}), tiny_model_dir)
     assert tuned.drafter.config.draft_vocab_size == 128
     assert torch.equal(tuned.drafter.d2t, base.drafter.d2t) and torch.equal(tuned.drafter.t2d, base.drafter.t2d)
