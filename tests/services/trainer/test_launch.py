@@ -46,7 +46,8 @@ def log_records(paths) -> list[dict]:
 
 def test_the_train_job_in_two_processes_reports_progress_and_exports_the_last_checkpoint(ddp_jobs, make_run, redis_conn, data_dir):
     paths = make_run("ddp", train=TRAIN)
-    assert ddp_jobs.train({"run": "ddp"}) == {"run": "ddp", "steps": 4, "export_path": str(paths.export_dir)}
+    assert ddp_jobs.train({"run": "ddp"}) == {"run": "ddp", "steps": 4, "export_path": str(paths.export_dir),
+                                             "draft_vocab": "training data"}
     meta = RunState(redis_conn, data_dir, "ddp").meta()
     assert meta["train_state"] == "done" and meta["train_procs"] == "2"
     assert meta["train_done"] == meta["train_total"] == "4" and meta["train_epoch"] == "1"
