@@ -96,7 +96,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     wait_for_headroom(conn, settings.data, job.run)  # a paused run's samples wait here instead of failing
     spec = cached_spec(settings.data, job.run)
     try:
-        result, info = _extract(job, spec, state, tokenizer, turn_end_of(tokenizer, str(settings.model_dir)), client)
+        result, info = _extract(job, spec, state, tokenizer, str(settings.model_dir), client)
         _record_manifest(state, job.sample_id, info)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
@@ -113,9 +113,10 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
     return "done"
 
 
-def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, turn_end: TurnEnd,
+def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
              client: HiddenStatesClient) -> tuple[HiddenStatesResult, HiddenFileInfo]:
-    record = _read_reply(state, job.sample_id)
+    record = _read_reply(state, job.sample_id)  # a missing or torn reply fails the sample before any tokenizing
+    turn_end = turn_end_of(tokenizer, model_dir)
     reply = record.get("reply") or {}
     input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
                                         reply.get("reasoning_content"), spec.extraction.max_length,
