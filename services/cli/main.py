@@ -237,7 +237,7 @@ def _retry(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from services.cli.demo import run_demo
 
-    run_demo(Path(args.data), timeout_s=args.timeout)
+    run_demo(Path(args.data), target=args.target, timeout_s=args.timeout)
     return 0
 
 
@@ -312,9 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--include-dropped", action="store_true", help="also retry dropped samples")
     retry.set_defaults(func=_retry)
 
-    demo = sub.add_parser("demo", help="the whole pipeline on the tiny built-in target, as local processes")
+    demo = sub.add_parser("demo", help="the whole pipeline on a real target (SmolLM2) or the tiny one, as local processes")
     demo.add_argument("--data", default="./data", help="data volume for the demo (default ./data)")
-    demo.add_argument("--timeout", type=float, default=600.0, help="seconds the run may take")
+    demo.add_argument("--target", default="smollm2", choices=("smollm2", "tiny"),
+                      help="smollm2 (SmolLM2-135M-Instruct, the default) or tiny (the built-in test target)")
+    demo.add_argument("--timeout", type=float, default=900.0, help="seconds the run may take")
     demo.set_defaults(func=_demo)
     return parser
 
