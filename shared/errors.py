@@ -63,6 +63,11 @@ class CheckpointFormatError(DraftlineError):
     """A drafter checkpoint lacks a key or a tensor has the wrong shape."""
 
 
+class SpeculativeMismatch(DraftlineError):
+    """A speculative decode emitted something other than the target's own greedy output: the decoding
+    loop (or the target's numerics across block sizes) is wrong, so its acceptance lengths mean nothing."""
+
+
 def error_class(exc: BaseException) -> str:
     """The name recorded for a failure: the exception's class name."""
     return type(exc).__name__

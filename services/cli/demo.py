@@ -22,8 +22,9 @@ from pathlib import Path
 from services.cli.api import ControllerClient
 from services.cli.stack import LocalStack, StackConfig
 from services.inference.tiny_model import is_model_dir, make_tiny_model
-from shared.atomic import atomic_write_bytes
+from shared.atomic import atomic_write_bytes, read_json
 from shared.errors import DraftlineError
+from shared.layout import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ DEMO_RUN = {
     "generation": {"max_tokens": 48, "min_completion_tokens": 8, "temperature": 0.0},
     "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "ttt_steps": 3, "draft_vocab_size": 256,
               "max_length": 256, "save_every": 50},
-    "evaluate": {"holdout": 8, "max_new_tokens": 48, "draft_steps": 3},
+    # Both sets and both baselines, few enough prompts to evaluate in a couple of minutes on 2 cores.
+    "evaluate": {"holdout": 8, "max_new_tokens": 48, "draft_steps": 3, "humaneval_limit": 4},
 }
 
 
@@ -76,7 +78,7 @@ def run_demo(data: Path, *, timeout_s: float = 600.0) -> dict:
         name = f"demo-{stamp}"
         submit(api, dataset, name)
         status = follow(stack, api, name, timeout_s=timeout_s)
-    report(status)
+    report(status, data)
     return status
 
 
@@ -123,13 +125,27 @@ def _progress_line(status: dict) -> str:
     return "  ".join(parts)
 
 
-def report(status: dict) -> None:
+def report(status: dict, data: Path) -> None:
+    """The exported drafter, its headline acceptance length, and per evaluation set the curve over k with
+    the baselines measured on the same prompts (from the run's eval.json)."""
     drafter = status["drafter"]
     if status["state"] == "failed" or not drafter.get("export_path"):
         raise DemoFailed(f"run {status['run']} ended as {status['state']} without an exported drafter")
     say("")
     say(f"exported drafter: {drafter['export_path']}")
     say(f"acceptance length: {drafter['acceptance_length']:.2f} (tokens per target forward pass, greedy chain)")
+    path = RunPaths(data, status["run"]).eval_report
+    if not path.is_file():
+        return
+    for name, one in read_json(path).get("sets", {}).items():
+        methods, check = one["methods"], one["greedy_check"]
+        plain = methods.get("no_drafter", {}).get("acceptance_length")
+        say(f"\n{name}: {len(one['prompts'])} prompts, {check['matched']}/{check['checked']} decodes equal to greedy")
+        say(f"  {'k':>3} | {'drafter':>7} | {'lookup':>7} | {'no-drafter':>10}")
+        for k in sorted(methods["drafter"]["curve"], key=int):
+            cells = [methods["drafter"]["curve"][k], methods.get("lookup", {}).get("curve", {}).get(k), plain]
+            drafted, lookup, greedy = ("-" if value is None else f"{value:.2f}" for value in cells)
+            say(f"  {k:>3} | {drafted:>7} | {lookup:>7} | {greedy:>10}")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
