@@ -76,6 +76,11 @@ class UnsupportedRopeScaling(DraftlineError):
     """A config names a RoPE scaling type the drafter cannot reproduce the way the engines compute it."""
 
 
+class SpeculativeMismatch(DraftlineError):
+    """A speculative decode emitted something other than the target's own greedy output: the decoding
+    loop (or the target's numerics across block sizes) is wrong, so its acceptance lengths mean nothing."""
+
+
 def error_class(exc: BaseException) -> str:
     """The name recorded for a failure: the exception's class name."""
     return type(exc).__name__

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json, read_json
@@ -51,10 +52,30 @@ class TrainConfig(_Frozen):
     base_checkpoint: str | None = Field(None, description="Published drafter (repo id or path) to fine-tune.")
 
 
+EvalSetName = Literal["holdout", "humaneval"]  # services/trainer/evalsets.py loads each
+EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
+
+
 class EvalConfig(_Frozen):
     holdout: int = Field(8, ge=0, description="Rows held out of training for evaluation.")
     max_new_tokens: int = Field(64, ge=1)
-    draft_steps: int = Field(3, ge=1, description="Chain length proposed per verification step.")
+    draft_steps: int = Field(3, ge=1, description="Chain length proposed per verification step (the headline).")
+    sets: list[EvalSetName] = Field(
+        ["holdout", "humaneval"], min_length=1,
+        description="Evaluation sets: the run's held-out rows, HumanEval's prompts (no training row is either).")
+    humaneval_limit: int | None = Field(None, ge=1, description="The first N HumanEval prompts; None takes all 164.")
+    curve_max_steps: int = Field(7, ge=1, le=32, description="Acceptance curve over chain lengths 1..N.")
+    baselines: bool = Field(True, description="Also decode without a drafter and with prompt lookup (n-gram).")
+    lookup_min: int = Field(2, ge=1, description="Prompt lookup: shortest suffix n-gram matched (vLLM's prompt_lookup_min).")
+    lookup_max: int = Field(5, ge=1, description="Prompt lookup: longest suffix n-gram matched (vLLM's prompt_lookup_max).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalConfig:
+        if len(set(self.sets)) != len(self.sets):
+            raise ValueError(f"sets {self.sets} names a set twice")
+        if self.lookup_min > self.lookup_max:
+            raise ValueError(f"lookup_min {self.lookup_min} exceeds lookup_max {self.lookup_max}")
+        return self
 
 
 class RunSpec(_Frozen):

@@ -34,6 +34,7 @@ RUN = "chaos"
 ROWS = 304
 HOLDOUT = 4
 DECODING = {"max_new_tokens": 8, "draft_steps": 2}  # the run's evaluation settings
+HOLDOUT_ONLY = {"sets": ["holdout"], "curve_max_steps": 2}  # evaluation kept short: the run's survival is the point
 FAULTS = 14
 CHAOS_SECONDS = 150
 FINISH_SECONDS = 420
@@ -121,7 +122,7 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
                 "dataset": str(dataset), "name": RUN,
                 "generation": {"max_tokens": 12, "min_completion_tokens": 0},
                 "train": {"epochs": 1, "batch_size": 16, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 96},
-                "evaluate": {"holdout": HOLDOUT, **DECODING},
+                "evaluate": {"holdout": HOLDOUT, **DECODING, **HOLDOUT_ONLY},
             }
             response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
             assert response.status_code == 201, response.text

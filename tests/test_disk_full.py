@@ -86,7 +86,8 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
                 "generation": {"max_tokens": 16, "min_completion_tokens": 2},
                 "train": {"epochs": 1, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128,
                           "max_length": 128},
-                "evaluate": {"holdout": HOLDOUT, "max_new_tokens": 8, "draft_steps": 2},
+                "evaluate": {"holdout": HOLDOUT, "max_new_tokens": 8, "draft_steps": 2, "sets": ["holdout"],
+                             "curve_max_steps": 2},
             }
             response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=120)
             assert response.status_code == 201, response.text

@@ -51,7 +51,7 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
             "name": RUN,
             "generation": {"max_tokens": 24, "min_completion_tokens": 4},
             "train": {"epochs": 2, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 128},
-            "evaluate": {"holdout": 4, **DECODING},
+            "evaluate": {"holdout": 4, **DECODING, "humaneval_limit": 2, "curve_max_steps": 3},
         }
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text

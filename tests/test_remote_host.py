@@ -142,7 +142,7 @@ def remote_run(tmp_path_factory, protected_redis, tiny_model_dir):
                          env={"DRAFTLINE_DATASET_ROOTS": str(root)})
     conn = redis.Redis.from_url(protected_redis)
     with LocalStack(config) as stack:
-        body = {"dataset": str(dataset), "name": RUN, "evaluate": {"holdout": HOLDOUT},
+        body = {"dataset": str(dataset), "name": RUN, "evaluate": {"holdout": HOLDOUT, "sets": ["holdout"], "curve_max_steps": 2},
                 "generation": {"max_tokens": 16, "min_completion_tokens": 1}}
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text

@@ -52,6 +52,7 @@ WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
 # The field of an RQ worker's hash holding its state (rq.worker.BaseWorker.refresh reads it).
 WORKER_STATE_FIELD = "state"
 ACCURACY_FIELD = re.compile(rf"{names.META_TRAIN_ACCURACY_PREFIX}(\d+)")
+CURVE_FIELD = re.compile(rf"{re.escape(names.META_ACCEPTANCE_CURVE_PREFIX)}\.([^.]+)\.([^.]+)\.(\d+)")
 
 
 def scrape_connection(url: str) -> redis.Redis:
@@ -209,6 +210,20 @@ def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
         if value is not None:
             families.gauge(metric, doc, ["run"]).add_metric([run], value)
     _train_accuracy(families, run, meta)
+    _acceptance_curve(families, run, meta)
+
+
+def _acceptance_curve(families: Families, run: str, meta: dict[str, str]) -> None:
+    """One series per evaluation set, method and chain length k (meta ``evaluate_accept.<set>.<method>.<k>``)."""
+    points = sorted(((m.groups(), field) for field in meta if (m := CURVE_FIELD.fullmatch(field))),
+                    key=lambda point: (point[0][0], point[0][1], int(point[0][2])))
+    for (set_name, method, k), field in points:
+        value = _number(meta, field)
+        if value is not None:
+            families.gauge(
+                names.ACCEPTANCE_CURVE, "Tokens per target verification pass with k draft tokens, by set and method.",
+                ["run", "set", "method", "k"],
+            ).add_metric([run, set_name, method, k], value)
 
 
 def _train_accuracy(families: Families, run: str, meta: dict[str, str]) -> None:

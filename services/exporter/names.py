@@ -31,6 +31,8 @@ TRAIN_ACCURACY = "draftline_train_accuracy_ratio"  # label k: draft position of 
 TRAIN_LEARNING_RATE = "draftline_train_learning_rate"
 TRAIN_TOKENS_PER_SECOND = "draftline_train_tokens_per_second"  # loss-mask tokens trained on per second
 ACCEPTANCE_LENGTH = "draftline_acceptance_length"  # mean tokens accepted per verification step
+# Labels set, method (drafter, lookup, no_drafter) and k (draft tokens per pass; 0 for no drafter).
+ACCEPTANCE_CURVE = "draftline_acceptance_length_by_k"
 RUN_DISK_PAUSED = "draftline_run_disk_paused"  # 1 while the run's extraction waits for disk space
 RUN_PROJECTED_BYTES = "draftline_run_projected_bytes"  # bytes the rest of the run still needs on the volume
 
@@ -59,4 +61,5 @@ META_TRAIN_LR = "train_lr"
 META_TRAIN_TOKENS_PER_SECOND = "train_tokens_per_s"
 META_TRAIN_ACCURACY_PREFIX = "train_acc"  # train_acc0, train_acc1, …: one field per draft position k
 META_ACCEPTANCE_LENGTH = "acceptance_length"
+META_ACCEPTANCE_CURVE_PREFIX = "evaluate_accept"  # evaluate_accept.<set>.<method>.<k>, one field per point
 WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total

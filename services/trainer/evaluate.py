@@ -1,16 +1,29 @@
-"""Acceptance length: greedy chain speculative decoding of the drafter against the target.
+"""Acceptance length: greedy chain speculative decoding against the target, with baselines and checks.
 
-The target is the real Hugging Face model with a KV cache. Per verification step the drafter proposes
-``draft_steps`` tokens in a chain, the target checks them in one forward pass, and the output is the
-target's own greedy decoding, token for token; only the number of target passes changes.
+The target is the real Hugging Face model with a KV cache. Per verification pass a proposer offers up
+to k tokens in a chain, the target checks them in one forward pass, and the output is the target's own
+greedy decoding, token for token; only the number of target passes changes.
+
+Acceptance length = tokens emitted by verification passes / verification passes, summed over every
+prompt of a set (a ratio of sums, not a mean of per-prompt ratios); the prompt's prefill pass and the
+first token it yields count in neither. Per set it is measured, on the same prompts in the same run:
+
+- ``drafter``: the EAGLE-3 drafter at k = 1 .. ``curve_max_steps`` (the curve) and at ``draft_steps``
+  (the headline the status page, exporter and demo show);
+- ``lookup``: prompt lookup (n-gram) drafting, vLLM's ``ngram`` method, at the same k;
+- ``no_drafter``: plain greedy decoding through the same loop, 1.0 by construction, measured anyway.
+
+Every k is a real decode. Each decode is compared with the target's ``generate(do_sample=False)``
+output, computed once per prompt; the report counts the decodes checked and matched per set, and
+``verify_greedy_equality`` turns any mismatch into a SpeculativeMismatch once the report is written.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.errors import DatasetError
+from shared.errors import SpeculativeMismatch
 from shared.runspec import EvalConfig
+from services.trainer.evalsets import EvalPrompt, EvalSet
+from services.trainer.lookup import LookupProposer, NoProposer
 from services.trainer.model import Eagle3Drafter, KVCache
 
 log = logging.getLogger(__name__)
@@ -33,7 +48,7 @@ class Proposer(Protocol):
         that follows it (the last one is the target's newest token, not yet fed to the target)."""
 
     def propose(self, k: int) -> list[int]:
-        """The next ``k`` tokens (target ids) after the newest token."""
+        """At most ``k`` next tokens (target ids) after the newest token; fewer, or none, is allowed."""
 
 
 class DrafterProposer:
@@ -117,22 +132,46 @@ def finished(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     return len(tokens) >= max_new_tokens or tokens[-1] in eos
 
 
+@dataclass
+class Prefill:
+    """The target's pass over a prompt, shared by every decode of it: each decode crops the cache back to
+    the prompt (exact: cropping only drops entries) instead of reading the prompt again."""
+
+    cache: Any  # transformers DynamicCache
+    first: int  # the target's greedy token after the prompt
+    aux: torch.Tensor  # (P, 3Ht) aux states at the prompt's positions
+    length: int
+
+
 @torch.inference_mode()
-def speculative_generate(
-    target: Any, proposer: Proposer, prompt_ids: list[int], *, max_new_tokens: int, draft_steps: int, layer_ids: list[int]
-) -> DecodeResult:
+def prefill_prompt(target: Any, prompt_ids: list[int], layer_ids: list[int]) -> Prefill:
     from transformers import DynamicCache
 
-    device, eos = target.device, eos_ids_of(target)
     cache = DynamicCache()
+    out = target(torch.tensor([prompt_ids], device=target.device), use_cache=True, output_hidden_states=True,
+                 **{cache_kwarg(target): cache})
+    return Prefill(cache, int(out.logits[0, -1].argmax()), aux_states(out.hidden_states, layer_ids), len(prompt_ids))
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: Any, proposer: Proposer, prompt_ids: list[int], *, max_new_tokens: int, draft_steps: int, layer_ids: list[int],
+    prefill: Prefill | None = None,
+) -> DecodeResult:
+    """Greedy chain speculative decoding; the proposer may propose fewer than ``draft_steps`` tokens, or
+    none (then the pass verifies only the newest token and emits exactly one)."""
+    pre = prefill if prefill is not None else prefill_prompt(target, prompt_ids, layer_ids)
+    crop_cache(pre.cache, pre.length)
+    device, eos, cache = target.device, eos_ids_of(target), pre.cache
     forward = functools.partial(target, use_cache=True, output_hidden_states=True, **{cache_kwarg(target): cache})
-    out = forward(torch.tensor([prompt_ids], device=device))
-    result = DecodeResult(tokens=[int(out.logits[0, -1].argmax())])
-    proposer.extend(aux_states(out.hidden_states, layer_ids), prompt_ids[1:] + result.tokens)
+    result = DecodeResult(tokens=[pre.first])
+    proposer.extend(pre.aux, prompt_ids[1:] + result.tokens)
     while not finished(result.tokens, max_new_tokens, eos):
         drafts = proposer.propose(draft_steps)
+        if len(drafts) > draft_steps:
+            raise ValueError(f"{type(proposer).__name__} proposed {len(drafts)} tokens, more than the {draft_steps} asked")
         context = cache.get_seq_length()
-        out = forward(torch.tensor([[result.tokens[-1], *drafts]], device=device))  # positions context .. context+K
+        out = forward(torch.tensor([[result.tokens[-1], *drafts]], device=device))  # positions context .. context+len(drafts)
         greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's choice after block token i
         accepted = accepted_prefix(drafts, greedy)
         new = [*drafts[:accepted], greedy[accepted]]
@@ -149,55 +188,175 @@ def speculative_generate(
 
 # ---- a run's evaluation --------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class EvalPrompt:
-    sample_id: int
-    messages: list[dict]
+DRAFTER, LOOKUP, NO_DRAFTER = "drafter", "lookup", "no_drafter"
+DEFINITION = ("acceptance length = sum of tokens emitted by target verification passes / number of those passes, "
+              "over every prompt of the set; greedy, chain drafting of k tokens per pass; the prompt's prefill pass "
+              "and the token it yields count in neither")
 
 
-def read_eval_prompts(path: Path) -> list[EvalPrompt]:
-    """``{"sample_id": int, "messages": [...]}`` per line; a malformed line is a DatasetError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: no held-out prompts to evaluate on")
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompts.append(EvalPrompt(int(row["sample_id"]), list(row["messages"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise DatasetError(f"{path}:{number}: malformed prompt row ({exc})") from None
-    return prompts
+@torch.inference_mode()
+def greedy_reference(target: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy output (``generate``), which every speculative decode must reproduce."""
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                          eos_token_id=sorted(eos_ids_of(target)) or None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    """The first position where the two differ (a missing token counts), or None when equal."""
+    for position, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return position
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def chain_lengths(cfg: EvalConfig) -> list[int]:
+    """k = 1 .. curve_max_steps, and the headline ``draft_steps`` where it lies beyond."""
+    return sorted(set(range(1, cfg.curve_max_steps + 1)) | {cfg.draft_steps})
+
+
+@dataclass
+class Tally:
+    """Emitted tokens and verification passes of one method at one k, summed over a set."""
+
+    emitted: int = 0
+    passes: int = 0
+
+    def add(self, decoded: DecodeResult) -> None:
+        self.emitted += sum(decoded.accepted)
+        self.passes += decoded.steps
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.passes if self.passes else 0.0
+
+
+@dataclass
+class SetRun:
+    """What one set's decodes add up to while they run."""
+
+    name: str
+    tallies: dict[tuple[str, int], Tally] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    checked: int = 0
+    mismatches: list[dict] = field(default_factory=list)
+
+    def record(self, prompt: EvalPrompt, method: str, k: int, decoded: DecodeResult, reference: list[int]) -> None:
+        self.tallies.setdefault((method, k), Tally()).add(decoded)
+        self.checked += 1
+        position = first_difference(decoded.tokens, reference)
+        if position is not None:
+            self.mismatches.append({"set": self.name, "sample_id": prompt.sample_id, "method": method, "k": k,
+                                    "position": position})
+
+
+def decode_all(
+    target: Any, drafter: Eagle3Drafter, ids: list[int], cfg: EvalConfig, layer_ids: list[int]
+) -> dict[tuple[str, int], DecodeResult]:
+    """Every decode of one prompt: the drafter and prompt lookup at each k, and no drafter (k = 0)."""
+    pre = prefill_prompt(target, ids, layer_ids)
+    run = functools.partial(speculative_generate, target, prompt_ids=ids, max_new_tokens=cfg.max_new_tokens,
+                            layer_ids=layer_ids, prefill=pre)
+    decodes = {(DRAFTER, k): run(DrafterProposer(drafter), draft_steps=k) for k in chain_lengths(cfg)}
+    if cfg.baselines:
+        for k in chain_lengths(cfg):
+            decodes[(LOOKUP, k)] = run(LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max), draft_steps=k)
+        decodes[(NO_DRAFTER, 0)] = run(NoProposer(), draft_steps=0)
+    return decodes
+
+
+def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int], DecodeResult], cfg: EvalConfig) -> dict:
+    """The headline decode's steps, as before, and every decode's pass count."""
+    head = decodes[(DRAFTER, cfg.draft_steps)]
+    passes: dict[str, Any] = {}
+    for (method, k), decoded in decodes.items():
+        if method == NO_DRAFTER:
+            passes[method] = decoded.steps
+        else:
+            passes.setdefault(method, {})[str(k)] = decoded.steps
+    return {"sample_id": prompt.sample_id, "prompt_tokens": len(ids), "tokens": len(head.tokens), "steps": head.steps,
+            "accepted": head.accepted, "acceptance_length": head.acceptance_length, "passes": passes}
 
 
 def evaluate_prompts(
     target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, *, name: str = "holdout",
 ) -> dict[str, Any]:
-    """Decode every prompt speculatively; acceptance length = emitted tokens / verification steps."""
-    layer_ids = list(drafter.config.layer_ids)
-    rows = []
+    """One set: every prompt decoded by every method at every k, each decode checked against ``generate``."""
+    layer_ids, started, measured = list(drafter.config.layer_ids), time.monotonic(), SetRun(name)
     for done, prompt in enumerate(prompts, start=1):
-        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        decoded = speculative_generate(target, DrafterProposer(drafter), list(ids), max_new_tokens=cfg.max_new_tokens,
-                                       draft_steps=cfg.draft_steps, layer_ids=layer_ids)
-        rows.append({"sample_id": prompt.sample_id, "prompt_tokens": len(ids), "tokens": len(decoded.tokens),
-                     "steps": decoded.steps, "accepted": decoded.accepted, "acceptance_length": decoded.acceptance_length})
+        ids = list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+        reference = greedy_reference(target, ids, cfg.max_new_tokens)
+        decodes = decode_all(target, drafter, ids, cfg, layer_ids)
+        for (method, k), decoded in decodes.items():
+            measured.record(prompt, method, k, decoded, reference)
+        measured.rows.append(prompt_row(prompt, ids, decodes, cfg))
         if progress is not None:
             progress(done, len(prompts))
-    steps = sum(r["steps"] for r in rows)
-    emitted = sum(sum(r["accepted"]) for r in rows)
+    return set_report(measured, cfg, layer_ids, seconds=time.monotonic() - started)
+
+
+def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], *, seconds: float) -> dict[str, Any]:
+    head = measured.tallies.get((DRAFTER, cfg.draft_steps), Tally())
+    methods: dict[str, Any] = {}
+    for (method, k), t in sorted(measured.tallies.items()):
+        if method == NO_DRAFTER:
+            methods[method] = {"acceptance_length": t.acceptance_length, "emitted": t.emitted, "passes": t.passes}
+        else:
+            entry = methods.setdefault(method, {"curve": {}, "emitted": {}, "passes": {}})
+            entry["curve"][str(k)], entry["emitted"][str(k)], entry["passes"][str(k)] = t.acceptance_length, t.emitted, t.passes
+    if LOOKUP in methods:
+        methods[LOOKUP]["ngram"] = {"prompt_lookup_min": cfg.lookup_min, "prompt_lookup_max": cfg.lookup_max}
     return {
-        "acceptance_length": emitted / steps if steps else 0.0,
+        "definition": DEFINITION,
+        "acceptance_length": head.acceptance_length,  # the drafter at draft_steps: the run's headline
         "draft_steps": cfg.draft_steps,
         "max_new_tokens": cfg.max_new_tokens,
-        "prompts": rows,
-        "steps": steps,
-        "tokens": sum(r["tokens"] for r in rows),
+        "methods": methods,
+        "greedy_check": {"checked": measured.checked, "matched": measured.checked - len(measured.mismatches),
+                         "mismatches": measured.mismatches},
+        "prompts": measured.rows,
+        "steps": head.passes,
+        "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,
+        "seconds": seconds,
     }
+
+
+def evaluate_sets(
+    target: Any, tokenizer: Any, drafter: Eagle3Drafter, sets: list[EvalSet], cfg: EvalConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Every set; the first one's drafter numbers stay at the top level, where the status page reads them."""
+    total, before = sum(len(s.prompts) for s in sets), 0
+    reports = {}
+    for one in sets:
+        step = None if progress is None else functools.partial(_overall_progress, progress, before, total)
+        reports[one.name] = {**evaluate_prompts(target, tokenizer, drafter, one.prompts, cfg, step, name=one.name),
+                             "excluded": one.excluded}
+        before += len(one.prompts)
+        log.info("evaluation set %s: %d prompts in %.1fs, acceptance length %.3f at k=%d", one.name, len(one.prompts),
+                 reports[one.name]["seconds"], reports[one.name]["acceptance_length"], cfg.draft_steps)
+    headline = next(iter(reports.values()))
+    return {**headline, "headline_set": next(iter(reports)), "sets": reports}
+
+
+def _overall_progress(progress: Callable[[int, int], None], before: int, total: int, done: int, _: int) -> None:
+    progress(before + done, total)  # prompts of earlier sets count as done
+
+
+def verify_greedy_equality(report: dict[str, Any]) -> None:
+    """Raise SpeculativeMismatch when any decode of any set differed from the target's greedy output."""
+    mismatches = [m for one in report["sets"].values() for m in one["greedy_check"]["mismatches"]]
+    if mismatches:
+        checked = sum(one["greedy_check"]["checked"] for one in report["sets"].values())
+        first = mismatches[0]
+        raise SpeculativeMismatch(
+            f"{len(mismatches)} of {checked} speculative decodes differ from the target's greedy output; first: "
+            f"set {first['set']}, prompt {first['sample_id']}, method {first['method']}, k {first['k']}, "
+            f"first differing position {first['position']}")
 
 
 def load_target(model_dir: Path, device: torch.device) -> tuple[Any, Any]:

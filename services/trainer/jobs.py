@@ -26,7 +26,8 @@ from shared.queues import connect, queue
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
-from services.trainer.evaluate import evaluate_prompts, load_target, read_eval_prompts
+from services.trainer.evalsets import EvalSet, load_sets
+from services.trainer.evaluate import evaluate_sets, load_target, verify_greedy_equality
 from services.trainer.export import export_drafter, load_drafter
 from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 EVALUATE_TIMEOUT_S = 6 * 3600
 RESULT_TTL_S = 7 * 24 * 3600
+ACCEPTANCE_CURVE_FIELD = "evaluate_accept"  # run meta prefix the exporter reads (META_ACCEPTANCE_CURVE_PREFIX)
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -113,28 +115,43 @@ def evaluate(payload: dict) -> dict:
     state.set_meta(evaluate_state="running")
     try:
         spec = RunSpec.load(settings.data, job.run)
-        if spec.evaluate.holdout == 0:
+        sets = load_sets(spec.evaluate, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts)
+        if not sets:
             state.set_meta(evaluate_state="skipped")
-            log.info("run %s: no rows held out, evaluation skipped", job.run)
+            log.info("run %s: no evaluation set (no rows held out), evaluation skipped", job.run)
             return {"run": job.run, "acceptance_length": None, "eval_report": None}
-        report = _evaluate_export(settings, paths, spec, state)
+        report = _evaluate_export(settings, paths, spec, state, sets)
         atomic_write_json(paths.eval_report, report)
+        state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report))
+        verify_greedy_equality(report)  # after the report is on the volume: the numbers that failed stay readable
     except Exception as exc:
         state.set_meta(evaluate_state="failed", evaluate_error=f"{error_class(exc)}: {exc}")
         raise
-    state.set_meta(evaluate_state="done", acceptance_length=report["acceptance_length"])
-    log.info("run %s: acceptance length %.3f over %d prompts", job.run, report["acceptance_length"], len(report["prompts"]))
+    state.set_meta(evaluate_state="done")
+    log.info("run %s: acceptance length %.3f over %d prompts of %s", job.run, report["acceptance_length"],
+             len(report["prompts"]), report["headline_set"])
     return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}
 
 
-def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState) -> dict:
-    """The exported drafter (as the engines will load it) against the target on the held-out prompts."""
-    prompts = read_eval_prompts(paths.eval_prompts)
+def curve_meta(report: dict) -> dict[str, float]:
+    """Every set's acceptance curve per method as flat run meta fields, ``evaluate_accept.<set>.<method>.<k>``
+    (no drafter as k 0), which the exporter publishes; reopening a run drops them with the other
+    ``evaluate_`` fields."""
+    fields = {}
+    for name, one in report["sets"].items():
+        for method, entry in one["methods"].items():
+            curve = entry["curve"] if "curve" in entry else {"0": entry["acceptance_length"]}
+            fields.update({f"{ACCEPTANCE_CURVE_FIELD}.{name}.{method}.{k}": v for k, v in curve.items()})
+    return fields
+
+
+def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState, sets: list[EvalSet]) -> dict:
+    """The exported drafter (as the engines will load it) against the target on every evaluation set."""
     device = pick_device(settings.device)
     target, tokenizer = load_target(settings.model_dir, device)
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
-    state.set_progress("evaluate", 0, len(prompts))
-    report = evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate,
-                              progress=lambda done, total: state.set_progress("evaluate", done, total))
+    state.set_progress("evaluate", 0, sum(len(s.prompts) for s in sets))
+    report = evaluate_sets(target, tokenizer, drafter, sets, spec.evaluate,
+                           progress=lambda done, total: state.set_progress("evaluate", done, total))
     return {**report, "run": spec.name, "export_path": str(paths.export_dir)}

@@ -3,7 +3,8 @@
 The reference shares nothing with the decoding loop under test but the two models: the target's greedy
 reply comes from ``generate``; the drafter's proposals after a prefix are recomputed from scratch (one
 target pass over the verified tokens, the drafter over every position with a fresh cache: no cache
-reuse, no cropping); the accept rule is replayed in plain Python over those lists.
+reuse, no cropping); prompt lookup's proposals come from a brute-force n-gram search written here; the
+accept rule is replayed in plain Python over those lists.
 """
 
 from __future__ import annotations
@@ -42,15 +43,31 @@ def proposals_from_scratch(target: Any, drafter: Eagle3Drafter, sequence: list[i
     return drafts
 
 
-def accepted_per_step(target: Any, drafter: Eagle3Drafter, prompt: list[int], *, draft_steps: int,
-                      max_new_tokens: int) -> list[int]:
+def lookup_from_scratch(sequence: list[int], k: int, *, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by brute force: every n from the longest down, every earlier start from the first."""
+    for n in reversed(range(min_n, max_n + 1)):
+        if n >= len(sequence):
+            continue
+        tail = tuple(sequence[-n:])
+        starts = [s for s in range(len(sequence) - n) if tuple(sequence[s : s + n]) == tail]
+        if starts:
+            return sequence[starts[0] + n : starts[0] + n + k]
+    return []
+
+
+def accepted_per_step(target: Any, drafter: Eagle3Drafter | None, prompt: list[int], *, draft_steps: int,
+                      max_new_tokens: int, lookup: tuple[int, int] | None = None) -> list[int]:
     """Tokens each verification step emits: the drafts that match the target's greedy reply in a row,
-    plus one (the target's own token), cut at the reply's end."""
+    plus one (the target's own token), cut at the reply's end. Drafts come from the drafter, or with
+    ``lookup`` = (min_n, max_n) from prompt lookup."""
     reply = greedy_tokens(target, prompt, max_new_tokens)
     emitted, accepted = reply[:1], []  # the prefill yields the first token
     while len(emitted) < len(reply):
-        drafts = proposals_from_scratch(target, drafter, prompt + emitted, draft_steps)
-        expected = reply[len(emitted) : len(emitted) + draft_steps]
+        if lookup is not None:
+            drafts = lookup_from_scratch(prompt + emitted, draft_steps, min_n=lookup[0], max_n=lookup[1])
+        else:
+            drafts = proposals_from_scratch(target, drafter, prompt + emitted, draft_steps)
+        expected = reply[len(emitted) : len(emitted) + len(drafts)]
         matched = 0
         while matched < len(expected) and drafts[matched] == expected[matched]:
             matched += 1

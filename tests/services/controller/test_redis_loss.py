@@ -73,7 +73,8 @@ def test_a_flushed_redis_is_rebuilt_by_the_controller_and_the_run_completes(data
     state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(ROWS, bad=BAD),
                    generation=GenerationConfig(max_tokens=32, min_completion_tokens=1),
                    train=TrainConfig(epochs=1, batch_size=8, ttt_steps=2, draft_vocab_size=64, max_length=64),
-                   evaluate=EvalConfig(holdout=1, max_new_tokens=8, draft_steps=2))
+                   evaluate=EvalConfig(holdout=1, max_new_tokens=8, draft_steps=2, sets=["holdout"],
+                                       curve_max_steps=2))
     wait_for(lambda: state.counts("extract").done >= 4, procs, 120, "the first extractions")
     truncated, unreadable = (state.paths.hidden(i) for i in bitmap_ids(redis_conn.get(run_key(RUN, "done:extract")))[:2])
     # The crash that loses Redis also damages two finished files; the rebuild must notice and redo them.

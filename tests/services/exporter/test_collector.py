@@ -131,6 +131,19 @@ def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> N
     assert value(samples, names.STAGE_EXPECTED, run="r1", stage="evaluate") is None
 
 
+def test_the_acceptance_curve_is_one_series_per_set_method_and_k(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    # The fields the evaluate job writes (services/trainer/jobs.py curve_meta); a malformed one is skipped.
+    state.set_meta(**{"evaluate_accept.holdout.drafter.1": 1.5, "evaluate_accept.holdout.drafter.7": 2.25,
+                      "evaluate_accept.humaneval.lookup.3": 1.75, "evaluate_accept.holdout.no_drafter.0": 1.0,
+                      "evaluate_accept.holdout.drafter.x": 9, "evaluate_accept.broken": 9})
+    samples = scrape(redis_url, data_dir)
+    found = {dict(labels)["set"] + "." + dict(labels)["method"] + "." + dict(labels)["k"]: v
+             for (name, labels), v in samples.items() if name == names.ACCEPTANCE_CURVE}
+    assert found == {"holdout.drafter.1": 1.5, "holdout.drafter.7": 2.25, "humaneval.lookup.3": 1.75,
+                     "holdout.no_drafter.0": 1.0}
+
+
 def test_retries_count_per_stage_and_start_at_zero(redis_url, redis_conn, data_dir) -> None:
     state = populate(redis_conn, data_dir)
     samples = scrape(redis_url, data_dir)

@@ -84,7 +84,8 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
             "generation": {"max_tokens": 12, "min_completion_tokens": 1},
             "train": {"epochs": 2, "batch_size": 4, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128,
                       "max_length": 96},
-            "evaluate": {"holdout": 2, "max_new_tokens": 12, "draft_steps": 2},
+            "evaluate": {"holdout": 2, "max_new_tokens": 12, "draft_steps": 2, "sets": ["holdout"],
+                         "curve_max_steps": 2},
         }
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text

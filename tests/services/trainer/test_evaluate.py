@@ -1,17 +1,25 @@
-"""Speculative decoding against the real tiny target: exact greedy output, and acceptance accounting."""
+"""Speculative decoding against the real tiny target: exact greedy output, acceptance accounting, the
+curve over k, the baselines, and the greedy-equality check."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.trainer import evaluate
+from services.trainer.evalsets import EvalSet
 from services.trainer.evaluate import (
     DrafterProposer,
     EvalPrompt,
     accepted_prefix,
     evaluate_prompts,
+    evaluate_sets,
+    first_difference,
     speculative_generate,
+    verify_greedy_equality,
 )
+from services.trainer.lookup import LookupProposer, NoProposer
+from shared.errors import SpeculativeMismatch
 from services.trainer.export import load_drafter
 from services.trainer.model import DrafterConfig, Eagle3Drafter
 from services.trainer.target_head import load_target_head, read_target_config
@@ -24,7 +32,7 @@ from tests.services.trainer.conftest import (
     prompt_ids,
     write_run,
 )
-from tests.support.acceptance import assert_report_matches, expected_report
+from tests.support.acceptance import accepted_per_step, assert_report_matches, expected_report
 
 MAX_NEW = 24
 
@@ -111,8 +119,9 @@ def test_report_counts_steps_and_tokens_per_prompt(trained_drafter, tiny_target,
     # Held-out prompts and three the drafter learned, so some of its drafts are accepted.
     prompts = [EvalPrompt(100 + i, m) for i, m in enumerate([*eval_messages, *demo_messages()[:3]])]
     seen = []
-    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts,
-                              EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2), progress=lambda d, t: seen.append((d, t)))
+    cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2, curve_max_steps=1, baselines=False)  # the headline only
+    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, cfg,
+                              progress=lambda d, t: seen.append((d, t)))
     assert seen == [(i, len(prompts)) for i in range(1, len(prompts) + 1)]
     assert [row["sample_id"] for row in report["prompts"]] == list(range(100, 100 + len(prompts)))
     assert report["steps"] == sum(row["steps"] for row in report["prompts"]) and report["draft_steps"] == 2
@@ -136,3 +145,101 @@ def test_accepted_prefix_stops_at_the_first_disagreement():
     assert accepted_prefix([5, 6, 7], [5, 6, 9, 4]) == 2
     assert accepted_prefix([5, 6, 7], [1, 6, 7, 4]) == 0  # a later match after a miss does not count
     assert accepted_prefix([5, 6, 7], [5, 6, 7, 4]) == 3
+
+
+# ---- the curve, the baselines, the equality check ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def curve_report(trained_drafter, tiny_target, eval_messages):
+    # Held-out prompts and two the drafter learned, so the curve has accepted drafts to show.
+    prompts = [EvalPrompt(200 + i, m) for i, m in enumerate([*eval_messages[:2], *demo_messages()[:2]])]
+    cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=3)
+    return prompts, cfg, evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, cfg)
+
+
+def test_the_curve_at_each_k_equals_an_independent_recomputation(curve_report, trained_drafter, tiny_target):
+    prompts, cfg, report = curve_report
+    methods = report["methods"]
+    assert set(methods) == {"drafter", "lookup", "no_drafter"}
+    ids = [prompt_ids(tiny_target, p.messages) for p in prompts]
+    for k in range(1, 8):
+        expected = {
+            "drafter": [accepted_per_step(tiny_target.model, trained_drafter, i, draft_steps=k, max_new_tokens=MAX_NEW)
+                        for i in ids],
+            "lookup": [accepted_per_step(tiny_target.model, None, i, draft_steps=k, max_new_tokens=MAX_NEW,
+                                         lookup=(cfg.lookup_min, cfg.lookup_max)) for i in ids],
+        }
+        for method, rows in expected.items():
+            assert [row["passes"][method][str(k)] for row in report["prompts"]] == [len(r) for r in rows], (method, k)
+            assert methods[method]["curve"][str(k)] == sum(map(sum, rows)) / sum(map(len, rows)), (method, k)
+    for method in ("drafter", "lookup"):
+        assert list(methods[method]["curve"]) == [str(k) for k in range(1, 8)]
+        assert methods[method]["curve"]["7"] > 1.0  # proposals were accepted: the numbers pinned mean something
+    assert report["acceptance_length"] == methods["drafter"]["curve"]["3"]  # the headline is the curve at draft_steps
+
+
+def test_without_a_drafter_every_pass_emits_one_token_and_every_decode_matched_greedy(curve_report):
+    prompts, _, report = curve_report
+    plain = report["methods"]["no_drafter"]
+    assert plain["acceptance_length"] == 1.0
+    assert plain["passes"] == plain["emitted"] == sum(row["tokens"] - 1 for row in report["prompts"])
+    assert [row["passes"]["no_drafter"] for row in report["prompts"]] == [row["tokens"] - 1 for row in report["prompts"]]
+    # Per prompt: the drafter and lookup at k = 1..7, and no drafter.
+    assert report["greedy_check"] == {"checked": len(prompts) * 15, "matched": len(prompts) * 15, "mismatches": []}
+
+
+def test_the_loop_takes_proposals_shorter_than_k_or_none_and_refuses_longer_ones(tiny_target, eval_messages):
+    messages = eval_messages[0]
+    reference, ids = greedy_reply(tiny_target, messages, MAX_NEW), prompt_ids(tiny_target, messages)
+    plain = decode(tiny_target, NoProposer(), messages, draft_steps=4)
+    assert plain.tokens == reference and set(plain.accepted) == {1}
+    lookup = decode(tiny_target, LookupProposer(ids[0], min_n=1, max_n=3), messages, draft_steps=4)
+    assert lookup.tokens == reference
+
+    class Overeager(NoProposer):
+        def propose(self, k: int) -> list[int]:
+            return [0] * (k + 1)
+
+    with pytest.raises(ValueError, match="Overeager proposed 5 tokens, more than the 4"):
+        decode(tiny_target, Overeager(), messages, draft_steps=4)
+
+
+def test_a_decode_that_departs_from_greedy_is_a_named_failure_naming_where(monkeypatch, untrained_drafter, tiny_target,
+                                                                           eval_messages):
+    # An accept rule that takes every draft: the untrained drafter's wrong drafts reach the output.
+    monkeypatch.setattr(evaluate, "accepted_prefix", lambda drafts, greedy: len(drafts))
+    prompts = [EvalPrompt(300, eval_messages[0])]
+    cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2, curve_max_steps=2)
+    report = evaluate_sets(tiny_target.model, tiny_target.tokenizer, untrained_drafter, [EvalSet("holdout", prompts, [])], cfg)
+    check = report["sets"]["holdout"]["greedy_check"]  # recorded in the report before anything is raised
+    assert check["checked"] == 5 and check["matched"] == 5 - len(check["mismatches"]) < 5
+    assert "no_drafter" not in {m["method"] for m in check["mismatches"]}  # nothing proposed, nothing wrongly taken
+    first = check["mismatches"][0]
+    assert (first["set"], first["sample_id"], first["method"], first["k"]) == ("holdout", 300, "drafter", 1)
+    wrong = decode(tiny_target, DrafterProposer(untrained_drafter), eval_messages[0], draft_steps=1).tokens
+    assert first["position"] == first_difference(wrong, greedy_reply(tiny_target, eval_messages[0], MAX_NEW)) >= 1
+    with pytest.raises(SpeculativeMismatch, match=rf"of 5 speculative decodes differ .* set holdout, prompt 300, "
+                                                  rf"method drafter, k 1, first differing position {first['position']}"):
+        verify_greedy_equality(report)
+
+
+def test_sets_are_reported_each_and_the_first_is_the_headline(untrained_drafter, tiny_target, eval_messages):
+    sets = [EvalSet("holdout", [EvalPrompt(1, eval_messages[0])], []),
+            EvalSet("humaneval", [EvalPrompt(7, eval_messages[1]), EvalPrompt(8, eval_messages[2])], [3])]
+    seen = []
+    cfg = EvalConfig(max_new_tokens=8, draft_steps=2, curve_max_steps=1, baselines=False)
+    report = evaluate_sets(tiny_target.model, tiny_target.tokenizer, untrained_drafter, sets, cfg,
+                           progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert list(report["sets"]) == ["holdout", "humaneval"] and report["headline_set"] == "holdout"
+    assert report["acceptance_length"] == report["sets"]["holdout"]["acceptance_length"]
+    assert [row["sample_id"] for row in report["prompts"]] == [1]
+    assert report["sets"]["humaneval"]["excluded"] == [3]
+    assert list(report["sets"]["humaneval"]["methods"]["drafter"]["curve"]) == ["1", "2"]  # draft_steps beyond the curve
+    verify_greedy_equality(report)
+
+
+def test_first_difference_counts_a_missing_token():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 5, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3, 4], [1, 2, 3]) == 3

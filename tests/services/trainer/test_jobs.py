@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 from rq.job import Job, JobStatus
 
 from services.trainer.export import verify_export
@@ -18,6 +19,8 @@ from tests.support.processes import ServiceProcess
 
 TRAIN = {"epochs": 3, "batch_size": 4, "ttt_steps": 2, "save_every": 5, "lr": 1e-2}
 EVALUATE = {"max_new_tokens": 12, "draft_steps": 3}  # keyword names of expected_report_of_run too
+BOTH_SETS = {"humaneval_limit": 1, "curve_max_steps": 3}  # both sets, a short curve: what the job records
+HOLDOUT_ONLY = {"sets": ["holdout"], "curve_max_steps": 1, "baselines": False}
 
 
 def worker(redis_url, data_dir, model_dir, log_dir) -> ServiceProcess:
@@ -43,7 +46,7 @@ def wait_for(conn, job_id: str, service: ServiceProcess, statuses: set, timeout:
 
 
 def test_worker_trains_exports_and_then_evaluates_the_run(make_run, redis_url, redis_conn, data_dir, tiny_model_dir, tmp_path):
-    paths = make_run("served", train=TRAIN, evaluate=EVALUATE)
+    paths = make_run("served", train=TRAIN, evaluate={**EVALUATE, **BOTH_SETS})
     with worker(redis_url, data_dir, tiny_model_dir, tmp_path / "logs") as service:
         enqueue_train(redis_conn, "served")
         job = wait_for(redis_conn, evaluate_job_id("served"), service, {JobStatus.FINISHED, JobStatus.FAILED})
@@ -51,14 +54,21 @@ def test_worker_trains_exports_and_then_evaluates_the_run(make_run, redis_url, r
     config = verify_export(paths.export_dir)
     assert config["draftline"]["target_model"] == "tiny" and config["torch_dtype"] == "float32"  # the target's dtype
     report = json.loads(paths.eval_report.read_text())
-    assert report["steps"] > 0 and len(report["prompts"]) == 4
+    assert report["steps"] > 0 and len(report["prompts"]) == 4 and report["headline_set"] == "holdout"
     assert_report_matches(report, expected_report_of_run(tiny_model_dir, paths.export_dir, paths.eval_prompts, **EVALUATE))
+    assert list(report["sets"]) == ["holdout", "humaneval"] and len(report["sets"]["humaneval"]["prompts"]) == 1
     meta = RunState(redis_conn, data_dir, "served").meta()
+    for name, one in report["sets"].items():
+        assert one["greedy_check"]["matched"] == one["greedy_check"]["checked"] == len(one["prompts"]) * 7
+        for k in ("1", "2", "3"):  # the curve as run meta fields, for the exporter
+            assert float(meta[f"evaluate_accept.{name}.drafter.{k}"]) == one["methods"]["drafter"]["curve"][k]
+            assert float(meta[f"evaluate_accept.{name}.lookup.{k}"]) == one["methods"]["lookup"]["curve"][k]
+        assert float(meta[f"evaluate_accept.{name}.no_drafter.0"]) == 1.0
     assert meta["train_state"] == "done" and meta["evaluate_state"] == "done"
     assert meta["export_path"] == str(paths.export_dir)
     assert float(meta["acceptance_length"]) == pytest.approx(report["acceptance_length"])
     assert meta["train_done"] == meta["train_total"] == "12" and float(meta["train_loss"]) > 0
-    assert meta["evaluate_done"] == meta["evaluate_total"] == "4"
+    assert meta["evaluate_done"] == meta["evaluate_total"] == "5"  # four held-out prompts and one of HumanEval
     assert len(paths.train_log.read_text().splitlines()) == 12
     assert temp_files(paths.root) == []
 
@@ -80,7 +90,7 @@ def test_a_corrupt_hidden_state_file_fails_the_train_job_naming_the_file(make_ru
 def test_evaluation_without_held_out_prompts_fails_naming_the_missing_file(job_settings, make_run, redis_conn, data_dir):
     from shared.errors import DatasetError
 
-    paths = make_run("no-prompts", train=TRAIN, evaluate=EVALUATE)
+    paths = make_run("no-prompts", train=TRAIN, evaluate={**EVALUATE, **HOLDOUT_ONLY})
     (paths.root / "eval_prompts.jsonl").unlink()
     with pytest.raises(DatasetError, match="eval_prompts.jsonl"):
         job_settings.evaluate({"run": "no-prompts"})
@@ -89,9 +99,36 @@ def test_evaluation_without_held_out_prompts_fails_naming_the_missing_file(job_s
 
 
 def test_a_run_that_held_nothing_out_skips_evaluation(job_settings, make_run, redis_conn, data_dir):
-    make_run("no-holdout", train=TRAIN, evaluate={**EVALUATE, "holdout": 0})
+    make_run("no-holdout", train=TRAIN, evaluate={**EVALUATE, **HOLDOUT_ONLY, "holdout": 0})
     assert job_settings.evaluate({"run": "no-holdout"})["acceptance_length"] is None
     assert RunState(redis_conn, data_dir, "no-holdout").meta()["evaluate_state"] == "skipped"
+
+
+def test_a_decode_that_departs_from_greedy_fails_the_job_after_the_report_is_written(
+    job_settings, make_run, redis_conn, data_dir, tiny_target, monkeypatch
+):
+    from services.trainer import evaluate as evaluation
+    from services.trainer.export import export_drafter
+    from services.trainer.model import DrafterConfig, Eagle3Drafter
+    from services.trainer.target_head import load_target_head, read_target_config
+    from shared.errors import SpeculativeMismatch
+    from tests.services.trainer.conftest import LAYER_IDS
+
+    paths = make_run("departs", train=TRAIN, evaluate={**EVALUATE, **HOLDOUT_ONLY})
+    torch.manual_seed(2)
+    config = DrafterConfig.from_target_config(read_target_config(tiny_target.model_dir), draft_vocab_size=256, layer_ids=LAYER_IDS)
+    drafter = Eagle3Drafter(config)
+    drafter.load_embedding(load_target_head(tiny_target.model_dir).embed)
+    drafter.set_vocab_mapping(torch.zeros(256, dtype=torch.int64), torch.arange(config.vocab_size) < 256)  # ids 0..255
+    export_drafter(drafter, paths.export_dir, target_model="tiny", target_fingerprint=tiny_target.fingerprint)
+    # An accept rule that takes every draft: the random drafter's wrong drafts reach the output.
+    monkeypatch.setattr(evaluation, "accepted_prefix", lambda drafts, greedy: len(drafts))
+    with pytest.raises(SpeculativeMismatch, match=r"set holdout, prompt \d+, method drafter, k 1, first differing position"):
+        job_settings.evaluate({"run": "departs"})
+    report = json.loads(paths.eval_report.read_text())  # written before the failure: the numbers stay readable
+    assert report["sets"]["holdout"]["greedy_check"]["mismatches"]
+    meta = RunState(redis_conn, data_dir, "departs").meta()
+    assert meta["evaluate_state"] == "failed" and meta["evaluate_error"].startswith("SpeculativeMismatch")
 
 
 def test_a_missing_run_is_a_named_train_failure(job_settings, redis_conn, data_dir):

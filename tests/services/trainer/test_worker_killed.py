@@ -22,7 +22,7 @@ from tests.services.trainer.test_jobs import enqueue_train, wait_for, worker
 # 16 samples in batches of 4 over 12 epochs: 48 optimizer steps, a checkpoint every 2. The steps after the
 # kill point leave the test ample time to kill before the run ends, even on a loaded machine.
 TRAIN = {"epochs": 12, "batch_size": 4, "ttt_steps": 2, "save_every": 2, "lr": 1e-2}
-NO_EVAL = {"holdout": 0}
+NO_EVAL = {"holdout": 0, "sets": ["holdout"]}  # no set to evaluate: the job skips
 TOTAL_STEPS = 48
 KILL_AFTER_CHECKPOINT = 4  # the second checkpoint: resuming from it proves more than "the first one works"
 # Exact equality, on purpose: on CPU every kernel is deterministic for a fixed thread count, the
