@@ -171,6 +171,14 @@ class TrainerSettings(CommonSettings):
         "per visible GPU, 1 on the CPU. 1 trains inside the worker.",
     )
 
+    eval_procs: int = Field(
+        1, ge=1, description="Processes an evaluate job decodes in, each with its own copy of target and drafter; "
+        "single-sequence decoding leaves a GPU mostly idle, so several share one.",
+    )
+    eval_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The target's dtype during evaluation; float32 keeps the greedy-equality check tight.",
+    )
+
     @field_validator("train_procs", mode="before")
     @classmethod
     def _procs(cls, value: object) -> object:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shared.atomic import atomic_write_json
+from shared.drafter_format import layer_ids_of, read_config
 from shared.errors import error_class
 from shared.jobs import EVALUATE_FUNC, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
@@ -26,6 +27,7 @@ from shared.queues import connect, queue
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
+from services.trainer.eval_pool import evaluate_sets_in_processes
 from services.trainer.evalsets import EvalSet, load_sets
 from services.trainer.evaluate import evaluate_sets, load_target, verify_greedy_equality
 from services.trainer.export import export_drafter, load_drafter
@@ -146,12 +148,20 @@ def curve_meta(report: dict) -> dict[str, float]:
 
 
 def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState, sets: list[EvalSet]) -> dict:
-    """The exported drafter (as the engines will load it) against the target on every evaluation set."""
+    """The exported drafter (as the engines will load it) against the target on every evaluation set, in
+    ``eval_procs`` processes (services.trainer.eval_pool) or in this one."""
     device = pick_device(settings.device)
-    target, tokenizer = load_target(settings.model_dir, device)
-    embed = target.get_input_embeddings().weight.detach().float().cpu()
-    drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
-    state.set_progress("evaluate", 0, sum(len(s.prompts) for s in sets))
-    report = evaluate_sets(target, tokenizer, drafter, sets, spec.evaluate,
-                           progress=lambda done, total: state.set_progress("evaluate", done, total))
-    return {**report, "run": spec.name, "export_path": str(paths.export_dir)}
+    total = sum(len(s.prompts) for s in sets)
+    state.set_progress("evaluate", 0, total)
+    progress = lambda done, total: state.set_progress("evaluate", done, total)  # noqa: E731
+    if settings.eval_procs > 1:
+        report = evaluate_sets_in_processes(
+            model_dir=settings.model_dir, export_dir=paths.export_dir, device=str(device), dtype=settings.eval_dtype,
+            sets=sets, cfg=spec.evaluate, procs=min(settings.eval_procs, max(total, 1)),
+            layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress)
+    else:
+        target, tokenizer = load_target(settings.model_dir, device, getattr(torch, settings.eval_dtype))
+        embed = target.get_input_embeddings().weight.detach().float().cpu()
+        drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
+        report = evaluate_sets(target, tokenizer, drafter, sets, spec.evaluate, progress=progress)
+    return {**report, "run": spec.name, "export_path": str(paths.export_dir), "dtype": settings.eval_dtype}

@@ -117,7 +117,7 @@ def cuda_export(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
 def test_evaluation_on_cuda_in_bf16_reports_the_recomputed_acceptance(cuda_export, tiny_target, eval_messages):
     device = torch.device("cuda")
     # What the evaluate job does (services/trainer/jobs.py _evaluate_export), less the run state in Redis.
-    target, tokenizer = load_target(tiny_target.model_dir, device)
+    target, tokenizer = load_target(tiny_target.model_dir, device, torch.bfloat16)  # the serving dtype
     assert target.dtype == torch.bfloat16 and target.device.type == "cuda"
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     drafter = load_drafter(cuda_export, tiny_target.model_dir, embed=embed).to(device).eval()

@@ -185,7 +185,8 @@ def test_without_a_drafter_every_pass_emits_one_token_and_every_decode_matched_g
     assert plain["passes"] == plain["emitted"] == sum(row["tokens"] - 1 for row in report["prompts"])
     assert [row["passes"]["no_drafter"] for row in report["prompts"]] == [row["tokens"] - 1 for row in report["prompts"]]
     # Per prompt: the drafter and lookup at k = 1..7, and no drafter.
-    assert report["greedy_check"] == {"checked": len(prompts) * 15, "matched": len(prompts) * 15, "mismatches": []}
+    assert report["greedy_check"] == {"checked": len(prompts) * 15, "matched": len(prompts) * 15, "mismatches": [],
+                                      "near_ties": [], "near_tie_logits": 1e-3}
 
 
 def test_the_loop_takes_proposals_shorter_than_k_or_none_and_refuses_longer_ones(tiny_target, eval_messages):
@@ -214,6 +215,8 @@ def test_a_decode_that_departs_from_greedy_is_a_named_failure_naming_where(monke
     check = report["sets"]["holdout"]["greedy_check"]  # recorded in the report before anything is raised
     assert check["checked"] == 5 and check["matched"] == 5 - len(check["mismatches"]) < 5
     assert "no_drafter" not in {m["method"] for m in check["mismatches"]}  # nothing proposed, nothing wrongly taken
+    # A wrong draft taken is one the target clearly did not prefer: never mistaken for a near tie.
+    assert check["near_ties"] == [] and all(m["logit_gap"] > check["near_tie_logits"] for m in check["mismatches"])
     first = check["mismatches"][0]
     assert (first["set"], first["sample_id"], first["method"], first["k"]) == ("holdout", 300, "drafter", 1)
     wrong = decode(tiny_target, DrafterProposer(untrained_drafter), eval_messages[0], draft_steps=1).tokens
@@ -243,3 +246,27 @@ def test_first_difference_counts_a_missing_token():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 5, 3], [1, 2, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3, 4], [1, 2, 3]) == 3
+
+
+def test_a_departure_at_a_near_tie_is_counted_apart_and_any_other_stays_a_mismatch():
+    prompt, measured = EvalPrompt(5, []), evaluate.SetRun("holdout")
+    reference = [1, 2, 3, 4]
+    measured.record(prompt, "drafter", 2, evaluate.DecodeResult([1, 2, 3, 4], [2, 2]), reference, lambda *_: 9.0, 1e-3)
+    measured.record(prompt, "drafter", 3, evaluate.DecodeResult([1, 2, 9, 9], [2, 2]), reference, lambda *_: 2e-4, 1e-3)
+    measured.record(prompt, "lookup", 3, evaluate.DecodeResult([1, 7, 7, 7], [2, 2]), reference, lambda *_: 0.5, 1e-3)
+    measured.record(prompt, "lookup", 1, evaluate.DecodeResult([1, 2], [1]), reference, lambda *_: None, 1e-3)
+    assert measured.checked == 4
+    assert measured.near_ties == [{"set": "holdout", "sample_id": 5, "method": "drafter", "k": 3, "position": 2,
+                                   "logit_gap": 2e-4}]
+    assert [(m["method"], m["k"], m["position"], m.get("logit_gap")) for m in measured.mismatches] == [
+        ("lookup", 3, 1, 0.5), ("lookup", 1, 2, None)]  # a missing token has no gap: a mismatch
+
+
+def test_the_logit_gap_is_the_targets_own_preference_between_the_two_tokens(tiny_target, eval_messages):
+    ids = prompt_ids(tiny_target, eval_messages[0])
+    reference = greedy_reply(tiny_target, eval_messages[0], 4)
+    with torch.inference_mode():
+        logits = tiny_target.model(torch.tensor([ids + reference[:2]])).logits[0, -1]
+    other = int(logits.argsort(descending=True)[1])  # the runner-up
+    gap = evaluate.logit_gap(tiny_target.model, ids, reference, 2, [*reference[:2], other])
+    assert gap == pytest.approx(float(logits[reference[2]] - logits[other]), abs=1e-6) and gap > 0

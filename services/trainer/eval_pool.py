@@ -1,0 +1,134 @@
+"""Evaluation spread over processes: each decodes every N-th prompt of every set with its own target and
+drafter, and the parent adds their shares up into the report one process would have written.
+
+Speculative decoding runs one sequence at a time, so one process keeps a GPU mostly idle (a small target's
+pass is bound by kernel launches and Python). The processes are spawned (never forked: CUDA does not
+survive a fork), get only JSON-able arguments, and send back plain dicts; a process that dies or raises
+fails the evaluation naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shared.errors import DraftlineError
+from shared.runspec import EvalConfig
+from services.trainer.evalsets import EvalPrompt, EvalSet
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+
+
+class EvaluationProcessFailed(DraftlineError):
+    """An evaluation process raised or died; its error and process index are named."""
+
+
+def shard(prompts: list[EvalPrompt], index: int, procs: int) -> list[EvalPrompt]:
+    """Every ``procs``-th prompt from ``index``: long and short prompts spread evenly over the processes."""
+    return prompts[index::procs]
+
+
+def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str, dtype: str,
+            sets: list[dict[str, Any]], cfg: dict[str, Any], out: Any) -> None:
+    try:
+        import torch
+
+        from services.trainer.evaluate import SetRun, load_target, measure_prompt
+        from services.trainer.export import load_drafter
+
+        torch.set_num_threads(1)
+        config = EvalConfig.model_validate(cfg)
+        target, tokenizer = load_target(Path(model_dir), torch.device(device), getattr(torch, dtype))
+        embed = target.get_input_embeddings().weight.detach().float().cpu()
+        drafter = load_drafter(Path(export_dir), Path(model_dir), embed=embed).to(target.device).eval()
+        shares = []
+        for one in sets:
+            measured = SetRun(one["name"])
+            for prompt in shard([EvalPrompt(p["sample_id"], p["messages"]) for p in one["prompts"]], index, procs):
+                measure_prompt(target, tokenizer, drafter, prompt, config, measured)
+                out.put(("prompt", index, one["name"]))
+            shares.append(measured.to_json())
+        out.put(("done", index, shares))
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent must hear of it
+        out.put(("error", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+
+
+def measure_in_processes(
+    *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Per set, in order, the shares of every process (``SetRun.to_json`` dicts)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    payload = [{"name": s.name, "prompts": [{"sample_id": p.sample_id, "messages": p.messages} for p in s.prompts]}
+               for s in sets]
+    workers = [ctx.Process(target=_worker, name=f"evaluate-{i}", daemon=True,
+                           args=(i, procs, str(model_dir), str(export_dir), device, dtype, payload,
+                                 cfg.model_dump(mode="json"), out))
+               for i in range(procs)]
+    for worker in workers:
+        worker.start()
+    total, done, results = sum(len(s.prompts) for s in sets), 0, {}
+    try:
+        while len(results) < procs:
+            try:
+                kind, index, body = out.get(timeout=POLL_S)
+            except queue.Empty:
+                _check_alive(workers, results)
+                continue
+            if kind == "prompt":
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            elif kind == "done":
+                results[index] = body
+            else:
+                raise EvaluationProcessFailed(f"evaluation process {index} of {procs} failed: {body}")
+    finally:
+        for worker in workers:  # after a failure the others are stopped; after success they are ending
+            worker.join(timeout=30 if len(results) == procs else 0)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=10)
+    log.info("evaluation: %d prompts over %d processes", total, procs)
+    return [[results[i][n] for i in range(procs)] for n in range(len(sets))]
+
+
+def _check_alive(workers: list[Any], results: dict[int, Any]) -> None:
+    for index, worker in enumerate(workers):
+        if index not in results and not worker.is_alive():
+            raise EvaluationProcessFailed(f"evaluation process {index} of {len(workers)} exited with "
+                                          f"{worker.exitcode} before it reported")
+
+
+def evaluate_sets_in_processes(
+    *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
+    layer_ids: list[int], progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
+    from services.trainer.evaluate import NEAR_TIE_LOGITS, SetRun, combine_sets, set_report
+
+    import torch
+
+    started = time.monotonic()
+    shares = measure_in_processes(model_dir=model_dir, export_dir=export_dir, device=device, dtype=dtype, sets=sets,
+                                  cfg=cfg, procs=procs, progress=progress)
+    reports = {}
+    for one, parts in zip(sets, shares):
+        measured = SetRun(one.name)
+        for part in parts:
+            measured.merge(part)
+        order = {p.sample_id: i for i, p in enumerate(one.prompts)}
+        measured.rows.sort(key=lambda row: order[row["sample_id"]])
+        reports[one.name] = {**set_report(measured, cfg, layer_ids, seconds=time.monotonic() - started,
+                                          tolerance=NEAR_TIE_LOGITS.get(getattr(torch, dtype), 0.0)),
+                             "excluded": one.excluded, "processes": procs}
+    return combine_sets(reports)
