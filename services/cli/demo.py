@@ -39,7 +39,7 @@ DEMO_RUNS: dict[str, dict[str, Any]] = {
         "generation": {"max_tokens": 96, "min_completion_tokens": 8, "temperature": 0.0},
         "train": {"epochs": 4, "batch_size": 8, "lr": 1e-3, "ttt_steps": 4, "draft_vocab_size": 4096,
                   "save_every": 100},
-        "evaluate": {"holdout": 6, "max_new_tokens": 48, "draft_steps": 3, "humaneval_limit": 4,
+        "evaluate": {"holdout": 4, "max_new_tokens": 32, "draft_steps": 3, "humaneval_limit": 2,
                      "curve_max_steps": 7},
     },
     "tiny": {

@@ -89,8 +89,7 @@ def stage_finished(status: dict[str, Any], stage: str) -> bool:
 def run_pipeline(spec: PipelineSpec) -> PipelineResult:
     """Run ``spec`` to its end; raise PipelineFailed when it does not finish with an exported drafter."""
     data = spec.data.resolve()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    config = StackConfig(data=data, model_dir=spec.model_dir, log_dir=data / "logs" / f"{spec.name}-{stamp}",
+    config = StackConfig(data=data, model_dir=spec.model_dir, log_dir=data / "logs" / spec.name,
                          api_token=secrets.token_urlsafe(32), replicas=dict(spec.replicas), env=dict(spec.env))
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with LocalStack(config) as stack, ControllerClient(stack.url("controller"), token=config.api_token) as api:

@@ -177,7 +177,8 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
         "failures": first_failures(conn, run),
         "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
         "eta_seconds": overall_eta([generate, extract]),
-        "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"]},
+        "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"],
+                    "warning": meta.get("train_warning") or None},
         "updated_at": now,
     }
 
@@ -245,6 +246,8 @@ def format_status(status: dict) -> str:
         lines.append(pause)
     if status["drafter"]["export_path"]:
         lines.append(f"  drafter   {status['drafter']['export_path']}")
+    if status["drafter"].get("warning"):
+        lines.append(f"  warning   {status['drafter']['warning']}")
     if status["failures"]:
         lines.append(f"  failures (first {len(status['failures'])}):")
         lines += [f"    {f['stage']:<8} sample {f['sample_id']:<8} {f['kind']:<7} {f['error_class']}: {f['message']}"

@@ -70,6 +70,16 @@ def loss_tokens_beyond(infos: list[HiddenFileInfo], limit: int) -> tuple[int, in
     return files, tokens
 
 
+def count_loss_tokens(files: list[Path], max_length: int) -> int:
+    """Tokens training learns from: loss-masked positions within each file's first ``max_length`` rows
+    (only the small loss masks are read)."""
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            total += int(handle.get_slice(eagle3.LOSS_MASK)[:max_length].sum())
+    return total
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, L) int64, 0 after each row's length

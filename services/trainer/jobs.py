@@ -27,6 +27,7 @@ from shared.queues import connect, queue
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
+from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.eval_pool import evaluate_sets_in_processes
 from services.trainer.evalsets import EvalSet, load_sets
 from services.trainer.evaluate import evaluate_sets, load_target, verify_greedy_equality
@@ -63,6 +64,20 @@ def export_dtype(model_dir: Path) -> torch.dtype:
     return EXPORT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
 
 
+# Below this many learned tokens a drafter predicts little past the commonest words: published EAGLE-3
+# drafters learn from tens of millions, and on SmolLM2-135M one trained from ~10 thousand stays near the
+# prompt-lookup baseline (bench/RESULTS.md). The run still exports one, and says so.
+MIN_USEFUL_LOSS_TOKENS = 100_000
+
+
+def too_small_warning(loss_tokens: int) -> str:
+    """Why this run's drafter will be weak, or an empty string when it learned from enough tokens."""
+    if loss_tokens >= MIN_USEFUL_LOSS_TOKENS:
+        return ""
+    return (f"trained on only {loss_tokens:,} reply tokens (under {MIN_USEFUL_LOSS_TOKENS:,}): too little data for a "
+            "useful drafter; expect acceptance near the prompt-lookup baseline. Add prompts for a drafter to serve")
+
+
 def _run_context(run: str) -> tuple[TrainerSettings, Any, RunState, RunPaths]:
     settings = get_settings()
     conn = connect(settings.redis_url)
@@ -81,8 +96,12 @@ def train(payload: dict) -> dict:
     except Exception as exc:
         state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
         raise
+    learned = count_loss_tokens([path for _, path in list_hidden_files(paths)], spec.train_max_length)
+    warning = too_small_warning(learned)
+    if warning:
+        log.warning("run %s: %s", job.run, warning)
     state.set_meta(train_state="done", export_path=str(paths.export_dir), train_finished_at=time.time(),
-                   train_draft_vocab=result.draft_vocab)
+                   train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
     queue(TRAIN_QUEUE, conn).enqueue_call(
         EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
         timeout=EVALUATE_TIMEOUT_S, result_ttl=RESULT_TTL_S, failure_ttl=RESULT_TTL_S,

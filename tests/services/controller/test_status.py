@@ -9,6 +9,7 @@ import pytest
 
 from services.controller.status import derive_state, first_failures, format_status, list_status, run_status
 from services.controller.submit import submit_run
+from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
 from shared.runspec import EvalConfig
 from shared.runstate import DROPPED, Failure, RunState
@@ -56,7 +57,7 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}
-    assert set(status["drafter"]) == {"export_path", "acceptance_length"}
+    assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
     assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
 
 
@@ -79,7 +80,7 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
     assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "error": None,
                                          "loss": None, "padding": None}
-    assert status["drafter"] == {"export_path": None, "acceptance_length": None}
+    assert status["drafter"] == {"export_path": None, "acceptance_length": None, "warning": None}
 
 
 def test_failures_are_listed_generate_first_then_by_sample_id(data_dir, redis_conn, state):
@@ -124,7 +125,16 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "complete_with_failures"
     assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
-    assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5}
+    assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5, "warning": None}
+
+
+def test_a_drafter_trained_on_too_little_data_says_so(data_dir, redis_conn, state):
+    warning = too_small_warning(4_321)
+    assert "4,321 reply tokens" in warning and too_small_warning(MIN_USEFUL_LOSS_TOKENS) == ""
+    state.set_meta(train_state="done", export_path="/x/export", train_warning=warning)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["drafter"]["warning"] == warning
+    assert f"  warning   {warning}" in format_status(status)
 
 
 def test_a_failed_train_job_shows_its_named_error_in_the_status_and_its_text(data_dir, redis_conn, state):

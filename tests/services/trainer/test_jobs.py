@@ -8,8 +8,10 @@ import time
 import pytest
 import torch
 from rq.job import Job, JobStatus
+from safetensors.torch import load_file
 
 from services.trainer.export import verify_export
+from services.trainer.jobs import too_small_warning
 from shared.atomic import temp_files
 from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER, queue
@@ -70,6 +72,8 @@ def test_worker_trains_exports_and_then_evaluates_the_run(make_run, redis_url, r
     assert meta["train_done"] == meta["train_total"] == "12" and float(meta["train_loss"]) > 0
     assert meta["evaluate_done"] == meta["evaluate_total"] == "5"  # four held-out prompts and one of HumanEval
     assert len(paths.train_log.read_text().splitlines()) == 12
+    learned = sum(int(load_file(p)["loss_mask"].sum()) for p in paths.hidden_dir.glob("rows_*/*.safetensors"))
+    assert int(meta["train_loss_tokens"]) == learned and meta["train_warning"] == too_small_warning(learned) != ""
     assert temp_files(paths.root) == []
 
 
