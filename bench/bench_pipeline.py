@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=5000, help="training prompts (held-out rows come on top)")
     parser.add_argument("--target", default="smollm2", choices=("smollm2", "tiny"))
+    parser.add_argument("--model-dir", type=Path, help="an existing target directory instead of --target's")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="the CPU-sized run (a check that it runs)")
     parser.add_argument("--timeout", type=float, default=3600.0)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(GPU_ENV) if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     data = args.data.resolve()
     started = time.monotonic()
-    model_dir = ensure_target(args.target, default_target_dir(data, args.target))
+    model_dir = args.model_dir or ensure_target(args.target, default_target_dir(data, args.target))
     prepared = round(time.monotonic() - started, 1)
     dataset = write_dataset(data, args.prompts, run["evaluate"]["holdout"])
     spec = PipelineSpec(data=data, model_dir=model_dir, dataset=dataset, run=run, timeout_s=args.timeout,

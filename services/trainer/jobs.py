@@ -91,12 +91,12 @@ def train(payload: dict) -> dict:
         spec = RunSpec.load(settings.data, job.run)
         with exclusive_training(paths):
             result = _train_and_export(spec, settings, state, paths)
+        learned = count_loss_tokens([path for _, path in list_hidden_files(paths)], spec.train_max_length)
     except TrainingInProgress:
         raise  # the run's state belongs to the trainer holding the lock
-    except Exception as exc:
+    except Exception as exc:  # every way out of here but success leaves the run's train stage named failed
         state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
         raise
-    learned = count_loss_tokens([path for _, path in list_hidden_files(paths)], spec.train_max_length)
     warning = too_small_warning(learned)
     if warning:
         log.warning("run %s: %s", job.run, warning)
