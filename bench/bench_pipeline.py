@@ -63,13 +63,14 @@ def write_dataset(data: Path, count: int, holdout: int) -> Path:
 
 
 def training_curve(paths: RunPaths, points: int = 20) -> list[dict[str, Any]]:
-    """About ``points`` evenly spaced steps of the train log (step, epoch, loss, acc0, lr, tokens/s)."""
-    log_path = paths.run_dir / "train_log.jsonl"
+    """About ``points`` evenly spaced steps of the train log (step, epoch, loss, accuracy per TTT step, lr,
+    seconds since the start)."""
+    log_path = paths.train_log
     if not log_path.is_file():
         return []
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     every = max(1, len(rows) // points)
-    keep = ("step", "epoch", "loss", "acc0", "lr", "tokens_per_s", "padding")
+    keep = ("step", "epoch", "loss", "acc", "lr", "elapsed_s", "padding")
     return [{k: row[k] for k in keep if k in row} for row in rows[::every] + rows[-1:]]
 
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.node(),
         "device": device_name(args.device),
-        "target": args.target,
+        "target": args.target if args.model_dir is None else str(args.model_dir),
         "training_prompts": args.prompts,
         "run": run,
         "env": env,

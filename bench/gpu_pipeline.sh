@@ -50,7 +50,7 @@ follow() {
     sleep 5
   done
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$OUT"/ 2>/dev/null
-  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
+  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
 }

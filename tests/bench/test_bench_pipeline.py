@@ -1,0 +1,35 @@
+"""The whole-pipeline benchmark runs end to end on a CPU-sized configuration (its speed is measured on the
+GPU machine, never here) and writes the figures bench/RESULTS.md is written from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.processes import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_model_dir, redis_url):
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "bench/bench_pipeline.py", "--data", str(tmp_path / "data"), "--prompts", "10", "--small",
+         "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["training_prompts"] == 10 and figures["samples"]["generated"] == 10
+    assert set(figures["stage_seconds"]) == {"generate", "extract", "train", "evaluate"}
+    assert sum(figures["stage_seconds"].values()) <= figures["wall_seconds"] + 1
+    assert figures["training_curve"][-1]["loss"] > 0 and figures["hidden_bytes"] > 0
+    for name in ("holdout", "humaneval"):
+        one = figures["evaluation"][name]
+        assert set(one["drafter"]["curve"]) == set(one["lookup"]["curve"]) == {"1", "2"}
+        assert one["no_drafter"]["acceptance_length"] == 1.0
+        assert one["greedy_check"]["checked"] == one["prompts"] * 5
