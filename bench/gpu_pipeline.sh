@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 setup_stack() {
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || exit 1
   # The project itself, for its `draftline` console script (the stack starts every service with it).
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$WORK/site" . || exit 1
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$WORK/site" . || exit 1
 }
 
 smoke() {
@@ -61,7 +61,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     setup_stack && smoke ;;
   run)
-    cp .gpu/part2/*.part0* "$WORK/part/" && setup_target
+    cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
     env_vars
     prompts=${2:-6000} minutes=${3:-9}
     setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda \

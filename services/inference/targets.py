@@ -168,6 +168,9 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> dict[str, Any]:
     model = plain_copy(loaded, tokenizer, source.facts)
     del loaded
     tokenizer.model_max_length = model.config.max_position_embeddings  # the GGUF leaves it unbounded
+    # transformers versions read the GGUF's eos differently (5.17 takes <|im_start|>, 5.24 <|im_end|>); the
+    # target ends its turns with the end-of-turn token, so that is the eos the directory records.
+    tokenizer.eos_token = source.facts.end_of_turn
     out_dir.mkdir(parents=True)
     save_model(model, tokenizer, out_dir)
     verify_target(out_dir, source.facts, reference)
