@@ -8,6 +8,11 @@ every few seconds by the supervisor, a killed worker's job is queued again, unde
 within about 40 seconds. Heartbeat ages compare the worker's clock with ours, so hosts keep their clocks
 in sync (NTP), as RQ itself assumes.
 
+A worker killed between taking a job off its queue and starting it leaves the job in neither: RQ
+moves a dequeued job into the queue's intermediate list, and only into the started registry when it
+prepares the execution. RQ's own maintenance fails such a job after a minute ("stuck in intermediate
+queue"); here a job seen there, not started, across ``STUCK_DEQUEUED_S`` is queued again instead.
+
 The requeue itself (front of the queue, counted, failed after ``MAX_REQUEUES``) is
 ``shared.requeue``'s, which a worker whose work horse was killed uses too.
 """
@@ -35,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # Statuses of a job still held by its worker: queued lasts from the dequeue until the work horse starts.
 HELD = (JobStatus.STARTED, JobStatus.QUEUED)
+# A live worker starts a dequeued job within milliseconds; one still not started after this long was
+# taken by a worker that died. Shorter than RQ's own minute, so the job is requeued before RQ fails it.
+STUCK_DEQUEUED_S = 30.0
+FIRST_SEEN_KEY = "draftline:dequeued-first-seen:{queue}:{job}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,35 @@ def requeue_abandoned(conn: redis.Redis, queues: Iterable[str] = QUEUES, *,
             if worker_alive(conn, worker, now, stale_after_s):
                 continue
             requeued += reclaim(q, entry, worker)
+        requeued += requeue_stuck_dequeued(q, now, stuck_after_s=STUCK_DEQUEUED_S)
+    return requeued
+
+
+def requeue_stuck_dequeued(q: Queue, now: float, *, stuck_after_s: float) -> int:
+    """Queue again every job of ``q``'s intermediate list that is not started and was first seen there at
+    least ``stuck_after_s`` ago; returns how many were requeued."""
+    conn = q.connection
+    started = {entry.job_id for entry in started_entries(q)}
+    requeued = 0
+    for job_id in q.intermediate_queue.get_job_ids():
+        if job_id in started:
+            continue
+        key = FIRST_SEEN_KEY.format(queue=q.name, job=job_id)
+        conn.set(key, now, nx=True, ex=3600)
+        first_seen = float(conn.get(key) or now)
+        if now - first_seen < stuck_after_s:
+            continue
+        if not conn.lrem(q.intermediate_queue_key, 1, job_id):
+            continue  # a worker started it after all, or another reaper took it: the LREM is the claim
+        conn.delete(key)
+        try:
+            job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+        except NoSuchJobError:
+            continue
+        if job.get_status(refresh=False) != JobStatus.QUEUED:
+            continue
+        requeued += int(requeue_lost(job, q, cause=f"taken off {q.name} by a worker that died before starting it "
+                                                 f"(not started after {now - first_seen:.0f}s)"))
     return requeued
 
 

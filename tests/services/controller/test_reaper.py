@@ -14,6 +14,7 @@ from rq.job import Job, JobStatus
 from rq.utils import utcformat
 
 from services.controller.feeder import enqueue_once
+from services.controller import reaper
 from services.controller.reaper import requeue_abandoned
 from shared.jobs import (
     EXTRACT_FUNC,
@@ -208,3 +209,25 @@ def test_a_requeued_job_leaves_no_execution_record_and_goes_to_the_front_of_its_
     assert_no_execution_records(redis_conn, job.id)
     again = fetch(redis_conn, job.id)
     assert again.get_executions() == []  # rq's own reader: a stale id here raised "not found in Redis"
+
+
+def test_a_job_its_dying_worker_took_off_the_queue_but_never_started_is_requeued_not_lost(redis_conn):
+    q = queue(GENERATE_QUEUE, redis_conn)
+    q.enqueue_call("services.generator.jobs.generate", args=({},), job_id="generate_r_00000009")
+    q.enqueue_call("services.generator.jobs.generate", args=({},), job_id="generate_r_00000010")
+    # What a worker killed right after its dequeue leaves: the job in RQ's intermediate list, not started.
+    job, _ = q.dequeue_any([q], None, connection=redis_conn, serializer=SERIALIZER)
+    assert job.id == "generate_r_00000009" and q.intermediate_queue.get_job_ids() == [job.id]
+    _, started = take(redis_conn, "w-live")  # the other job, started by a live worker: never touched
+    assert requeue_abandoned(redis_conn) == 0  # first seen now: a live worker starts a job within milliseconds
+    key = reaper.FIRST_SEEN_KEY.format(queue=q.name, job=job.id)
+    redis_conn.set(key, time.time() - reaper.STUCK_DEQUEUED_S + 2)
+    assert requeue_abandoned(redis_conn) == 0
+    redis_conn.set(key, time.time() - reaper.STUCK_DEQUEUED_S - 1)
+    assert requeue_abandoned(redis_conn) == 1
+    assert requeue_abandoned(redis_conn) == 0  # claimed once
+    assert q.get_job_ids() == [job.id] and job.id not in q.intermediate_queue.get_job_ids()
+    again = fetch(redis_conn, job.id)
+    assert again.get_status() == JobStatus.QUEUED and again.meta[REQUEUES_META] == 1
+    assert started.id in q.started_job_registry.get_job_ids(cleanup=False)
+    assert not redis_conn.exists(key)
