@@ -49,8 +49,11 @@ class PipelineSpec:
     run: dict[str, Any]
     name: str
     timeout_s: float = 900.0
+    # Processes per service (StackConfig.replicas): {"inference": 4} runs four model servers, and every
+    # worker spreads its requests over all four.
     replicas: dict[str, int] = field(default_factory=lambda: {"generator": 1, "extractor": 1})
     env: dict[str, str] = field(default_factory=dict)
+    replica_env: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # StackConfig.replica_env
 
 
 @dataclass
@@ -90,10 +93,12 @@ def run_pipeline(spec: PipelineSpec) -> PipelineResult:
     """Run ``spec`` to its end; raise PipelineFailed when it does not finish with an exported drafter."""
     data = spec.data.resolve()
     config = StackConfig(data=data, model_dir=spec.model_dir, log_dir=data / "logs" / spec.name,
-                         api_token=secrets.token_urlsafe(32), replicas=dict(spec.replicas), env=dict(spec.env))
+                         api_token=secrets.token_urlsafe(32), replicas=dict(spec.replicas), env=dict(spec.env),
+                         replica_env={name: list(envs) for name, envs in spec.replica_env.items()})
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with LocalStack(config) as stack, ControllerClient(stack.url("controller"), token=config.api_token) as api:
-        say(f"services up; logs in {config.log_dir}; status page {stack.url('controller')}/status")
+        say(f"services up ({len(stack.urls('inference'))} inference server(s)); logs in {config.log_dir}; "
+            f"status page {stack.url('controller')}/status")
         api.submit({"dataset": str(spec.dataset), "name": spec.name, **spec.run})
         say(f"submitted run {spec.name}")
         clock = StageClock()

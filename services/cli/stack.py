@@ -1,7 +1,13 @@
 """Every draftline service as a local process, started with exactly the commands docker-compose.yml runs.
 
 ``make demo`` and the end-to-end tests use this: Redis is reused when reachable and otherwise started
-from Debian's ``redis-server``; each service gets its own log file; ``stop()`` ends them in reverse order.
+from Debian's ``redis-server``; each replica gets its own log file (``<service>-<index>.log``);
+``stop()`` ends them in reverse order.
+
+``StackConfig.replicas`` starts several processes of a service. Each replica of an HTTP service listens on
+its own port; the workers and the controller get every inference replica, comma-separated, in
+``DRAFTLINE_INFERENCE_URL`` and ``DRAFTLINE_HIDDEN_STATES_URL`` (they spread requests over the list), since
+one server process is the bottleneck when a small target runs on a big GPU.
 """
 
 from __future__ import annotations
@@ -34,9 +40,19 @@ class StackError(DraftlineError):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: every socket stays bound until all are chosen, so none repeats."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def resolve_command(argv: list[str]) -> list[str]:
@@ -54,8 +70,12 @@ class StackConfig:
     model_dir: Path
     log_dir: Path
     redis_url: str | None = None
+    # Processes per service; a service not named runs one. ``{"inference": 4}`` starts four model servers.
     replicas: dict[str, int] = field(default_factory=lambda: {"generator": 1, "extractor": 1})
     env: dict[str, str] = field(default_factory=dict)
+    # Extra environment of single replicas, on top of ``env``: ``replica_env["inference"][1]`` is replica 1's
+    # (e.g. its own CUDA_VISIBLE_DEVICES); a replica past the end of its list gets none.
+    replica_env: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     # The controller's DRAFTLINE_API_TOKEN; only the controller gets it, as in docker-compose.yml.
     api_token: str | None = None
 
@@ -63,6 +83,7 @@ class StackConfig:
 @dataclass
 class _Proc:
     name: str
+    index: int
     popen: subprocess.Popen
     log_path: Path
 
@@ -70,23 +91,38 @@ class _Proc:
 class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.ports = {name: free_port() for name in HTTP_SERVICES}
+        # One port per replica, chosen now so URLs are known before start(); a replica keeps its port when
+        # respawned, so the URL lists the other services hold stay valid. A service started with no replica
+        # still gets a port: its URL then names nothing, as the single-port stack's did.
+        self.ports: dict[str, list[int]] = {}
+        for name in HTTP_SERVICES:
+            self.ports[name] = free_ports(max(1, self.replica_count(name)))
         self.procs: list[_Proc] = []
         self.redis_url = config.redis_url or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
         self._redis_proc: subprocess.Popen | None = None
 
-    def url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.ports[service]}"
+    def replica_count(self, name: str) -> int:
+        return self.config.replicas.get(name, 1)
+
+    def url(self, service: str, index: int = 0) -> str:
+        """The base URL of one replica of an HTTP service (the first by default)."""
+        return f"http://127.0.0.1:{self.ports[service][index]}"
+
+    def urls(self, service: str) -> list[str]:
+        """The base URLs of every replica of an HTTP service, in replica order."""
+        return [self.url(service, index) for index in range(len(self.ports[service]))]
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> LocalStack:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         self._ensure_redis()
         for name in START_ORDER:
-            for index in range(self.config.replicas.get(name, 1)):
+            count = self.replica_count(name)
+            for index in range(count):
                 self._spawn(name, index)
             if name in HTTP_SERVICES:
-                self._wait_healthy(name)
+                for index in range(count):  # the replicas load in parallel; each is waited for in turn
+                    self._wait_healthy(name, index)
         return self
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -117,14 +153,19 @@ class LocalStack:
         self.stop()
 
     def processes(self, name: str) -> list[subprocess.Popen]:
+        """The processes of ``name``, in replica order (``processes(name)[i]`` is replica ``i``)."""
         return [proc.popen for proc in self.procs if proc.name == name]
+
+    def log_paths(self, name: str) -> list[Path]:
+        """Each replica's log file, in replica order."""
+        return [proc.log_path for proc in self.procs if proc.name == name]
 
     def kill(self, name: str, index: int = 0, sig: int = signal.SIGKILL) -> None:
         """Signal one replica's whole process group (a worker and its forked job process)."""
         _signal(self.processes(name)[index], sig)
 
     def respawn(self, name: str, index: int = 0) -> None:
-        """Start a replica again after it exited (what a container restart policy does)."""
+        """Start a replica again after it exited (what a container restart policy does), on its own port."""
         popen = self.processes(name)[index]
         if popen.poll() is None:
             popen.wait(30)
@@ -132,31 +173,39 @@ class LocalStack:
         self._spawn(name, index)
         self.procs[position] = self.procs.pop()  # keep replica order, so indexes stay stable
         if name in HTTP_SERVICES:
-            self._wait_healthy(name)
+            self._wait_healthy(name, index)
 
-    def check_alive(self, name: str | None = None) -> None:
-        """Raise naming any service (or any replica of ``name``) that has exited."""
+    def check_alive(self, name: str | None = None, index: int | None = None) -> None:
+        """Raise naming any service (or any replica of ``name``, or only replica ``index``) that has exited."""
         for proc in self.procs:
-            if (name is None or proc.name == name) and proc.popen.poll() is not None:
-                raise StackError(f"{proc.name} exited with {proc.popen.returncode}; log: {proc.log_path}\n{_tail(proc.log_path)}")
+            if (name is not None and proc.name != name) or (index is not None and proc.index != index):
+                continue
+            if proc.popen.poll() is not None:
+                raise StackError(f"{proc.name} (replica {proc.index}) exited with {proc.popen.returncode}; "
+                                 f"log: {proc.log_path}\n{_tail(proc.log_path)}")
 
     # ---- internals ------------------------------------------------------------------------------
-    def service_env(self, name: str) -> dict[str, str]:
+    def service_env(self, name: str, index: int = 0) -> dict[str, str]:
+        """The environment replica ``index`` of ``name`` starts with."""
         cfg = self.config
+        inference = ",".join(self.urls("inference"))
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "DRAFTLINE_DATA": str(cfg.data),
             "REDIS_URL": self.redis_url,
             "DRAFTLINE_MODEL_DIR": str(cfg.model_dir),
-            "DRAFTLINE_INFERENCE_URL": self.url("inference"),
-            "DRAFTLINE_HIDDEN_STATES_URL": self.url("inference"),
+            "DRAFTLINE_INFERENCE_URL": inference,
+            "DRAFTLINE_HIDDEN_STATES_URL": inference,
             # A local stack is a demo or a test, often on /tmp: preflight warns instead of refusing.
             "DRAFTLINE_ALLOW_EPHEMERAL_DATA": "true",
             **cfg.env,
         }
+        replica_envs = cfg.replica_env.get(name, [])
+        if index < len(replica_envs):
+            env.update(replica_envs[index])
         if name in self.ports:
-            env["DRAFTLINE_PORT"] = str(self.ports[name])
+            env["DRAFTLINE_PORT"] = str(self.ports[name][index])
             env["DRAFTLINE_HOST"] = "127.0.0.1"
         if name == "controller" and cfg.api_token is not None:
             env["DRAFTLINE_API_TOKEN"] = cfg.api_token
@@ -167,29 +216,29 @@ class LocalStack:
         handle = open(log_path, "ab")
         popen = subprocess.Popen(
             resolve_command(SERVICE_COMMANDS[name]),
-            env=self.service_env(name),
+            env=self.service_env(name, index),
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches the demo only; it stops the services in order.
         )
         handle.close()
-        self.procs.append(_Proc(name, popen, log_path))
-        log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        self.procs.append(_Proc(name, index, popen, log_path))
+        log.info("started %s replica %d (pid %d), log %s", name, index, popen.pid, log_path)
 
-    def _wait_healthy(self, name: str, timeout: float = 180.0) -> None:
-        url = self.url(name) + HTTP_SERVICES[name]
+    def _wait_healthy(self, name: str, index: int, timeout: float = 180.0) -> None:
+        url = self.url(name, index) + HTTP_SERVICES[name]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.check_alive(name)
+            self.check_alive(name, index)
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
-                    log.info("%s healthy at %s", name, self.url(name))
+                    log.info("%s replica %d healthy at %s", name, index, self.url(name, index))
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise StackError(f"{name} not healthy at {url} after {timeout:.0f}s")
+        raise StackError(f"{name} replica {index} not healthy at {url} after {timeout:.0f}s")
 
     def _ensure_redis(self) -> None:
         try:

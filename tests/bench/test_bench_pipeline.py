@@ -20,11 +20,13 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "bench/bench_pipeline.py", "--data", str(tmp_path / "data"), "--prompts", "10", "--small",
-         "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out)],
+         "--device", "cpu", "--model-dir", str(tiny_model_dir), "--inference-replicas", "2", "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = json.loads(out.read_text())
     assert figures["training_prompts"] == 10 and figures["samples"]["generated"] == 10
+    # --inference-replicas overrides the small run's one server; the worker counts stay the small run's.
+    assert figures["replicas"] == {"inference": 2, "generator": 1, "extractor": 1}
     assert set(figures["stage_seconds"]) == {"generate", "extract", "train", "evaluate"}
     assert sum(figures["stage_seconds"].values()) <= figures["wall_seconds"] + 1
     assert figures["training_curve"][-1]["loss"] > 0 and figures["hidden_bytes"] > 0
