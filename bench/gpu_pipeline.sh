@@ -4,7 +4,7 @@
 # bench/offline_prompts.py. Prepare here with `bash bench/gpu_carry.sh`, then two device calls, back to back
 # (the machine keeps /tmp only while it is warm, 30 s after a call):
 #   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
-#   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES]
+#   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES] [BENCH ARGS]
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -63,8 +63,8 @@ case "${1:-}" in
   run)
     cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
     env_vars
-    prompts=${2:-6000} minutes=${3:-9}
-    setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda \
+    prompts=${2:-6000} minutes=${3:-9} extra=${4:-}
+    setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda $extra \
       --json $WORK/pipeline.json > $WORK/pipeline.log 2>&1; echo rc=\$? > $WORK/done" < /dev/null &
     follow "$minutes" ;;
   follow)
