@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evalsets import EvalSet, read_eval_prompts  # noqa: E402
-from services.trainer.evaluate import evaluate_sets, load_target, verify_greedy_equality  # noqa: E402
-from services.trainer.export import export_drafter, load_drafter  # noqa: E402
+from services.trainer.evaluate import evaluate_sets, exported_drafter, load_target, verify_greedy_equality  # noqa: E402
+from services.trainer.export import export_drafter  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
@@ -85,14 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     for label, spec in (("scratch", scratch), ("tuned", tuned)):
         exports[label], figures["runs"][label] = train_and_export(spec, data, args.model_dir, args.device)
 
-    device = torch.device(args.device)
-    target, tokenizer = load_target(args.model_dir, device)
-    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    target, tokenizer = load_target(args.model_dir, torch.device(args.device))
     prompts = read_eval_prompts(RunPaths(data, source.name).eval_prompts)
     cfg = EvalConfig(holdout=len(prompts), max_new_tokens=args.max_new_tokens, draft_steps=3, baselines=False,
                      sets=["holdout"])
     for label, export in exports.items():
-        drafter = load_drafter(export, args.model_dir, embed=embed).to(device).eval()
+        drafter = exported_drafter(target, args.model_dir, export)
         report = evaluate_sets(target, tokenizer, drafter, [EvalSet("holdout", prompts, [])], cfg)
         verify_greedy_equality(report)
         figures["runs"][label]["curve"] = report["methods"]["drafter"]["curve"]

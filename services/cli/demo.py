@@ -29,8 +29,6 @@ from shared.targets import default_target_dir
 
 log = logging.getLogger(__name__)
 
-DemoFailed = PipelineFailed  # the name the CLI and older callers know
-
 # Per target, a run small enough for a 2-core machine and large enough that the drafter learns something.
 # SmolLM2's replies are real text, so its curve means something; the tiny target's three taught replies
 # only show the plumbing.
@@ -50,7 +48,6 @@ DEMO_RUNS: dict[str, dict[str, Any]] = {
                      "curve_max_steps": 7},
     },
 }
-DEMO_RUN = DEMO_RUNS["tiny"]
 # Two cores: batches of 16 replies decode faster per reply than 8, and evaluation's single-sequence
 # decodes run two at a time (measured: generation 228 s and evaluation 315 s of a 626 s SmolLM2 demo
 # with one of each).
@@ -70,9 +67,9 @@ def place_dataset(data: Path) -> Path:
 
 
 def run_demo(data: Path, *, target: str = "smollm2", timeout_s: float = 900.0) -> PipelineResult:
-    """Run the demo; return its result. Raises DemoFailed if it does not complete."""
+    """Run the demo; return its result. Raises PipelineFailed if it does not complete."""
     if target not in DEMO_RUNS:
-        raise DemoFailed(f"no demo for target {target!r}; choose one of {', '.join(DEMO_RUNS)}")
+        raise PipelineFailed(f"no demo for target {target!r}; choose one of {', '.join(DEMO_RUNS)}")
     data = data.resolve()
     data.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

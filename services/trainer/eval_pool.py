@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -41,14 +40,12 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
     try:
         import torch
 
-        from services.trainer.evaluate import SetRun, load_target, measure_prompt
-        from services.trainer.export import load_drafter
+        from services.trainer.evaluate import SetRun, load_evaluated, measure_prompt
 
         torch.set_num_threads(1)
         config = EvalConfig.model_validate(cfg)
-        target, tokenizer = load_target(Path(model_dir), torch.device(device), getattr(torch, dtype))
-        embed = target.get_input_embeddings().weight.detach().float().cpu()
-        drafter = load_drafter(Path(export_dir), Path(model_dir), embed=embed).to(target.device).eval()
+        target, tokenizer, drafter = load_evaluated(Path(model_dir), Path(export_dir), torch.device(device),
+                                                    getattr(torch, dtype))
         shares = []
         for one in sets:
             measured = SetRun(one["name"])
@@ -114,11 +111,8 @@ def evaluate_sets_in_processes(
     layer_ids: list[int], progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
-    from services.trainer.evaluate import NEAR_TIE_LOGITS, SetRun, combine_sets, set_report
+    from services.trainer.evaluate import SetRun, combine_sets, set_report
 
-    import torch
-
-    started = time.monotonic()
     shares = measure_in_processes(model_dir=model_dir, export_dir=export_dir, device=device, dtype=dtype, sets=sets,
                                   cfg=cfg, procs=procs, progress=progress)
     reports = {}
@@ -128,7 +122,5 @@ def evaluate_sets_in_processes(
             measured.merge(part)
         order = {p.sample_id: i for i, p in enumerate(one.prompts)}
         measured.rows.sort(key=lambda row: order[row["sample_id"]])
-        reports[one.name] = {**set_report(measured, cfg, layer_ids, seconds=time.monotonic() - started,
-                                          tolerance=NEAR_TIE_LOGITS.get(getattr(torch, dtype), 0.0)),
-                             "excluded": one.excluded, "processes": procs}
+        reports[one.name] = {**set_report(measured, cfg, layer_ids), "excluded": one.excluded, "processes": procs}
     return combine_sets(reports)

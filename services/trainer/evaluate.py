@@ -250,9 +250,11 @@ class SetRun:
     checked: int = 0
     mismatches: list[dict] = field(default_factory=list)
     near_ties: list[dict] = field(default_factory=list)
+    tolerance: float = 0.0  # NEAR_TIE_LOGITS of the target's dtype
+    seconds: float = 0.0  # spent decoding this set (in parallel shares: the slowest share's)
 
     def record(self, prompt: EvalPrompt, method: str, k: int, decoded: DecodeResult, reference: list[int],
-               gap: Callable[[int, list[int]], float | None] | None = None, tolerance: float = 0.0) -> None:
+               gap: Callable[[int, list[int]], float | None] | None = None) -> None:
         self.tallies.setdefault((method, k), Tally()).add(decoded)
         self.checked += 1
         position = first_difference(decoded.tokens, reference)
@@ -262,11 +264,12 @@ class SetRun:
         logits_apart = None if gap is None else gap(position, decoded.tokens)
         if logits_apart is not None:
             entry["logit_gap"] = logits_apart
-        (self.near_ties if logits_apart is not None and logits_apart <= tolerance else self.mismatches).append(entry)
+        near_tie = logits_apart is not None and logits_apart <= self.tolerance
+        (self.near_ties if near_tie else self.mismatches).append(entry)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "rows": self.rows, "checked": self.checked, "mismatches": self.mismatches,
-                "near_ties": self.near_ties,
+                "near_ties": self.near_ties, "tolerance": self.tolerance, "seconds": self.seconds,
                 "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()]}
 
     def merge(self, other: dict[str, Any]) -> None:
@@ -275,6 +278,8 @@ class SetRun:
         self.checked += other["checked"]
         self.mismatches += other["mismatches"]
         self.near_ties += other["near_ties"]
+        self.tolerance = max(self.tolerance, other["tolerance"])  # a share with no prompt never set it
+        self.seconds = max(self.seconds, other["seconds"])  # the shares ran at the same time
         for method, k, emitted, passes in other["tallies"]:
             tally = self.tallies.setdefault((method, k), Tally())
             tally.emitted += emitted
@@ -322,16 +327,18 @@ def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int]
 def measure_prompt(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompt: EvalPrompt, cfg: EvalConfig,
                    measured: SetRun) -> None:
     """Every decode of one prompt, each checked against ``generate``, added to ``measured``."""
+    started = time.monotonic()
     layer_ids = list(drafter.config.layer_ids)
     ids = list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"])
     reference = greedy_reference(target, ids, cfg.max_new_tokens)
     decodes = decode_all(target, drafter, ids, cfg, layer_ids)
     gap = functools.partial(logit_gap, target, ids, reference)
-    tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
+    measured.tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
     for (method, k), decoded in decodes.items():
-        measured.record(prompt, method, k, decoded, reference, gap, tolerance)
+        measured.record(prompt, method, k, decoded, reference, gap)
     measured.rows.append(prompt_row(prompt, ids, decodes, cfg))
+    measured.seconds += time.monotonic() - started
 
 
 def evaluate_prompts(
@@ -339,17 +346,15 @@ def evaluate_prompts(
     progress: Callable[[int, int], None] | None = None, *, name: str = "holdout",
 ) -> dict[str, Any]:
     """One set: every prompt decoded by every method at every k, each decode checked against ``generate``."""
-    started, measured = time.monotonic(), SetRun(name)
+    measured = SetRun(name)
     for done, prompt in enumerate(prompts, start=1):
         measure_prompt(target, tokenizer, drafter, prompt, cfg, measured)
         if progress is not None:
             progress(done, len(prompts))
-    return set_report(measured, cfg, list(drafter.config.layer_ids), seconds=time.monotonic() - started,
-                      tolerance=NEAR_TIE_LOGITS.get(target.dtype, 0.0))
+    return set_report(measured, cfg, list(drafter.config.layer_ids))
 
 
-def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], *, seconds: float,
-               tolerance: float) -> dict[str, Any]:
+def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[str, Any]:
     head = measured.tallies.get((DRAFTER, cfg.draft_steps), Tally())
     methods: dict[str, Any] = {}
     for (method, k), t in sorted(measured.tallies.items()):
@@ -369,12 +374,12 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], *, secon
         "greedy_check": {"checked": measured.checked,
                          "matched": measured.checked - len(measured.mismatches) - len(measured.near_ties),
                          "mismatches": measured.mismatches, "near_ties": measured.near_ties,
-                         "near_tie_logits": tolerance},
+                         "near_tie_logits": measured.tolerance},
         "prompts": measured.rows,
         "steps": head.passes,
         "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,
-        "seconds": seconds,
+        "seconds": measured.seconds,
     }
 
 
@@ -430,3 +435,19 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
     if turn_end is not None and turn_end not in eos_ids_of(target):
         target.generation_config.eos_token_id = sorted(eos_ids_of(target) | {turn_end})
     return target, tokenizer
+
+
+def load_evaluated(model_dir: Path, export_dir: Path, device: torch.device,
+                   dtype: torch.dtype | None = None) -> tuple[Any, Any, Eagle3Drafter]:
+    """Target, tokenizer and the exported drafter (read as the engines read it, with the target's embedding)
+    on ``device``: what every evaluation decodes with."""
+    target, tokenizer = load_target(model_dir, device, dtype)
+    return target, tokenizer, exported_drafter(target, model_dir, export_dir)
+
+
+def exported_drafter(target: Any, model_dir: Path, export_dir: Path) -> Eagle3Drafter:
+    """An exported drafter as the engines read it, with ``target``'s embedding, on ``target``'s device."""
+    from services.trainer.export import load_drafter
+
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    return load_drafter(export_dir, model_dir, embed=embed).to(target.device).eval()

@@ -30,8 +30,8 @@ from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.eval_pool import evaluate_sets_in_processes
 from services.trainer.evalsets import EvalSet, load_sets
-from services.trainer.evaluate import evaluate_sets, load_target, verify_greedy_equality
-from services.trainer.export import export_drafter, load_drafter
+from services.trainer.evaluate import evaluate_sets, load_evaluated, verify_greedy_equality
+from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
@@ -180,8 +180,7 @@ def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, 
             sets=sets, cfg=spec.evaluate, procs=min(settings.eval_procs, max(total, 1)),
             layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress)
     else:
-        target, tokenizer = load_target(settings.model_dir, device, getattr(torch, settings.eval_dtype))
-        embed = target.get_input_embeddings().weight.detach().float().cpu()
-        drafter = load_drafter(paths.export_dir, settings.model_dir, embed=embed).to(device).eval()
+        target, tokenizer, drafter = load_evaluated(settings.model_dir, paths.export_dir, device,
+                                                    getattr(torch, settings.eval_dtype))
         report = evaluate_sets(target, tokenizer, drafter, sets, spec.evaluate, progress=progress)
     return {**report, "run": spec.name, "export_path": str(paths.export_dir), "dtype": settings.eval_dtype}

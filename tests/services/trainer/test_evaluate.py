@@ -249,12 +249,12 @@ def test_first_difference_counts_a_missing_token():
 
 
 def test_a_departure_at_a_near_tie_is_counted_apart_and_any_other_stays_a_mismatch():
-    prompt, measured = EvalPrompt(5, []), evaluate.SetRun("holdout")
+    prompt, measured = EvalPrompt(5, []), evaluate.SetRun("holdout", tolerance=1e-3)
     reference = [1, 2, 3, 4]
-    measured.record(prompt, "drafter", 2, evaluate.DecodeResult([1, 2, 3, 4], [2, 2]), reference, lambda *_: 9.0, 1e-3)
-    measured.record(prompt, "drafter", 3, evaluate.DecodeResult([1, 2, 9, 9], [2, 2]), reference, lambda *_: 2e-4, 1e-3)
-    measured.record(prompt, "lookup", 3, evaluate.DecodeResult([1, 7, 7, 7], [2, 2]), reference, lambda *_: 0.5, 1e-3)
-    measured.record(prompt, "lookup", 1, evaluate.DecodeResult([1, 2], [1]), reference, lambda *_: None, 1e-3)
+    measured.record(prompt, "drafter", 2, evaluate.DecodeResult([1, 2, 3, 4], [2, 2]), reference, lambda *_: 9.0)
+    measured.record(prompt, "drafter", 3, evaluate.DecodeResult([1, 2, 9, 9], [2, 2]), reference, lambda *_: 2e-4)
+    measured.record(prompt, "lookup", 3, evaluate.DecodeResult([1, 7, 7, 7], [2, 2]), reference, lambda *_: 0.5)
+    measured.record(prompt, "lookup", 1, evaluate.DecodeResult([1, 2], [1]), reference, lambda *_: None)
     assert measured.checked == 4
     assert measured.near_ties == [{"set": "holdout", "sample_id": 5, "method": "drafter", "k": 3, "position": 2,
                                    "logit_gap": 2e-4}]
