@@ -13,15 +13,9 @@ import pytest
 from services.extractor.tokenize import build_sample
 from shared.chat_turns import find_turn_end
 from shared.errors import PromptTooLong, ReasoningNotRendered
+from tests.services.extractor.test_tokenize import CONVERSATIONS
 from tests.support.chat_families import DEEPSEEK_R1, FAMILIES, KIMI_K2_THINKING, LLAMA3, QWEN25, QWEN25_BASE, QWEN3
 
-CONVERSATIONS = {
-    "single": [{"role": "user", "content": "Explain a binary search."}],
-    "system": [{"role": "system", "content": "You are a concise assistant."},
-               {"role": "user", "content": "What is 2 + 2?"}],
-    "multi_turn": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."},
-                   {"role": "user", "content": "And another one?"}],
-}
 THINKERS = [f for f in FAMILIES if f.thinks]
 PLAIN = [f for f in FAMILIES if not f.thinks]
 
