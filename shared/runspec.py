@@ -68,6 +68,9 @@ class EvalConfig(_Frozen):
     baselines: bool = Field(True, description="Also decode without a drafter and with prompt lookup (n-gram).")
     lookup_min: int = Field(2, ge=1, description="Prompt lookup: shortest suffix n-gram matched (vLLM's prompt_lookup_min).")
     lookup_max: int = Field(5, ge=1, description="Prompt lookup: longest suffix n-gram matched (vLLM's prompt_lookup_max).")
+    batch_prompts: int = Field(
+        64, ge=1, description="Prompts decoded together, one row each: a small target's pass costs about the same for "
+                              "one row as for many, so larger is faster until the KV cache fills the device.")
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.attention_kernels import avoid_cudnn_attention
 from shared.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
@@ -108,6 +109,7 @@ def load_model(settings: InferenceSettings) -> LoadedModel:
     model_dir = Path(settings.model_dir)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    avoid_cudnn_attention(device.type)  # every decode step and hidden-state group has a new length
     log.info("loading target %s on %s in %s", model_dir, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()

@@ -1,8 +1,9 @@
 """Evaluation spread over processes: each decodes every N-th prompt of every set with its own target and
 drafter, and the parent adds their shares up into the report one process would have written.
 
-Speculative decoding runs one sequence at a time, so one process keeps a GPU mostly idle (a small target's
-pass is bound by kernel launches and Python). The processes are spawned (never forked: CUDA does not
+Each process decodes its prompts as a batch (``speculative_batch``); on a CPU several processes use
+several cores where one decode would leave them idle, and on a GPU one process with a large batch is
+usually the fastest. The processes are spawned (never forked: CUDA does not
 survive a fork), get only JSON-able arguments, and send back plain dicts; a process that dies or raises
 fails the evaluation naming it.
 """
@@ -40,7 +41,7 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
     try:
         import torch
 
-        from services.trainer.evaluate import SetRun, load_evaluated, measure_prompt
+        from services.trainer.evaluate import SetRun, load_evaluated, measure_prompts
 
         torch.set_num_threads(1)
         config = EvalConfig.model_validate(cfg)
@@ -48,10 +49,15 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
                                                     getattr(torch, dtype))
         shares = []
         for one in sets:
-            measured = SetRun(one["name"])
-            for prompt in shard([EvalPrompt(p["sample_id"], p["messages"]) for p in one["prompts"]], index, procs):
-                measure_prompt(target, tokenizer, drafter, prompt, config, measured)
-                out.put(("prompt", index, one["name"]))
+            measured, reported = SetRun(one["name"]), [0]
+            mine = shard([EvalPrompt(p["sample_id"], p["messages"]) for p in one["prompts"]], index, procs)
+
+            def progress(done: int, _: int, reported: list[int] = reported) -> None:
+                if done > reported[0]:  # prompts whose every decode has finished since the last report
+                    out.put(("prompts", index, done - reported[0]))
+                    reported[0] = done
+
+            measure_prompts(target, tokenizer, drafter, mine, config, measured, progress)
             shares.append(measured.to_json())
         out.put(("done", index, shares))
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent must hear of it
@@ -81,8 +87,8 @@ def measure_in_processes(
             except queue.Empty:
                 _check_alive(workers, results)
                 continue
-            if kind == "prompt":
-                done += 1
+            if kind == "prompts":
+                done += body
                 if progress is not None:
                     progress(done, total)
             elif kind == "done":

@@ -2,7 +2,8 @@
 
 The target is the real Hugging Face model with a KV cache. Per verification pass a proposer offers up
 to k tokens in a chain, the target checks them in one forward pass, and the output is the target's own
-greedy decoding, token for token; only the number of target passes changes.
+greedy decoding, token for token; only the number of target passes changes. Every prompt of a set is
+decoded together (``speculative_batch``), one decode per method and k.
 
 Acceptance length = tokens emitted by verification passes / verification passes, summed over every
 prompt of a set (a ratio of sums, not a mean of per-prompt ratios); the prompt's prefill pass and the
@@ -21,170 +22,33 @@ output, computed once per prompt; the report counts the decodes checked and matc
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from shared.attention_kernels import avoid_cudnn_attention
 from shared.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
 from shared.runspec import EvalConfig
 from services.trainer.evalsets import EvalPrompt, EvalSet
 from services.trainer.lookup import LookupProposer, NoProposer
-from services.trainer.model import Eagle3Drafter, KVCache
+from services.trainer.model import Eagle3Drafter
+from services.trainer.speculative import DecodeResult, eos_ids_of
+from services.trainer.speculative_batch import (
+    BatchDrafterProposer,
+    RowProposers,
+    left_pad,
+    pad_id_of,
+    prefill_batch,
+    speculative_generate_batch,
+)
 
 log = logging.getLogger(__name__)
-
-
-class Proposer(Protocol):
-    """What the decoding loop needs from a drafter."""
-
-    def extend(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
-        """Take the target's aux states (m, 3Ht) at m newly verified positions and, for each, the token
-        that follows it (the last one is the target's newest token, not yet fed to the target)."""
-
-    def propose(self, k: int) -> list[int]:
-        """At most ``k`` next tokens (target ids) after the newest token; fewer, or none, is allowed."""
-
-
-class DrafterProposer:
-    """The EAGLE-3 drafter: a persistent cache over verified positions, a temporary chain per proposal."""
-
-    def __init__(self, drafter: Eagle3Drafter) -> None:
-        self.drafter = drafter
-        self.device = drafter.fc.weight.device
-        self.cache = KVCache()
-        self.length = 0  # verified positions in the cache
-        self.last: torch.Tensor | None = None  # (1, 1, H) output at the newest verified position
-
-    def extend(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
-        d, m = self.drafter, aux.shape[0]
-        hidden = d.fuse(aux[None].to(self.device, d.fc.weight.dtype))  # (1, m, H)
-        tokens = torch.tensor([next_tokens], device=self.device)  # (1, m): position p pairs with x_{p+1}
-        positions = torch.arange(self.length, self.length + m, device=self.device)[None]  # (1, m)
-        self.last = d(hidden, tokens, positions, self.cache)[:, -1:]  # (1, 1, H)
-        self.length += m
-
-    def propose(self, k: int) -> list[int]:
-        d, hidden, drafts = self.drafter, self.last, []
-        for j in range(k):
-            if j > 0:  # chain step j: own previous output + the token it just proposed, one position on
-                token = torch.tensor([[drafts[-1]]], device=self.device)
-                position = torch.tensor([[self.length - 1 + j]], device=self.device)
-                hidden = d(hidden, token, position, self.cache)  # (1, 1, H)
-            drafts.append(int(d.to_target_ids(d.logits(hidden)[0, -1].argmax())))
-        self.cache.crop(self.length)  # chain entries are recomputed from the target's states next time
-        return drafts
-
-
-@dataclass
-class DecodeResult:
-    tokens: list[int]  # generated tokens, the prefill's first token included
-    accepted: list[int] = field(default_factory=list)  # tokens each verification step emitted
-
-    @property
-    def steps(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def acceptance_length(self) -> float:
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-
-def aux_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """(T, 3H) from HF ``output_hidden_states`` (index 0 = embeddings, so layer i's output is i + 1)."""
-    return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-
-
-def crop_cache(cache: Any, keep: int) -> None:
-    remove = cache.get_seq_length() - keep
-    if remove > 0:  # a negative argument removes that many tokens in every transformers version
-        cache.crop(-remove)
-
-
-def cache_kwarg(target: Any) -> str:
-    """transformers 5.2x renames ``past_key_values`` to ``cache``; older versions know only the former."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-def eos_ids_of(target: Any) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
-def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
-    """Accept rule: draft i (0-based) is accepted when drafts 0..i-1 were and it equals greedy[i], the
-    target's own choice after the tokens before it. With a accepted, the step emits drafts[:a] plus
-    greedy[a]: the correction where drafts[a] was wrong, or the bonus token after a fully accepted chain.
-    Every emitted token is thus the target's greedy token, and one target pass yields a + 1 of them."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
-        accepted += 1
-    return accepted
-
-
-def finished(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
-    """Where greedy decoding (``generate``) stops: at the budget or right after an eos token."""
-    return len(tokens) >= max_new_tokens or tokens[-1] in eos
-
-
-@dataclass
-class Prefill:
-    """The target's pass over a prompt, shared by every decode of it: each decode crops the cache back to
-    the prompt (exact: cropping only drops entries) instead of reading the prompt again."""
-
-    cache: Any  # transformers DynamicCache
-    first: int  # the target's greedy token after the prompt
-    aux: torch.Tensor  # (P, 3Ht) aux states at the prompt's positions
-    length: int
-
-
-@torch.inference_mode()
-def prefill_prompt(target: Any, prompt_ids: list[int], layer_ids: list[int]) -> Prefill:
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    out = target(torch.tensor([prompt_ids], device=target.device), use_cache=True, output_hidden_states=True,
-                 **{cache_kwarg(target): cache})
-    return Prefill(cache, int(out.logits[0, -1].argmax()), aux_states(out.hidden_states, layer_ids), len(prompt_ids))
-
-
-@torch.inference_mode()
-def speculative_generate(
-    target: Any, proposer: Proposer, prompt_ids: list[int], *, max_new_tokens: int, draft_steps: int, layer_ids: list[int],
-    prefill: Prefill | None = None,
-) -> DecodeResult:
-    """Greedy chain speculative decoding; the proposer may propose fewer than ``draft_steps`` tokens, or
-    none (then the pass verifies only the newest token and emits exactly one)."""
-    pre = prefill if prefill is not None else prefill_prompt(target, prompt_ids, layer_ids)
-    crop_cache(pre.cache, pre.length)
-    device, eos, cache = target.device, eos_ids_of(target), pre.cache
-    forward = functools.partial(target, use_cache=True, output_hidden_states=True, **{cache_kwarg(target): cache})
-    result = DecodeResult(tokens=[pre.first])
-    proposer.extend(pre.aux, prompt_ids[1:] + result.tokens)
-    while not finished(result.tokens, max_new_tokens, eos):
-        drafts = proposer.propose(draft_steps)
-        if len(drafts) > draft_steps:
-            raise ValueError(f"{type(proposer).__name__} proposed {len(drafts)} tokens, more than the {draft_steps} asked")
-        context = cache.get_seq_length()
-        out = forward(torch.tensor([[result.tokens[-1], *drafts]], device=device))  # positions context .. context+len(drafts)
-        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's choice after block token i
-        accepted = accepted_prefix(drafts, greedy)
-        new = [*drafts[:accepted], greedy[accepted]]
-        emitted = 0
-        while emitted < len(new) and not finished(result.tokens, max_new_tokens, eos):
-            result.tokens.append(new[emitted])
-            emitted += 1
-        result.accepted.append(emitted)
-        crop_cache(cache, context + accepted + 1)  # keep the newest token and the accepted drafts
-        if not finished(result.tokens, max_new_tokens, eos):
-            proposer.extend(aux_states(out.hidden_states, layer_ids)[: accepted + 1], new)
-    return result
 
 
 # ---- a run's evaluation --------------------------------------------------------------------------
@@ -196,12 +60,18 @@ DEFINITION = ("acceptance length = sum of tokens emitted by target verification 
 
 
 @torch.inference_mode()
-def greedy_reference(target: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The target's own greedy output (``generate``), which every speculative decode must reproduce."""
-    ids = torch.tensor([prompt_ids], device=target.device)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                          eos_token_id=sorted(eos_ids_of(target)) or None)
-    return out[0, len(prompt_ids):].tolist()
+def greedy_references(target: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's own greedy output (``generate``, the prompts as one left-padded batch), which every
+    speculative decode must reproduce; each reply ends at its first eos token or at the budget."""
+    ids, mask = left_pad(prompts, pad_id_of(target), target.device)
+    eos = eos_ids_of(target)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                          eos_token_id=sorted(eos) or None, pad_token_id=pad_id_of(target))
+    replies = []
+    for row in out[:, ids.shape[1]:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        replies.append(row[:end])  # a row that ended early is padded after its eos
+    return replies
 
 
 def first_difference(tokens: list[int], reference: list[int]) -> int | None:
@@ -296,18 +166,26 @@ def logit_gap(target: Any, prompt_ids: list[int], reference: list[int], position
     return abs(float(logits[reference[position]] - logits[tokens[position]]))
 
 
-def decode_all(
-    target: Any, drafter: Eagle3Drafter, ids: list[int], cfg: EvalConfig, layer_ids: list[int]
-) -> dict[tuple[str, int], DecodeResult]:
-    """Every decode of one prompt: the drafter and prompt lookup at each k, and no drafter (k = 0)."""
-    pre = prefill_prompt(target, ids, layer_ids)
-    run = functools.partial(speculative_generate, target, prompt_ids=ids, max_new_tokens=cfg.max_new_tokens,
+def decode_set(
+    target: Any, drafter: Eagle3Drafter, prompts: list[list[int]], cfg: EvalConfig, layer_ids: list[int],
+    done: Callable[[float], None] | None = None,
+) -> dict[tuple[str, int], list[DecodeResult]]:
+    """Every decode of these prompts, all prompts together: the drafter and prompt lookup at each k, and no
+    drafter (k = 0); ``done`` hears the fraction of the decodes finished."""
+    pre = prefill_batch(target, prompts, layer_ids)
+    run = functools.partial(speculative_generate_batch, target, prompts=prompts, max_new_tokens=cfg.max_new_tokens,
                             layer_ids=layer_ids, prefill=pre)
-    decodes = {(DRAFTER, k): run(DrafterProposer(drafter), draft_steps=k) for k in chain_lengths(cfg)}
+    plans: list[tuple[str, int, Callable[[], Any]]] = [
+        (DRAFTER, k, lambda: BatchDrafterProposer(drafter)) for k in chain_lengths(cfg)]
     if cfg.baselines:
-        for k in chain_lengths(cfg):
-            decodes[(LOOKUP, k)] = run(LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max), draft_steps=k)
-        decodes[(NO_DRAFTER, 0)] = run(NoProposer(), draft_steps=0)
+        plans += [(LOOKUP, k, lambda: RowProposers([LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max)
+                                                    for ids in prompts])) for k in chain_lengths(cfg)]
+        plans.append((NO_DRAFTER, 0, lambda: RowProposers([NoProposer() for _ in prompts])))
+    decodes = {}
+    for finished_plans, (method, k, proposer) in enumerate(plans, start=1):
+        decodes[(method, k)] = run(proposer(), draft_steps=k)
+        if done is not None:
+            done(finished_plans / len(plans))
     return decodes
 
 
@@ -324,20 +202,30 @@ def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int]
             "accepted": head.accepted, "acceptance_length": head.acceptance_length, "passes": passes}
 
 
-def measure_prompt(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompt: EvalPrompt, cfg: EvalConfig,
-                   measured: SetRun) -> None:
-    """Every decode of one prompt, each checked against ``generate``, added to ``measured``."""
+def prompt_ids_of(tokenizer: Any, prompt: EvalPrompt) -> list[int]:
+    return list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
+                    measured: SetRun, progress: Callable[[int, int], None] | None = None) -> None:
+    """Every decode of these prompts, ``cfg.batch_prompts`` at a time, each checked against ``generate``, added
+    to ``measured``; ``progress`` hears (prompts done, prompts) as the decodes finish."""
     started = time.monotonic()
     layer_ids = list(drafter.config.layer_ids)
-    ids = list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"])
-    reference = greedy_reference(target, ids, cfg.max_new_tokens)
-    decodes = decode_all(target, drafter, ids, cfg, layer_ids)
-    gap = functools.partial(logit_gap, target, ids, reference)
     measured.tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
-    for (method, k), decoded in decodes.items():
-        measured.record(prompt, method, k, decoded, reference, gap)
-    measured.rows.append(prompt_row(prompt, ids, decodes, cfg))
+    for start in range(0, len(prompts), cfg.batch_prompts):
+        chunk = prompts[start: start + cfg.batch_prompts]
+        ids = [prompt_ids_of(tokenizer, p) for p in chunk]
+        references = greedy_references(target, ids, cfg.max_new_tokens)
+        tick = None if progress is None else (lambda f, s=start, n=len(chunk): progress(s + int(f * n), len(prompts)))
+        decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
+        for row, (prompt, prompt_ids, reference) in enumerate(zip(chunk, ids, references)):
+            mine = {key: results[row] for key, results in decodes.items()}
+            gap = functools.partial(logit_gap, target, prompt_ids, reference)
+            for (method, k), decoded in mine.items():
+                measured.record(prompt, method, k, decoded, reference, gap)
+            measured.rows.append(prompt_row(prompt, prompt_ids, mine, cfg))
     measured.seconds += time.monotonic() - started
 
 
@@ -347,10 +235,7 @@ def evaluate_prompts(
 ) -> dict[str, Any]:
     """One set: every prompt decoded by every method at every k, each decode checked against ``generate``."""
     measured = SetRun(name)
-    for done, prompt in enumerate(prompts, start=1):
-        measure_prompt(target, tokenizer, drafter, prompt, cfg, measured)
-        if progress is not None:
-            progress(done, len(prompts))
+    measure_prompts(target, tokenizer, drafter, prompts, cfg, measured, progress)
     return set_report(measured, cfg, list(drafter.config.layer_ids))
 
 
@@ -429,6 +314,7 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
     built-in server does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    avoid_cudnn_attention(device.type)  # every verification pass meets a new key length
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     turn_end = find_turn_end(tokenizer).token_id

@@ -207,6 +207,47 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
+class MaskedKVCache:
+    """Evaluation of many sequences at once: keys/values (B, nkv, S, hd) in column order and which columns hold a
+    position of their row's sequence (B, S). Rows grow by the same number of columns per call; a column a row
+    does not use (a rejected draft, left padding) stays masked instead of being cut. A query sees its row's
+    used columns up to itself, and always itself, so a query at an unused column never meets an empty row."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, nkv, S, hd)
+        self.v: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None  # (B, S) bool
+        self.incoming: torch.Tensor | None = None  # (B, T) bool: which of the next call's columns count; None: all
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t, past = q.shape[0], q.shape[2], self.length
+        incoming = self.incoming if self.incoming is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
+        self.incoming = None
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # (B, nkv, past+T, hd)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.used = incoming if self.used is None else torch.cat([self.used, incoming], dim=1)  # (B, past+T)
+        columns = torch.arange(self.length, device=q.device)[None, :]  # (1, S)
+        rows = past + torch.arange(t, device=q.device)[:, None]  # (T, 1)
+        allowed = (self.used[:, None, :] & (columns <= rows)[None]) | (columns == rows)[None]  # (B, T, S)
+        groups = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(self.k, groups), repeat_kv(self.v, groups),
+                                              attn_mask=allowed[:, None])
+
+    def crop(self, length: int) -> None:
+        """Forget every column from ``length`` on (the draft chain's, after a proposal)."""
+        if self.k is not None:
+            self.k, self.v, self.used = self.k[:, :, :length], self.v[:, :, :length], self.used[:, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (finished sequences leave the batch)."""
+        if self.k is not None:
+            self.k, self.v, self.used = self.k[rows], self.v[rows], self.used[rows]
+
+
 class TTTCache:
     """Training-time test: the first call (step 0) attends causally over the whole sequence; step k's query
     at index t attends to step 0's keys at indices <= t and to the keys of steps 1..k at index t only.

@@ -66,6 +66,7 @@ from torch.utils.data import DataLoader
 
 from shared import eagle3
 from shared.atomic import atomic_write_text
+from shared.attention_kernels import avoid_cudnn_attention
 from shared.drafter_format import TargetFacts, check_base_fits, check_drafter, mapping_tensors, read_config
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError, HiddenStateFileError, UnsupportedRopeScaling
 from shared.fingerprint import model_fingerprint
@@ -318,9 +319,9 @@ def warn_on_rope_difference(base: Path, config: DrafterConfig, target_config: di
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
+    avoid_cudnn_attention(device.type)  # every batch has its own length
+    return device
 
 
 @dataclass

@@ -153,3 +153,29 @@ def job_settings(monkeypatch, redis_url, data_dir, tiny_model_dir):
     jobs.get_settings.cache_clear()
     yield jobs
     jobs.get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
+    """A drafter trained on the tiny target's own replies: some of its drafts are accepted."""
+    from services.trainer.train import train_drafter
+
+    data = tmp_path_factory.mktemp("eval") / "data"
+    data.mkdir()
+    write_run(data, "trained", tiny_target, tiny_samples, eval_messages, train={"epochs": 40, "lr": 1e-2, "save_every": 1000})
+    result = train_drafter(RunSpec.load(data, "trained"), data=data, model_dir=tiny_target.model_dir, device="cpu")
+    return result.drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def untrained_drafter(tiny_target):
+    """A random drafter with the tiny target's embedding and an identity draft vocabulary of 256."""
+    from services.trainer.model import DrafterConfig, Eagle3Drafter
+    from services.trainer.target_head import load_target_head, read_target_config
+
+    torch.manual_seed(1)
+    config = DrafterConfig.from_target_config(read_target_config(tiny_target.model_dir), draft_vocab_size=256, layer_ids=LAYER_IDS)
+    drafter = Eagle3Drafter(config)
+    drafter.load_embedding(load_target_head(tiny_target.model_dir).embed)
+    drafter.set_vocab_mapping(torch.arange(256), torch.arange(config.vocab_size) < 256)
+    return drafter.eval()

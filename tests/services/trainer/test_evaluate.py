@@ -6,31 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer import evaluate
+from services.trainer import evaluate, speculative, speculative_batch
 from services.trainer.evalsets import EvalSet
-from services.trainer.evaluate import (
-    DrafterProposer,
-    EvalPrompt,
-    accepted_prefix,
-    evaluate_prompts,
-    evaluate_sets,
-    first_difference,
-    speculative_generate,
-    verify_greedy_equality,
-)
+from services.trainer.evaluate import EvalPrompt, evaluate_prompts, evaluate_sets, first_difference, verify_greedy_equality
+from services.trainer.speculative import DrafterProposer, accepted_prefix, speculative_generate
 from services.trainer.lookup import LookupProposer, NoProposer
 from shared.errors import SpeculativeMismatch
 from services.trainer.export import load_drafter
-from services.trainer.model import DrafterConfig, Eagle3Drafter
-from services.trainer.target_head import load_target_head, read_target_config
-from services.trainer.train import train_drafter
-from shared.runspec import EvalConfig, RunSpec
+from shared.runspec import EvalConfig
 from tests.services.trainer.conftest import (
     LAYER_IDS,
     demo_messages,
     greedy_reply,
     prompt_ids,
-    write_run,
 )
 from tests.support.acceptance import accepted_per_step, assert_report_matches, expected_report
 
@@ -51,25 +39,6 @@ class OracleProposer:
     def propose(self, k: int) -> list[int]:
         tokens = (self.sequence[self.known : self.known + k] + [0] * k)[:k]
         return [(t + 1) % self.vocab for t in tokens] if self.wrong else tokens
-
-
-@pytest.fixture(scope="module")
-def trained_drafter(tmp_path_factory, tiny_target, tiny_samples, eval_messages) -> Eagle3Drafter:
-    data = tmp_path_factory.mktemp("eval") / "data"
-    data.mkdir()
-    write_run(data, "trained", tiny_target, tiny_samples, eval_messages, train={"epochs": 40, "lr": 1e-2, "save_every": 1000})
-    result = train_drafter(RunSpec.load(data, "trained"), data=data, model_dir=tiny_target.model_dir, device="cpu")
-    return result.drafter.eval()
-
-
-@pytest.fixture(scope="module")
-def untrained_drafter(tiny_target) -> Eagle3Drafter:
-    torch.manual_seed(1)
-    config = DrafterConfig.from_target_config(read_target_config(tiny_target.model_dir), draft_vocab_size=256, layer_ids=LAYER_IDS)
-    drafter = Eagle3Drafter(config)
-    drafter.load_embedding(load_target_head(tiny_target.model_dir).embed)
-    drafter.set_vocab_mapping(torch.arange(256), torch.arange(config.vocab_size) < 256)
-    return drafter.eval()
 
 
 def decode(target, proposer, messages, draft_steps=3, max_new=MAX_NEW):
@@ -122,7 +91,8 @@ def test_report_counts_steps_and_tokens_per_prompt(trained_drafter, tiny_target,
     cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2, curve_max_steps=1, baselines=False)  # the headline only
     report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, cfg,
                               progress=lambda d, t: seen.append((d, t)))
-    assert seen == [(i, len(prompts)) for i in range(1, len(prompts) + 1)]
+    # One report per decode of the batch (the drafter at k = 1 and 2): prompts done so far, rising to all of them.
+    assert seen == [(len(prompts) // 2, len(prompts)), (len(prompts), len(prompts))]
     assert [row["sample_id"] for row in report["prompts"]] == list(range(100, 100 + len(prompts)))
     assert report["steps"] == sum(row["steps"] for row in report["prompts"]) and report["draft_steps"] == 2
     assert all(row["tokens"] == sum(row["accepted"]) + 1 for row in report["prompts"])
@@ -208,7 +178,8 @@ def test_the_loop_takes_proposals_shorter_than_k_or_none_and_refuses_longer_ones
 def test_a_decode_that_departs_from_greedy_is_a_named_failure_naming_where(monkeypatch, untrained_drafter, tiny_target,
                                                                            eval_messages):
     # An accept rule that takes every draft: the untrained drafter's wrong drafts reach the output.
-    monkeypatch.setattr(evaluate, "accepted_prefix", lambda drafts, greedy: len(drafts))
+    for module in (speculative, speculative_batch):  # the batched loop the report uses, the single one below
+        monkeypatch.setattr(module, "accepted_prefix", lambda drafts, greedy: len(drafts))
     prompts = [EvalPrompt(300, eval_messages[0])]
     cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2, curve_max_steps=2)
     report = evaluate_sets(tiny_target.model, tiny_target.tokenizer, untrained_drafter, [EvalSet("holdout", prompts, [])], cfg)
@@ -233,7 +204,8 @@ def test_sets_are_reported_each_and_the_first_is_the_headline(untrained_drafter,
     cfg = EvalConfig(max_new_tokens=8, draft_steps=2, curve_max_steps=1, baselines=False)
     report = evaluate_sets(tiny_target.model, tiny_target.tokenizer, untrained_drafter, sets, cfg,
                            progress=lambda d, t: seen.append((d, t)))
-    assert seen == [(1, 3), (2, 3), (3, 3)]
+    # After each of a set's two decodes (k = 1, 2), its prompts' share; earlier sets count as done.
+    assert seen == [(0, 3), (1, 3), (2, 3), (3, 3)]
     assert list(report["sets"]) == ["holdout", "humaneval"] and report["headline_set"] == "holdout"
     assert report["acceptance_length"] == report["sets"]["holdout"]["acceptance_length"]
     assert [row["sample_id"] for row in report["prompts"]] == [1]

@@ -111,7 +111,7 @@ def test_a_run_that_held_nothing_out_skips_evaluation(job_settings, make_run, re
 def test_a_decode_that_departs_from_greedy_fails_the_job_after_the_report_is_written(
     job_settings, make_run, redis_conn, data_dir, tiny_target, monkeypatch
 ):
-    from services.trainer import evaluate as evaluation
+    from services.trainer import speculative_batch
     from services.trainer.export import export_drafter
     from services.trainer.model import DrafterConfig, Eagle3Drafter
     from services.trainer.target_head import load_target_head, read_target_config
@@ -126,7 +126,7 @@ def test_a_decode_that_departs_from_greedy_fails_the_job_after_the_report_is_wri
     drafter.set_vocab_mapping(torch.zeros(256, dtype=torch.int64), torch.arange(config.vocab_size) < 256)  # ids 0..255
     export_drafter(drafter, paths.export_dir, target_model="tiny", target_fingerprint=tiny_target.fingerprint)
     # An accept rule that takes every draft: the random drafter's wrong drafts reach the output.
-    monkeypatch.setattr(evaluation, "accepted_prefix", lambda drafts, greedy: len(drafts))
+    monkeypatch.setattr(speculative_batch, "accepted_prefix", lambda drafts, greedy: len(drafts))
     with pytest.raises(SpeculativeMismatch, match=r"set holdout, prompt \d+, method drafter, k 1, first differing position"):
         job_settings.evaluate({"run": "departs"})
     report = json.loads(paths.eval_report.read_text())  # written before the failure: the numbers stay readable
