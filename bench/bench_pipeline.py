@@ -163,8 +163,9 @@ def summary(evaluation: dict[str, Any]) -> dict[str, Any]:
     """Per set: prompts, greedy check, and each method's curve (the per-prompt rows stay in eval.json)."""
     out = {}
     for name, one in evaluation.get("sets", {}).items():
-        out[name] = {"prompts": len(one["prompts"]), "greedy_check": one["greedy_check"],
-                     **{method: {"curve": m.get("curve"), "acceptance_length": m.get("acceptance_length")}
+        out[name] = {"prompts": len(one["prompts"]), "greedy_check": one["greedy_check"], "seconds": one["seconds"],
+                     "headline": {"draft_steps": one["draft_steps"], "acceptance_length": one["acceptance_length"]},
+                     **{method: {"curve": m["curve"]} if "curve" in m else {"acceptance_length": m["acceptance_length"]}
                         for method, m in one["methods"].items()}}
     return out
 

@@ -165,6 +165,23 @@ def variants(model: Any, loaded: LoadedModel, batch: list[list[int]], new_tokens
     return ms
 
 
+def cold_lengths(loaded: LoadedModel, batch_size: int, new_tokens: int, low: int, high: int) -> dict[str, float]:
+    """ms per step with cuDNN attention on and off, each first on lengths no earlier decode met (a longest
+    prompt of its own), then again on the same lengths."""
+    ms, vocab = {}, int(loaded.model.config.vocab_size)
+    for offset, cudnn in ((40, True), (80, False)):
+        batch = prompts(batch_size, vocab, low, high + offset)
+        batch[0] = batch[0][:1] * (high + offset)  # the longest prompt sets every step's key length
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        try:
+            for when in ("new_lengths", "same_lengths_again"):
+                ms[f"cudnn_{'on' if cudnn else 'off'}_{when}"] = 1000 * time_ours(loaded, batch, new_tokens) / new_tokens
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+    log.info("cuDNN attention, new and repeated lengths (ms/step): %s", ms)
+    return ms
+
+
 def profile_ours(loaded: LoadedModel, batch: list[list[int]], steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -189,6 +206,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="also HF generate with a static cache and torch.compile")
     parser.add_argument("--variants", type=int, default=0, help="batch size of the one-knob-at-a-time variants")
+    parser.add_argument("--cold-check", type=int, default=0,
+                        help="batch size of the cuDNN on/off check on new lengths; only that runs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     configure_logging()
@@ -211,6 +230,11 @@ def main() -> None:
             row[f"{key}_tokens_per_s"] = b * args.new_tokens / row[f"{key}_s"]
         log.info("batch %d: %s", b, json.dumps(row))
         results["decode"].append(row)
+    if args.cold_check:
+        results["cold_lengths_ms_per_step"] = cold_lengths(loaded, args.cold_check, args.new_tokens, low, high)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     if args.variants:
         results["variants_ms_per_step"] = variants(model, loaded, prompts(args.variants, vocab, low, high),
                                                    args.new_tokens)

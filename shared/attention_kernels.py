@@ -4,8 +4,9 @@ PyTorch's ``scaled_dot_product_attention`` picks cuDNN's kernel on recent GPUs (
 builds an execution plan for every new sequence length, on the host, a few milliseconds per layer. The
 services' shapes change all the time: a decode step's key length grows by one, every verification pass
 of speculative decoding adds a block, every hidden-state group has its own width. Measured on an H200
-with a 30-layer target (bench/RESULTS.md): a 256-row decode step took 71–100 ms while cuDNN met new
-lengths and 24 ms without it. Flash and memory-efficient attention need no plan, so they are kept.
+with a 30-layer target (bench/RESULTS.md): a 256-row decode step took 70 ms on lengths cuDNN had not met,
+28 ms when the same lengths came again, and 25 ms either way without cuDNN. Flash and memory-efficient
+attention need no plan, so they stay on.
 
 torch is imported only when called: ``shared`` stays importable without it.
 """

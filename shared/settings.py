@@ -173,7 +173,7 @@ class TrainerSettings(CommonSettings):
 
     eval_procs: int = Field(
         1, ge=1, description="Processes an evaluate job decodes in, each with its own copy of target and drafter; "
-        "single-sequence decoding leaves a GPU mostly idle, so several share one.",
+        "each decodes its share as one batch; several use more CPU cores, one suits a GPU.",
     )
     eval_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="The target's dtype during evaluation; float32 keeps the greedy-equality check tight.",
