@@ -10,8 +10,8 @@ Builds everything on the machine it runs on, nothing is downloaded:
   vocabulary 128,256) and a ``model.safetensors`` holding only ``embed_tokens`` and ``lm_head``, random
   bf16. The trainer reads nothing else of a target (``target_head.py``); the config's 32 layers make the
   default auxiliary layers [1, 15, 28] that the files record and the trainer checks;
-- a pool of hidden-state files written by the inference server's own writer code (``encode_sample`` and
-  ``atomic_write_bytes``) at the run layout's paths: random bf16 states, token ids drawn from a skewed
+- a pool of hidden-state files written by the inference server's own writer code (``write_sample``, atomic)
+  at the run layout's paths: random bf16 states, token ids drawn from a skewed
   (Zipf-like) distribution so the draft vocabulary mapping means something, and a loss mask of zeros over a
   "prompt" of 10-50 % of the sample, then ones over the "reply";
 - for every (batch size, process count) one run (``RunSpec``, one epoch) whose hidden-state files are hard
@@ -82,7 +82,7 @@ def make_target(model_dir: Path, args: argparse.Namespace, device: torch.device)
 
 
 def writer_target(model_dir: Path) -> object:
-    """The target as the hidden-state writer sees it: ``encode_sample`` reads its name, fingerprint and
+    """The target as the hidden-state writer sees it: ``write_sample`` reads its name, fingerprint and
     dtype only, so no model or tokenizer is loaded."""
     from shared.fingerprint import model_fingerprint
     from services.inference.model import LoadedModel
@@ -94,8 +94,7 @@ def writer_target(model_dir: Path) -> object:
 
 def make_pool(data: Path, model_dir: Path, count: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """``count`` hidden-state files at the pool run's paths; returns each one's length and loss-mask count."""
-    from services.inference.hidden import HiddenJob, encode_sample
-    from shared.atomic import atomic_write_bytes
+    from services.inference.hidden import HiddenJob, write_sample
 
     loaded = writer_target(model_dir)
     layer_ids = tuple(eagle3.default_layer_ids(args.layers))
@@ -116,7 +115,7 @@ def make_pool(data: Path, model_dir: Path, count: int, args: argparse.Namespace,
         last = torch.randn(length, args.hidden, generator=dev_gen, device=device, dtype=torch.bfloat16).cpu()
         path = paths.hidden(sample_id)
         job = HiddenJob(ids.tolist(), mask, path, str(path.relative_to(data)), layer_ids)
-        atomic_write_bytes(path, encode_sample(loaded, job, aux, last))
+        write_sample(loaded, job, aux, last)
         index.append({"sample_id": sample_id, "length": length, "loss_tokens": length - prompt})
     return index
 

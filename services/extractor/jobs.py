@@ -1,5 +1,8 @@
 """The extract job: prompt + reply → token ids and loss mask → hidden-state file, verified before it counts.
 
+The ids are the engine's own where the reply record carries them (``token_ids``, from servers that return
+them), else the target's chat template renders the conversation (``tokenize.py`` says how).
+
 A sample counts as extracted only after ``verify_hidden_file`` accepts what the server wrote: shapes
 match the tokens we sent, the layer ids are the run's, every value is finite, and the checksum is the
 one the server reported. The verified file is then recorded in its shard's ``manifest.jsonl`` (what a
@@ -21,7 +24,7 @@ from services.extractor.client import (
     HiddenStatesResult,
     MalformedHiddenResponse,
 )
-from services.extractor.tokenize import build_sample
+from services.extractor.tokenize import build_sample, engine_sample
 from shared import eagle3
 from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
@@ -118,9 +121,13 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_d
     record = _read_reply(state, job.sample_id)  # a missing or torn reply fails the sample before any tokenizing
     turn_end = turn_end_of(tokenizer, model_dir)
     reply = record.get("reply") or {}
-    input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
-                                        reply.get("reasoning_content"), spec.extraction.max_length,
-                                        turn_end=turn_end, finished=record.get("finish_reason") != "length")
+    engine = engine_ids(record, state.paths.generated(job.sample_id))
+    if engine is not None:  # the ids the engine ran: nothing to render or re-tokenize
+        input_ids, loss_mask = engine_sample(*engine, spec.extraction.max_length)
+    else:
+        input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
+                                            reply.get("reasoning_content"), spec.extraction.max_length,
+                                            turn_end=turn_end, finished=record.get("finish_reason") != "length")
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},
@@ -138,6 +145,19 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_d
         raise MalformedHiddenResponse(f"server reports layer convention {result.layer_convention!r}, "
                                       f"expected {eagle3.LAYER_CONVENTION!r}")
     return result, info
+
+
+def engine_ids(record: dict, path: Path) -> tuple[list[int], list[int]] | None:
+    """The engine's (prompt ids, reply ids) of a reply record, None where the server returned none."""
+    ids = record.get("token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, dict) or not all(
+            isinstance(ids.get(k), list) and all(type(t) is int and t >= 0 for t in ids[k]) for k in ("prompt", "reply")):
+        raise GeneratedFileError(f"{path}: token_ids is not {{'prompt': [ids], 'reply': [ids]}}")
+    if not ids["prompt"] or not ids["reply"]:
+        raise GeneratedFileError(f"{path}: token_ids has an empty prompt or reply")
+    return ids["prompt"], ids["reply"]
 
 
 def _record_manifest(state: RunState, sample_id: int, info: HiddenFileInfo) -> None:

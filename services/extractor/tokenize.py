@@ -31,6 +31,13 @@ The explicit path refuses (``ReasoningNotRendered``) where it would invent token
 ``</think>`` (the reasoning came in another format, which this code cannot rebuild), or a prompt that
 already closes the think block (the target was told not to think, yet reasoning is recorded).
 
+**Engine path** (the reply record carries the engine's own token ids: the built-in server and vLLM
+return them when asked, ``return_token_ids``). The sample is the engine's prompt ids followed by the ids
+it generated, exactly: nothing is rendered or re-tokenized, so no template quirk, BPE merge across the
+reply's boundary or dropped reasoning can make the drafter learn tokens the target never produced. The
+generated ids already hold the thinking and, for a reply that stopped, the end-of-turn token the target
+chose; a reply cut at ``max_tokens`` simply has none.
+
 ``{% generation %}`` markers (``return_assistant_tokens_mask``) are not used: few real templates have
 them and they disagree on whether the end-of-turn token is inside. Tests use them as an oracle where the
 template has them.
@@ -155,3 +162,12 @@ def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_
         full = full[:end]
     mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
     return full[:max_length], mask[:max_length]
+
+
+def engine_sample(prompt_ids: list[int], reply_ids: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` from the engine's own ids, truncated to ``max_length``; PromptTooLong
+    when no reply token fits."""
+    if len(prompt_ids) >= max_length:
+        raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens; max_length {max_length} leaves no room for the reply")
+    ids = [*prompt_ids, *reply_ids][:max_length]
+    return ids, ([0] * len(prompt_ids) + [1] * len(reply_ids))[:max_length]

@@ -44,6 +44,8 @@ class Completion:
     finish_reason: str | None
     model: str
     usage: dict = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None  # the engine's own ids, where it returns them (return_token_ids)
+    token_ids: list[int] | None = None
 
     @property
     def completion_tokens(self) -> int | None:
@@ -64,7 +66,18 @@ def chat_payload(model: str, messages: list[dict], generation: GenerationConfig,
         "temperature": generation.temperature,
         "top_p": generation.top_p,
         "seed": seed,
+        # vLLM's extension, also the built-in server's: the ids the engine ran, so extraction re-tokenizes nothing.
+        "return_token_ids": True,
     }
+
+
+def token_ids_of(value: object, what: str) -> list[int] | None:
+    """A list of token ids, or None where the server sent none; anything else is a malformed answer."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise MalformedCompletion(f"{what} is not a list of token ids: {str(value)[:200]}")
+    return value
 
 
 def parse_completion(body: object) -> Completion:
@@ -79,6 +92,8 @@ def parse_completion(body: object) -> Completion:
             finish_reason=choice.get("finish_reason"),
             model=str(body.get("model", "")),
             usage=dict(body.get("usage") or {}),
+            prompt_token_ids=token_ids_of(body.get("prompt_token_ids"), "prompt_token_ids"),
+            token_ids=token_ids_of(choice.get("token_ids"), "the choice's token_ids"),
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise MalformedCompletion(f"not a chat completion ({type(exc).__name__}: {exc}): {str(body)[:200]}") from None

@@ -132,7 +132,7 @@ def record_failure(state: RunState, sample_id: int, exc: BaseException) -> str:
 
 
 def reply_record(item: PromptItem, completion: Completion) -> dict:
-    return {
+    record = {
         "schema_version": SCHEMA_VERSION,
         "sample_id": item.sample_id,
         "messages": item.messages,
@@ -141,6 +141,9 @@ def reply_record(item: PromptItem, completion: Completion) -> dict:
         "finish_reason": completion.finish_reason,
         "model": completion.model,
     }
+    if completion.prompt_token_ids is not None and completion.token_ids is not None:
+        record["token_ids"] = {"prompt": completion.prompt_token_ids, "reply": completion.token_ids}
+    return record
 
 
 def save_reply(state: RunState, item: PromptItem, completion: Completion) -> None:

@@ -1,19 +1,19 @@
-"""One hidden-state sample: the forward pass that yields it and the safetensors bytes that store it."""
+"""One hidden-state sample: the forward pass that yields it and the safetensors file that stores it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import save
 
 from services.inference.model import LoadedModel
 from shared import SCHEMA_VERSION, eagle3
+from shared.hidden_write import RawTensor, write_safetensors
 
 RESERVED_METADATA = frozenset({
     eagle3.META_FORMAT, eagle3.META_SCHEMA, eagle3.META_LAYER_IDS, eagle3.META_CONVENTION,
@@ -103,18 +103,24 @@ def sample_metadata(loaded: LoadedModel, job: HiddenJob) -> dict[str, str]:
     }
 
 
-def encode_sample(loaded: LoadedModel, job: HiddenJob, aux: torch.Tensor, last: torch.Tensor) -> bytes:
-    """The safetensors bytes of one sample; ``aux`` (L, 3H) and ``last`` (L, H) are host tensors."""
+def host_tensor(t: torch.Tensor, dtype: str) -> RawTensor:
+    """A host tensor's memory as the file stores it, without a copy (bf16 travels as its raw bytes)."""
+    return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
+
+
+def write_sample(loaded: LoadedModel, job: HiddenJob, aux: torch.Tensor, last: torch.Tensor) -> WrittenSample:
+    """Write one sample's file atomically; ``aux`` (L, 3H) and ``last`` (L, H) are host tensors."""
     tensors = {
-        eagle3.INPUT_IDS: torch.tensor(job.input_ids, dtype=torch.int64),
-        eagle3.LOSS_MASK: torch.tensor(job.loss_mask, dtype=torch.uint8),
-        eagle3.AUX_HIDDEN: aux.contiguous(),
-        eagle3.LAST_HIDDEN: last.contiguous(),
+        eagle3.INPUT_IDS: RawTensor.of(np.asarray(job.input_ids, dtype=np.int64)),
+        eagle3.LOSS_MASK: RawTensor.of(np.asarray(job.loss_mask, dtype=np.uint8)),
+        eagle3.AUX_HIDDEN: host_tensor(aux, loaded.dtype_name),
+        eagle3.LAST_HIDDEN: host_tensor(last, loaded.dtype_name),
     }
-    return save(tensors, metadata=sample_metadata(loaded, job))
+    written = write_safetensors(job.path, tensors, sample_metadata(loaded, job))
+    return describe_sample(loaded, job, written.sha256, written.nbytes)
 
 
-def describe_sample(loaded: LoadedModel, job: HiddenJob, data: bytes) -> WrittenSample:
+def describe_sample(loaded: LoadedModel, job: HiddenJob, sha256: str, nbytes: int) -> WrittenSample:
     length, hidden = job.num_tokens, loaded.hidden_size
     return WrittenSample(
         path=job.relative_path,
@@ -127,6 +133,6 @@ def describe_sample(loaded: LoadedModel, job: HiddenJob, data: bytes) -> Written
         },
         dtype=loaded.dtype_name,
         layer_ids=list(job.layer_ids),
-        sha256=hashlib.sha256(data).hexdigest(),
-        bytes=len(data),
+        sha256=sha256,
+        bytes=nbytes,
     )

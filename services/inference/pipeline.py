@@ -3,9 +3,9 @@
     submit() ─▶ queue ─▶ forward thread: group up to ``batch_tokens`` (padded), forward under
                          inference_mode, copy each row's states to host (CUDA: pinned buffers,
                          non_blocking, then a recorded event)
-                      ─▶ writer pool: wait for the event, serialize, write atomically, resolve the future
+                      ─▶ writer pool: wait for the event, write header and tensor memory atomically, resolve the future
 
-While the writers serialize and write one group, the forward thread already computes the next. A
+While the writers write one group, the forward thread already computes the next. A
 semaphore bounds the groups waiting for their writers, so slow storage stalls the GPU instead of
 filling host memory.
 """
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.inference.hidden import HiddenJob, WrittenSample, describe_sample, encode_sample, forward_hidden
+from services.inference.hidden import HiddenJob, WrittenSample, forward_hidden, write_sample
 from services.inference.model import LoadedModel
-from shared.atomic import atomic_write_bytes
 from shared.disk import format_bytes, volume_usage
 from shared.errors import DraftlineError
 
@@ -250,11 +249,10 @@ class HiddenStatePipeline:
         try:
             if host.ready is not None:
                 host.ready.synchronize()
-            data = encode_sample(self.loaded, job, host.aux_rows[row], host.last_rows[row])
-            atomic_write_bytes(job.path, data)
+            written = write_sample(self.loaded, job, host.aux_rows[row], host.last_rows[row])
             if self._on_written is not None:
-                self._on_written(len(data))
-            fut.set_result(describe_sample(self.loaded, job, data))
+                self._on_written(written.bytes)
+            fut.set_result(written)
         except Exception as exc:
             if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
                 exc = VolumeFull(job, exc)  # atomic_write already removed the temp file

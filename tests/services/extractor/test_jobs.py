@@ -153,3 +153,46 @@ def test_extractor_worker_process_drains_the_queue(inference, data_dir, redis_ur
         assert state.counts("extract").done == len(REPLIES), worker.log()
     for sample_id in REPLIES:
         verify_hidden_file(state.paths.hidden(sample_id), layer_ids=[1, 3, 4])
+
+
+def engine_record(state: RunState, sample_id: int, token_ids) -> None:
+    record = json.loads(state.paths.generated(sample_id).read_text())
+    atomic_write_json(state.paths.generated(sample_id), {**record, "token_ids": token_ids})
+
+
+def test_the_engines_own_token_ids_are_extracted_as_they_are(inference, data_dir, redis_url, redis_conn, tmp_path,
+                                                            tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "engine", extraction=ExtractionConfig(max_length=40))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    # Ids no template would give for the recorded text: the file must hold the engine's ids, not a re-rendering.
+    reply = [17, 17, 5, 9, 300, tokenizer.eos_token_id]
+    engine_record(state, 1, {"prompt": prompt, "reply": reply})
+    long_reply = list(range(40, 40 + 50))  # runs past max_length: cut, mask and ids alike
+    engine_record(state, 0, {"prompt": prompt, "reply": long_reply})
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    assert [extract(state, i, cfg, redis_conn) for i in (0, 1)] == ["done", "done"]
+    one = load_file(state.paths.hidden(1))
+    assert one["input_ids"].tolist() == prompt + reply
+    assert one["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(reply)
+    cut = load_file(state.paths.hidden(0))
+    assert cut["input_ids"].tolist() == (prompt + long_reply)[:40]
+    assert cut["loss_mask"].tolist() == ([0] * len(prompt) + [1] * 50)[:40]
+
+
+@pytest.mark.parametrize("token_ids, says", [
+    ({"prompt": [1, 2], "reply": "17 18"}, "token_ids is not"),
+    ({"prompt": [1, -2], "reply": [5]}, "token_ids is not"),
+    ({"prompt": [1, 2]}, "token_ids is not"),
+    ({"prompt": [1, 2], "reply": []}, "empty prompt or reply"),
+])
+def test_malformed_engine_token_ids_fail_that_sample_by_name(token_ids, says, inference, data_dir, redis_url, redis_conn,
+                                                            tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, f"bad-ids-{abs(hash(says)) % 1000}-{len(str(token_ids))}")
+    engine_record(state, 1, token_ids)
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    assert [extract(state, i, cfg, redis_conn) for i in (1, 2)] == ["failed", "done"]  # the other sample is untouched
+    (failure,) = state.failures("extract")
+    assert failure.error_class == "GeneratedFileError" and says in failure.message and failure.sample_id == 1
+    assert not state.paths.hidden(1).exists()

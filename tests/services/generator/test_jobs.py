@@ -89,7 +89,7 @@ def test_request_carries_the_runs_generation_settings_and_a_per_sample_seed(data
     run_generate(GenerateJob(run=RUN, items=items), settings(data_dir, redis_url, server), redis_conn)
     sent = {r["messages"][-1]["content"]: r for r in server.requests}
     assert sent["p2"] == {"model": "target-model", "messages": [{"role": "user", "content": "p2"}], "max_tokens": 33,
-                          "temperature": 0.7, "top_p": 0.9, "seed": 102}
+                          "temperature": 0.7, "top_p": 0.9, "seed": 102, "return_token_ids": True}
     assert sent["p0"]["seed"] == 100
 
 

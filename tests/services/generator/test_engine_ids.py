@@ -1,0 +1,62 @@
+"""Replies keep the engine's own token ids: the real built-in server answers ``return_token_ids`` as vLLM does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.controller.submit import submit_run
+from services.generator.client import MalformedCompletion, parse_completion
+from services.generator.jobs import run_generate
+from shared.jobs import GenerateJob, PromptItem
+from shared.runspec import EvalConfig, GenerationConfig
+from shared.runstate import RunState
+from shared.settings import GeneratorSettings
+from tests.services.controller.test_datasets import write_jsonl
+from tests.support.processes import ServiceProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def inference(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    env = {"DRAFTLINE_MODEL_DIR": str(tiny_model_dir), "DRAFTLINE_DATA": str(tmp_path_factory.mktemp("vol")),
+           "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1", "DRAFTLINE_DEVICE": "cpu"}
+    with ServiceProcess("inference", env=env, log_dir=tmp_path_factory.mktemp("logs"),
+                        health_url=f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_a_reply_record_holds_the_prompt_and_reply_ids_the_engine_ran(inference, data_dir, redis_url, redis_conn,
+                                                                      tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    prompts = ["What is 2 + 2?", "Name three primes.", "held out"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in prompts])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name="ids", model="tiny",
+               generation=GenerationConfig(max_tokens=12, min_completion_tokens=1, temperature=0.0),
+               evaluate=EvalConfig(holdout=1))
+    state = RunState(redis_conn, data_dir, "ids")
+    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
+    cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=2,
+                            request_timeout_s=60)
+    assert run_generate(GenerateJob(run="ids", items=items), cfg, redis_conn) == {"done": 2}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for item in items:
+        record = json.loads(state.paths.generated(item.sample_id).read_text())
+        ids = record["token_ids"]
+        assert ids["prompt"] == list(tokenizer.apply_chat_template(item.messages, add_generation_prompt=True,
+                                                                   tokenize=True, return_dict=True)["input_ids"])
+        assert len(ids["reply"]) == record["usage"]["completion_tokens"] >= 1
+        assert tokenizer.decode(ids["reply"], skip_special_tokens=True).strip() == record["reply"]["content"].strip()
+
+
+def test_token_ids_that_are_not_ids_make_the_answer_malformed_and_absent_ones_are_none():
+    body = {"model": "m", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}
+    assert parse_completion(body).token_ids is None and parse_completion(body).prompt_token_ids is None
+    ok = parse_completion({**body, "prompt_token_ids": [1, 2],
+                           "choices": [{**body["choices"][0], "token_ids": [5, 6]}]})
+    assert (ok.prompt_token_ids, ok.token_ids) == ([1, 2], [5, 6])
+    for bad in ({"prompt_token_ids": [1, "2"]}, {"prompt_token_ids": [True]}, {"prompt_token_ids": 3}):
+        with pytest.raises(MalformedCompletion, match="prompt_token_ids is not a list of token ids"):
+            parse_completion({**body, **bad})
