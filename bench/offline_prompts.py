@@ -3,7 +3,9 @@
 The GPU benchmark needs thousands of prompts with no network and none of them an evaluation prompt.
 Each public function and class of the standard library (its name and the first line of its docstring)
 and each of pydoc's help topics becomes a few instructions of the kinds users send a small assistant:
-explain, use in code, compare, debug. The set is deterministic (sorted names, a fixed seed), so two
+explain, use in code, compare, debug. Each pure-Python function with a docstring also becomes a code
+completion task, its signature and docstring in a code block: the form code benchmarks such as HumanEval
+ask in (``services/trainer/evalsets.py``), with the standard library's functions, never theirs. The set is deterministic (sorted names, a fixed seed), so two
 runs train on the same rows; HumanEval's prompts never appear in it (they are not stdlib docstrings).
 
     python bench/offline_prompts.py out.jsonl --count 6000
@@ -12,6 +14,7 @@ runs train on the same rows; HumanEval's prompts never appear in it (they are no
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import json
@@ -37,6 +40,9 @@ OBJECT_TEMPLATES = [
     "My code calls `{name}` and does not do what I expect. What should I check first?",
     "Summarise in two sentences: {doc}",
 ]
+# The wording HumanEval's prompts are asked in (services/trainer/evalsets.py), kept apart so a change there
+# is a choice here too.
+COMPLETION_WORDING = "Complete this Python function:\n```python\n{code}```"
 TOPIC_TEMPLATES = [
     "Explain the Python concept \"{name}\" to a beginner.",
     "Write a short, correct example that demonstrates Python's {name}.",
@@ -72,6 +78,42 @@ def documented_objects() -> Iterator[tuple[str, str]]:
                 yield f"{module_name}.{attr}", doc
 
 
+def completion_tasks() -> Iterator[str]:
+    """A "complete this function" prompt per pure-Python stdlib function: its signature and docstring
+    (up to the first blank line), the body left for the model to write; a function two modules expose
+    under one name is asked once."""
+    seen: set[str] = set()
+    for module_name in sorted(sys.stdlib_module_names):
+        if module_name.startswith("_") or module_name in SKIP:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 — a module this platform lacks is simply not a source
+            continue
+        for attr in sorted(getattr(module, "__all__", None) or dir(module)):
+            obj = getattr(module, attr, None)
+            if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module_name:
+                continue
+            doc = (inspect.getdoc(obj) or "").split("\n\n")[0].strip()
+            try:
+                signature = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            if not (20 <= len(doc) <= 600 and len(signature) <= 120 and '"""' not in doc):
+                continue
+            indented = "\n    ".join(doc.splitlines())
+            code = f'def {attr}{signature}:\n    """{indented}\n    """\n'
+            try:  # a default shown by its repr (``<class 'dict'>``) is no Python a model should copy
+                ast.parse(code + "    pass\n")
+            except SyntaxError:
+                continue
+            if code not in seen:
+                seen.add(code)
+                yield COMPLETION_WORDING.format(code=code)
+
+
 def help_topics() -> list[str]:
     from pydoc_data.topics import topics
 
@@ -81,6 +123,8 @@ def help_topics() -> list[str]:
 def prompts(count: int, seed: int = 0) -> list[dict]:
     rows = [{"prompt": t.format(name=name, doc=doc)} for name, doc in documented_objects() for t in OBJECT_TEMPLATES]
     rows += [{"prompt": t.format(name=name)} for name in help_topics() for t in TOPIC_TEMPLATES]
+    rows += [{"prompt": task} for task in completion_tasks()]
+    rows = [{"prompt": p} for p in dict.fromkeys(row["prompt"] for row in rows)]  # one of each, first kept
     random.Random(seed).shuffle(rows)
     if len(rows) < count:
         raise SystemExit(f"only {len(rows)} prompts available, {count} asked for")
