@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared.attention_kernels import avoid_cudnn_attention
 from shared.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
@@ -66,6 +65,17 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def avoid_cudnn_attention() -> None:
+    """Turn cuDNN's attention kernel off for this process (process-wide, idempotent). On H100/H200 PyTorch's
+    SDPA picks it, and it builds an execution plan on the host for every new sequence length: each decode
+    step (its key length grows by one) and each hidden-state group (its own width) met new lengths. Measured
+    on an H200 (bench/RESULTS.md, "Decode step profile"): a 256-row decode step took 70 ms on new lengths
+    with it, 25 ms without. Flash and memory-efficient attention need no plan and stay on."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuDNN attention off: it re-plans for every new sequence length")
+
+
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     """bf16 on CUDA and fp32 on CPU unless the settings name one (CPU bf16 matmuls are slow and lossy)."""
     if setting == "auto":
@@ -109,7 +119,8 @@ def load_model(settings: InferenceSettings) -> LoadedModel:
     model_dir = Path(settings.model_dir)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    avoid_cudnn_attention(device.type)  # every decode step and hidden-state group has a new length
+    if device.type == "cuda":
+        avoid_cudnn_attention()
     log.info("loading target %s on %s in %s", model_dir, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from shared.attention_kernels import avoid_cudnn_attention
 from shared.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
 from shared.runspec import EvalConfig
@@ -39,6 +38,7 @@ from services.trainer.evalsets import EvalPrompt, EvalSet
 from services.trainer.lookup import LookupProposer, NoProposer
 from services.trainer.model import Eagle3Drafter
 from services.trainer.speculative import DecodeResult, eos_ids_of
+from services.trainer.train import avoid_cudnn_attention
 from services.trainer.speculative_batch import (
     BatchDrafterProposer,
     RowProposers,
@@ -314,7 +314,8 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
     built-in server does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    avoid_cudnn_attention(device.type)  # every verification pass meets a new key length
+    if device.type == "cuda":
+        avoid_cudnn_attention()  # every verification pass meets a new key length
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     turn_end = find_turn_end(tokenizer).token_id

@@ -66,7 +66,6 @@ from torch.utils.data import DataLoader
 
 from shared import eagle3
 from shared.atomic import atomic_write_text
-from shared.attention_kernels import avoid_cudnn_attention
 from shared.drafter_format import TargetFacts, check_base_fits, check_drafter, mapping_tensors, read_config
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError, HiddenStateFileError, UnsupportedRopeScaling
 from shared.fingerprint import model_fingerprint
@@ -320,8 +319,18 @@ def warn_on_rope_difference(base: Path, config: DrafterConfig, target_config: di
 
 def pick_device(name: str) -> torch.device:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
-    avoid_cudnn_attention(device.type)  # every batch has its own length
+    if device.type == "cuda":
+        avoid_cudnn_attention()
     return device
+
+
+def avoid_cudnn_attention() -> None:
+    """Turn cuDNN's attention kernel off for this process: it plans anew on the host for every new sequence
+    length (each batch and verification pass has its own), the inference server's measured reason
+    (``services.inference.model.avoid_cudnn_attention``); flash and memory-efficient attention stay on."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuDNN attention off: it re-plans for every new sequence length")
 
 
 @dataclass

@@ -76,3 +76,24 @@ def test_safetensors_dtype_names_and_refusal():
     assert [safetensors_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["F32", "BF16", "F16"]
     with pytest.raises(ValueError, match="not supported"):
         safetensors_dtype(torch.float64)
+
+
+@pytest.fixture
+def cudnn_attention_restored():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_cudnn_attention_is_switched_off_and_the_other_kernels_stay(cudnn_attention_restored):
+    from services.inference.model import avoid_cudnn_attention as for_inference
+    from services.trainer.train import avoid_cudnn_attention as for_training, pick_device
+
+    for switch in (for_inference, for_training):
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        pick_device("cpu")  # CPU work leaves the process-wide switch alone
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        switch()
+        switch()  # a second start in the same process changes nothing
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
