@@ -39,6 +39,24 @@ def hf_hidden_index(layer_id: int) -> int:
     return layer_id + 1
 
 
+def engine_layer_id(layer_id: int) -> int:
+    """vLLM's id (``eagle_aux_hidden_state_layer_ids``) for draftline's ``layer_id``: vLLM counts as
+    ``output_hidden_states`` does (0 the embeddings, k the output of decoder layer k - 1)."""
+    return hf_hidden_index(layer_id)
+
+
+def layer_id_of_engine(engine_id: int) -> int:
+    """draftline's layer id for vLLM's ``engine_id`` (the inverse of ``engine_layer_id``)."""
+    return engine_id - 1
+
+
+def engine_saved_layers(layer_ids: list[int], num_layers: int) -> list[int]:
+    """What a vLLM server must save for a sample with these auxiliary layers: their engine ids and
+    ``num_layers``, vLLM's id of the last layer's output before the final norm, ascending (vLLM stores
+    them so)."""
+    return sorted({*(engine_layer_id(i) for i in layer_ids), num_layers})
+
+
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     if len(layer_ids) != 3:
         raise ValueError(f"EAGLE-3 uses exactly three auxiliary layers, got {layer_ids}")

@@ -158,6 +158,15 @@ class ExtractorSettings(RetrySettings):
     )
     model_dir: Path = Field(..., description="Target model directory (its tokenizer and chat template).")
     request_timeout_s: float = Field(600.0, gt=0)
+    hidden_source: Literal["builtin", "vllm"] = Field(
+        "builtin", description="Who computes hidden states: the built-in server, or a vLLM server running the "
+        "extract_hidden_states method (hidden_states_url then names the vLLM server or servers).")
+    vllm_storage: Path | None = Field(
+        None, description="vLLM source: the directory its connector writes to (shared_storage_path), as this "
+        "worker sees it; files are read and deleted there, never elsewhere.")
+    vllm_saved_layers: list[int] | None = Field(
+        None, description="vLLM source: the layer ids (vLLM's numbering) the server saves, as in its "
+        "eagle_aux_hidden_state_layer_ids; unset, the target's default auxiliary layers and the last one.")
 
 
 class TrainerSettings(CommonSettings):

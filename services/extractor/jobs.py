@@ -19,11 +19,8 @@ from pathlib import Path
 
 import redis
 
-from services.extractor.client import (
-    HiddenStatesClient,
-    HiddenStatesResult,
-    MalformedHiddenResponse,
-)
+from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
+from services.extractor.sources import HiddenStateSource, make_source
 from services.extractor.tokenize import build_sample, engine_sample
 from shared import eagle3
 from shared.atomic import read_json
@@ -34,7 +31,6 @@ from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import connect
-from shared.retry import RetryPolicy
 from shared.runspec import RunSpec, cached_spec
 from shared.runstate import Failure, RunState, run_key
 from shared.settings import ExtractorSettings, load_settings
@@ -85,13 +81,12 @@ def extract(payload: dict) -> str:
     job = ExtractJob.model_validate(payload)
     settings = worker_settings()
     # Starting at the sample id sends consecutive samples to consecutive endpoints.
-    client = HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s,
-                                policy=RetryPolicy.from_settings(settings), start=job.sample_id)
-    return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), client)
+    source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_id)
+    return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), source)
 
 
 def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis, tokenizer,
-                client: HiddenStatesClient) -> str:
+                client: HiddenStateSource) -> str:
     """Extract one sample; returns ``done``, ``skipped`` or ``failed`` (failures are recorded, not raised)."""
     state = RunState(conn, settings.data, job.run)
     if state.is_done("extract", job.sample_id):
@@ -117,7 +112,7 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
 
 
 def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
-             client: HiddenStatesClient) -> tuple[HiddenStatesResult, HiddenFileInfo]:
+             client: HiddenStateSource) -> tuple[HiddenStatesResult, HiddenFileInfo]:
     record = _read_reply(state, job.sample_id)  # a missing or torn reply fails the sample before any tokenizing
     turn_end = turn_end_of(tokenizer, model_dir)
     reply = record.get("reply") or {}

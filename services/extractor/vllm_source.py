@@ -1,0 +1,184 @@
+"""Hidden states from a vLLM server: a prefill-only request over the sample's token ids, the engine's file
+turned into draftline's verified format.
+
+vLLM saves states itself when it runs the speculative method ``extract_hidden_states`` with a KV
+connector (``services/extractor/vllm_connector.py`` on CPU hosts, the stock one on GPUs): every request's
+states of the layers named in ``eagle_aux_hidden_state_layer_ids`` go to ``<storage>/<request>.safetensors``
+(``hidden_states`` [T, layers, H] in ascending layer order, ``token_ids`` [T]) and the response names the
+path in ``kv_transfer_params.hidden_states_path``. A completions request whose prompt is the token ids
+themselves and which asks for one token covers every token of the sample and re-tokenizes nothing.
+
+Here: send that request (retries and fail-over as every client, ``shared.dispatch``), wait for the
+engine's writer (it holds ``<path>.lock`` exclusively until the file is complete), check the ids are
+the ones sent, take the auxiliary layers and apply the target's final norm to the last layer (vLLM
+saves it before the norm; draftline files hold the input of ``lm_head``), write the sample atomically
+with the same tensors and metadata the built-in server writes, and delete the engine's file and lock
+whatever happened. Layer ids map between the two conventions only through ``shared.eagle3``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
+from shared import SCHEMA_VERSION, eagle3
+from shared.dispatch import Dispatcher, http_timeout
+from shared.errors import DraftlineError
+from shared.fingerprint import model_fingerprint
+from shared.hidden_write import RawTensor, write_safetensors
+from shared.retry import Failed, RetryPolicy, answer_trouble, server_root, transport_trouble
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# Final norms that are ``weight * x / rms(x)``; another kind would need its own formula, so it is refused.
+RMS_NORM_TARGETS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"})
+
+
+class EngineLayersMissing(DraftlineError):
+    """The vLLM server does not save a layer the sample needs: it was started with other layer ids."""
+
+
+class EngineFileError(DraftlineError):
+    """The engine's hidden-state file is missing, unreadable, or not for the tokens that were sent."""
+
+
+@lru_cache(maxsize=2)
+def final_norm(model_dir: str) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm: its weight (from the checkpoint) and epsilon (from the config)."""
+    root = Path(model_dir)
+    config = json.loads((root / "config.json").read_text())
+    text = config.get("text_config") or config
+    if text.get("model_type") not in RMS_NORM_TARGETS:
+        raise EngineFileError(f"target {root.name}: model_type {text.get('model_type')!r} has no known final norm "
+                              f"(supported: {sorted(RMS_NORM_TARGETS)})")
+    name, files = "model.norm.weight", sorted(root.glob("*.safetensors"))
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = [root / json.loads(index.read_text())["weight_map"][name]]
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name).float(), float(text.get("rms_norm_eps", 1e-6))
+    raise EngineFileError(f"target {root.name}: no {name} in its checkpoint")
+
+
+def apply_norm(state: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in float32, cast back, scale (what the target's own forward computes)."""
+    x = state.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(state.dtype)
+    return (weight.to(state.dtype) * normed).contiguous()
+
+
+class VllmHiddenStates:
+    """A ``HiddenStateSource`` over one vLLM server or several (``base_url`` comma-separated)."""
+
+    def __init__(self, base_url: str, *, model: str, model_dir: Path, data: Path, storage: Path,
+                 saved_layers: list[int] | None, timeout_s: float, policy: RetryPolicy | None = None,
+                 start: int | None = None) -> None:
+        self.model, self.model_dir, self.data = model, Path(model_dir), Path(data)
+        self.storage = Path(storage).resolve()
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.num_layers = int((config.get("text_config") or config)["num_hidden_layers"])
+        self.saved_layers = sorted(saved_layers) if saved_layers else None
+        self.timeout = http_timeout(timeout_s)
+        self.policy = policy or RetryPolicy()
+        self._dispatch = Dispatcher(base_url, self.policy, "vLLM hidden-state request", start=start)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._dispatch.pool.urls
+
+    def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
+                metadata: dict[str, str], on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
+        layers = eagle3.check_layer_ids(list(layer_ids) if layer_ids else eagle3.default_layer_ids(self.num_layers),
+                                        self.num_layers)
+        saved = self.saved_layers or eagle3.engine_saved_layers(eagle3.default_layer_ids(self.num_layers), self.num_layers)
+        missing = sorted(set(eagle3.engine_saved_layers(layers, self.num_layers)) - set(saved))
+        if missing:
+            raise EngineLayersMissing(
+                f"the vLLM server saves layers {saved} (vLLM ids); this sample needs {missing} as well for draftline "
+                f"layers {layers} and the last layer: start it with eagle_aux_hidden_state_layer_ids "
+                f"{eagle3.engine_saved_layers(layers, self.num_layers)}")
+        body = {"model": self.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        engine_file = self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
+        try:
+            states = self._read(engine_file, input_ids, len(saved))  # (T, len(saved), H)
+        finally:
+            engine_file.unlink(missing_ok=True)
+            engine_file.with_name(engine_file.name + ".lock").unlink(missing_ok=True)
+        return self._write(states, saved, layers, input_ids, loss_mask, path, metadata)
+
+    def _once(self, root: str, body: dict) -> Path | Failed:
+        url = f"{server_root(root)}/v1/completions"
+        try:
+            response = httpx.post(url, json=body, timeout=self.timeout)
+        except httpx.TransportError as exc:
+            return transport_trouble(exc, url)
+        failed = answer_trouble(response, url)
+        if failed is not None:
+            return failed
+        try:
+            named = response.json()["kv_transfer_params"]["hidden_states_path"]
+        except (ValueError, KeyError, TypeError):
+            raise MalformedHiddenResponse(f"vLLM's answer names no hidden_states_path (is it started with the "
+                                          f"extract_hidden_states method and a connector?): {response.text[:200]}") from None
+        engine_file = Path(str(named)).resolve()
+        if not engine_file.is_relative_to(self.storage):  # never read, nor delete, a file outside the engine's storage
+            raise MalformedHiddenResponse(f"vLLM names {engine_file}, outside its storage {self.storage}")
+        return engine_file
+
+    @staticmethod
+    def _read(engine_file: Path, input_ids: list[int], layers: int) -> torch.Tensor:
+        lock = engine_file.with_name(engine_file.name + ".lock")
+        try:
+            with open(lock, "a+b") as handle:  # the engine's writer holds it exclusively until the file is whole
+                fcntl.flock(handle, fcntl.LOCK_SH)
+                with safe_open(str(engine_file), framework="pt") as f:
+                    states, ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+        except (OSError, KeyError, ValueError) as exc:
+            raise EngineFileError(f"{engine_file}: unreadable engine hidden-state file: {exc}") from None
+        if ids.tolist() != list(input_ids):
+            raise EngineFileError(f"{engine_file}: holds {ids.numel()} tokens that are not the {len(input_ids)} sent")
+        if states.dim() != 3 or states.shape[:2] != (len(input_ids), layers):
+            raise EngineFileError(f"{engine_file}: hidden_states {tuple(states.shape)}, expected ({len(input_ids)}, "
+                                  f"{layers}, H)")
+        return states
+
+    def _write(self, states: torch.Tensor, saved: list[int], layers: list[int], input_ids: list[int],
+               loss_mask: list[int], path: str, metadata: dict[str, str]) -> HiddenStatesResult:
+        dtype = _DTYPES[states.dtype]
+        aux = torch.cat([states[:, saved.index(eagle3.engine_layer_id(i))] for i in layers], dim=-1)  # (T, 3H)
+        weight, eps = final_norm(str(self.model_dir))
+        last = apply_norm(states[:, saved.index(self.num_layers)], weight, eps)  # (T, H)
+        tensors = {
+            eagle3.INPUT_IDS: RawTensor.of(np.asarray(input_ids, dtype=np.int64)),
+            eagle3.LOSS_MASK: RawTensor.of(np.asarray(loss_mask, dtype=np.uint8)),
+            eagle3.AUX_HIDDEN: raw(aux, dtype),
+            eagle3.LAST_HIDDEN: raw(last, dtype),
+        }
+        meta = {**metadata, eagle3.META_FORMAT: eagle3.META_FORMAT_VALUE, eagle3.META_SCHEMA: str(SCHEMA_VERSION),
+                eagle3.META_LAYER_IDS: json.dumps(layers), eagle3.META_CONVENTION: eagle3.LAYER_CONVENTION,
+                eagle3.META_MODEL: self.model, eagle3.META_MODEL_FINGERPRINT: model_fingerprint(self.model_dir),
+                eagle3.META_DTYPE: dtype}
+        written = write_safetensors(self.data / path, tensors, meta)
+        t, h = len(input_ids), last.shape[-1]
+        return HiddenStatesResult(
+            path=path, num_tokens=t, dtype=dtype, layer_ids=layers, layer_convention=eagle3.LAYER_CONVENTION,
+            shapes={eagle3.INPUT_IDS: [t], eagle3.LOSS_MASK: [t], eagle3.AUX_HIDDEN: [t, 3 * h], eagle3.LAST_HIDDEN: [t, h]},
+            sha256=written.sha256, bytes=written.nbytes)
+
+
+def raw(t: torch.Tensor, dtype: str) -> RawTensor:
+    return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
