@@ -138,10 +138,12 @@ def vllm_server(
     served_name: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float = 420.0,
+    port: int | None = None,
 ) -> Iterator[str]:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on a free loopback port,
-    wait until it is healthy and yield its base URL (``http://127.0.0.1:PORT``); stop it on exit."""
-    port = free_port()
+    """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on a free loopback port (or
+    ``port``: a restarted server keeps the URL its clients hold), wait until it is healthy and yield its base
+    URL (``http://127.0.0.1:PORT``); stop it on exit."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             *(["--served-model-name", served_name] if served_name else []), *extra_args]
