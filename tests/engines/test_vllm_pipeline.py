@@ -5,6 +5,7 @@ completes, every generated sample has its verified file, and no engine file is l
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -106,6 +107,11 @@ def test_the_run_completes_through_a_killed_engine_and_loses_nothing(finished):
     for path in files:
         verify_hidden_file(path, layer_ids=RUN_LAYERS, hidden_size=128)
     assert temp_files(paths.root) == []
+    for sample_id in range(status["expected"]):  # vLLM's own ids travelled with every reply kept
+        record = paths.generated(sample_id)
+        if record.exists():
+            ids = json.loads(record.read_text())["token_ids"]
+            assert ids["prompt"] and len(ids["reply"]) == json.loads(record.read_text())["usage"]["completion_tokens"]
     assert status["drafter"]["acceptance_length"] >= 1.0  # trained and evaluated to the end
 
 
