@@ -59,13 +59,23 @@ class DrafterConfig:
         hidden = int(text["hidden_size"])
         heads = int(text["num_attention_heads"])
         vocab = int(text["vocab_size"])
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        if text.get("kv_lora_rank"):
+            # An MLA target (DeepSeek-V3, Kimi-K2) caches one latent per token and up-projects every head's
+            # own key and value from it, so its config says num_key_value_heads == num_attention_heads; the
+            # drafter stays a plain GQA layer and takes both as they are (an override picks fewer kv heads).
+            # Its head_dim is v_head_dim, the width of each head's output that the target's o_proj reads (128
+            # for both models, as in the published Kimi-K2 drafters' configs). The config's own head_dim is not
+            # a head's width here: transformers' DeepseekV3Config writes qk_rope_head_dim there (64), and
+            # configs saved without it would give hidden // heads (112 for Kimi-K2).
+            head_dim = int(text.get("v_head_dim") or head_dim)
         derived = dict(
             hidden_size=hidden,
             target_hidden_size=hidden,
             intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=vocab,
             draft_vocab_size=min(int(draft_vocab_size), vocab),
             layer_ids=tuple(layer_ids),

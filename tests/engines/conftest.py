@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import target64
+from tests.engines import target64, target_mla
 from tests.engines.target64 import CHUNK_TOKENS, LAYER_IDS
 from tests.support.vllm_server import (
     CPU_ARGS,
@@ -39,6 +39,14 @@ def tiny64_dir() -> Iterator[Path]:
     model_dir = target64.cached_tiny64()
     yield model_dir
     target64.verify_unchanged(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_dir() -> Iterator[Path]:
+    """The tiny random Kimi-K2-shaped target, MLA + MoE (tests/engines/target_mla.py); shared and read-only."""
+    model_dir = target_mla.cached_tiny_mla()
+    yield model_dir
+    target_mla.verify_unchanged(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,23 @@ def test_from_target_config_takes_the_targets_width_and_caps_the_draft_vocabular
     assert DrafterConfig.from_target_config(target, draft_vocab_size=100, layer_ids=[1, 3, 4]).draft_vocab_size == 100
 
 
+def test_an_mla_target_gives_its_heads_and_v_head_dim_not_the_rope_width_transformers_writes_as_head_dim():
+    kimi_k2 = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
+               "num_key_value_heads": 64, "vocab_size": 163840, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 50000.0}
+    saved_by_transformers_5 = {**kimi_k2, "model_type": "deepseek_v3", "head_dim": 64}
+    for target in (kimi_k2, saved_by_transformers_5):
+        config = DrafterConfig.from_target_config(target, draft_vocab_size=32000, layer_ids=[1, 29, 57])
+        assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 64, 128)
+        assert (config.hidden_size, config.intermediate_size) == (7168, 18432)
+    tiny = {**saved_by_transformers_5, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "qk_nope_head_dim": 32, "v_head_dim": 48}
+    config = DrafterConfig.from_target_config(tiny, draft_vocab_size=64, layer_ids=[0, 1, 2])
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 4, 48)
+    assert DrafterConfig.from_target_config(tiny, draft_vocab_size=64, layer_ids=[0, 1, 2],
+                                            num_key_value_heads=2).num_key_value_heads == 2
+
+
 @torch.no_grad()
 def test_training_time_test_step_k_equals_the_serving_chain_anchored_at_the_same_index():
     """Step k of the unroll at index t must be what the drafter computes at serving time after the target
