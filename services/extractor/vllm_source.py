@@ -110,8 +110,9 @@ class VllmHiddenStates:
                 f"the vLLM server saves layers {saved} (vLLM ids); this sample needs {missing} as well for draftline "
                 f"layers {layers} and the last layer: start it with eagle_aux_hidden_state_layer_ids "
                 f"{eagle3.engine_saved_layers(layers, self.num_layers)}")
+        # save_hidden_states: what draftline's selective connector saves for (the stock one saves every request).
         body = {"model": self.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
-                "return_token_ids": True}
+                "return_token_ids": True, "kv_transfer_params": {"save_hidden_states": True}}
         engine_file = self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
         try:
             states = self._read(engine_file, input_ids, len(saved))  # (T, len(saved), H)

@@ -1,7 +1,8 @@
-"""A whole run on real vLLM: one CPU vLLM server generates, another saves hidden states, and the stack's own
-services (LocalStack, as ``make demo`` starts them) take the run through extraction, training and
-evaluation. The extraction engine is killed mid-run and started again on the same port: the run
-completes, every generated sample has its verified file, and no engine file is left behind."""
+"""A whole run on real vLLM: one CPU vLLM server both generates and saves hidden states (draftline's
+connector saves only the requests that ask: the extractor's), and the stack's own services (LocalStack, as
+``make demo`` starts them) take the run through extraction, training and evaluation. The engine is killed
+mid-run and started again on the same port: the run completes, every generated sample has its verified
+file, and no engine file is left behind, not even for the generation requests."""
 
 from __future__ import annotations
 
@@ -51,15 +52,13 @@ def finished(vllm_cpu_python, tiny64_dir, tmp_path_factory, redis_server):
     dataset = root / "prompts.jsonl"
     dataset.write_text("\n".join(demo_prompts_path().read_text().splitlines()[:24]) + "\n")
     saved = eagle3.engine_saved_layers(RUN_LAYERS, target64.NUM_LAYERS)
-    extract_port = free_port()
-    extract_args = [*CPU_ARGS, *hidden_state_args(saved, storage)]
+    port = free_port()
+    engine_args = [*CPU_ARGS, *hidden_state_args(saved, storage, only_when_asked=True)]
     with ExitStack() as stack:
-        generate_url = stack.enter_context(vllm_server(vllm_cpu_python, tiny64_dir, root / "vllm-generate.log",
-                                                       served_name=target64.MODEL_NAME))
-        extract_url = stack.enter_context(vllm_server(vllm_cpu_python, tiny64_dir, root / "vllm-extract.log",
-                                                      extract_args, served_name=target64.MODEL_NAME, port=extract_port))
-        env = {"DRAFTLINE_DATASET_ROOTS": str(root), "DRAFTLINE_INFERENCE_URL": generate_url,
-               "DRAFTLINE_HIDDEN_STATES_URL": extract_url, "DRAFTLINE_HIDDEN_SOURCE": "vllm",
+        url = stack.enter_context(vllm_server(vllm_cpu_python, tiny64_dir, root / "vllm.log", engine_args,
+                                              served_name=target64.MODEL_NAME, port=port))
+        env = {"DRAFTLINE_DATASET_ROOTS": str(root), "DRAFTLINE_INFERENCE_URL": url,
+               "DRAFTLINE_HIDDEN_STATES_URL": url, "DRAFTLINE_HIDDEN_SOURCE": "vllm",
                "DRAFTLINE_VLLM_STORAGE": str(storage), "DRAFTLINE_VLLM_SAVED_LAYERS": str(saved),
                "DRAFTLINE_RETRY_MAX_DELAY_S": "1"}
         config = StackConfig(data=data, model_dir=tiny64_dir, log_dir=root / "logs", redis_url=redis_server.url,
@@ -73,22 +72,22 @@ def finished(vllm_cpu_python, tiny64_dir, tmp_path_factory, redis_server):
                                  "curve_max_steps": 2}}
             response = httpx.post(f"{local.url('controller')}/runs", json=body, timeout=60)
             assert response.status_code == 201, response.text
-            killed_at = kill_when_extracting(local, extract_port, deadline_s=300)
-            # Started again on the same port: the extractor's requests find it there and carry on.
-            stack.enter_context(vllm_server(vllm_cpu_python, tiny64_dir, root / "vllm-extract-again.log",
-                                            extract_args, served_name=target64.MODEL_NAME, port=extract_port))
+            killed_at = kill_when_extracting(local, port, deadline_s=300)
+            # Started again on the same port: generator and extractor find it there and carry on.
+            stack.enter_context(vllm_server(vllm_cpu_python, tiny64_dir, root / "vllm-again.log", engine_args,
+                                            served_name=target64.MODEL_NAME, port=port))
             status = wait_terminal(local, RUN, timeout=600.0)
     return {"status": status, "data": data, "storage": storage, "killed_at": killed_at}
 
 
 def kill_when_extracting(local: LocalStack, port: int, deadline_s: float) -> int:
-    """SIGKILL the extraction engine's process group once the first sample is extracted; the count then."""
+    """SIGKILL the engine's process group once the first sample is extracted; the count then."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         done = httpx.get(f"{local.url('controller')}/runs/{RUN}", timeout=30).json()["stages"]["extract"]["done"]
         if done >= 1:
             pids = engine_pids(port)
-            assert pids, "the extraction engine's process was not found"
+            assert pids, "the engine's process was not found"
             for pid in pids:
                 os.killpg(pid, signal.SIGKILL)
             return done

@@ -65,8 +65,9 @@ def vllm_python(script: Path = VLLM_SCRIPT, timeout: float = 1200.0) -> Path:
     return python
 
 
-def hidden_state_args(layer_ids: Sequence[int], storage: Path) -> list[str]:
-    """Arguments that make every request save the states of ``layer_ids`` under ``storage``.
+def hidden_state_args(layer_ids: Sequence[int], storage: Path, *, only_when_asked: bool = False) -> list[str]:
+    """Arguments that make every request save the states of ``layer_ids`` under ``storage`` (with
+    ``only_when_asked``, only the requests whose ``kv_transfer_params`` carry ``save_hidden_states``).
 
     The ``extract_hidden_states`` speculative method caches those layers' outputs during the forward
     pass; the connector writes a finished request's cached states to ``storage`` and returns the file's
@@ -81,7 +82,7 @@ def hidden_state_args(layer_ids: Sequence[int], storage: Path) -> list[str]:
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        "kv_connector_extra_config": {"shared_storage_path": str(storage), "save_only_when_asked": only_when_asked},
     }
     return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
 
