@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from services.extractor.client import HiddenStatesClient, HiddenStatesResult
-from services.extractor.vllm_source import VllmHiddenStates
 from shared.errors import DraftlineError
 from shared.retry import RetryPolicy
 from shared.settings import ExtractorSettings
@@ -39,6 +38,8 @@ def make_source(settings: ExtractorSettings, *, model: str, start: int | None = 
     if settings.hidden_source == "builtin":
         return HiddenStatesClient(settings.hidden_states_url, timeout_s=settings.request_timeout_s, policy=policy,
                                   start=start)
+    from services.extractor.vllm_source import VllmHiddenStates  # torch: only where the engine's files are read
+
     if settings.vllm_storage is None:
         raise SourceMisconfigured("DRAFTLINE_HIDDEN_SOURCE=vllm needs DRAFTLINE_VLLM_STORAGE: the directory the "
                                   "vLLM connector writes to (its shared_storage_path), as the extractor sees it")
