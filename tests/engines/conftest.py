@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines import target64, target_mla
+from tests.support import tiny_target
 from tests.engines.target64 import CHUNK_TOKENS, LAYER_IDS
 from tests.support.vllm_server import (
     CPU_ARGS,
@@ -38,7 +39,7 @@ def tiny64_dir() -> Iterator[Path]:
     """The tiny random head_dim-64 Llama (tests/engines/target64.py); shared and read-only."""
     model_dir = target64.cached_tiny64()
     yield model_dir
-    target64.verify_unchanged(model_dir)
+    tiny_target.verify_unchanged(model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +47,7 @@ def tiny_mla_dir() -> Iterator[Path]:
     """The tiny random Kimi-K2-shaped target, MLA + MoE (tests/engines/target_mla.py); shared and read-only."""
     model_dir = target_mla.cached_tiny_mla()
     yield model_dir
-    target_mla.verify_unchanged(model_dir)
+    tiny_target.verify_unchanged(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,12 @@ place under a lock, and carries a manifest checked on every load (as the tiny ta
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
-import shutil
-import uuid
 from pathlib import Path
 
-from shared.atomic import TEMP_PREFIX, atomic_write_json, fsync_dir, read_json
 from tests.support import tiny_target
 
 MODEL_NAME = "tiny64"
-MANIFEST = "manifest.json"
 NUM_LAYERS = 4
 # What the test server (tests/engines/conftest.py) runs it with. The layers whose states every request
 # saves: the embeddings (0), a middle layer, and the last decoder layer (L), before the final norm.
@@ -41,20 +35,6 @@ CHUNK_TOKENS = 256
 def entry_for(root: Path | None = None) -> Path:
     digest = hashlib.sha256(Path(__file__).read_bytes() + tiny_target.cache_key().encode()).hexdigest()[:16]
     return (Path(root) if root is not None else tiny_target.cache_root()) / f"tiny64-{digest}"
-
-
-def is_intact(entry: Path) -> bool:
-    try:
-        manifest = read_json(entry / MANIFEST)
-    except (OSError, ValueError):
-        return False
-    model_dir = entry / MODEL_NAME
-    return model_dir.is_dir() and "config.json" in manifest and tiny_target.digests(model_dir) == manifest
-
-
-def verify_unchanged(model_dir: Path) -> None:
-    if not is_intact(model_dir.parent):
-        raise tiny_target.TinyTargetCacheError(f"{model_dir} changed during the test session")
 
 
 def build(out_dir: Path, tokenizer_dir: Path) -> Path:
@@ -94,25 +74,5 @@ def build(out_dir: Path, tokenizer_dir: Path) -> Path:
 
 def cached_tiny64(root: Path | None = None) -> Path:
     entry = entry_for(root)
-    root = entry.parent
-    root.mkdir(parents=True, exist_ok=True)
-    if is_intact(entry):
-        return entry / MODEL_NAME
-    with open(root / f"{entry.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the handle closes
-        if is_intact(entry):
-            return entry / MODEL_NAME
-        if entry.exists():
-            shutil.rmtree(entry)
-        tmp = root / f"{TEMP_PREFIX}{entry.name}.{uuid.uuid4().hex[:8]}"
-        try:
-            model_dir = build(tmp / MODEL_NAME, tiny_target.cached_tiny_model(root))
-            for path in model_dir.iterdir():
-                with open(path, "rb") as handle:
-                    os.fsync(handle.fileno())
-            atomic_write_json(tmp / MANIFEST, tiny_target.digests(model_dir))
-            os.rename(tmp, entry)
-            fsync_dir(root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return entry / MODEL_NAME
+    return tiny_target.cached_model(entry, MODEL_NAME,
+                                    lambda out: build(out, tiny_target.cached_tiny_model(entry.parent)))

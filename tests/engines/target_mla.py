@@ -30,18 +30,12 @@ on every load (as tiny64's does).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
-import shutil
-import uuid
 from pathlib import Path
 
-from shared.atomic import TEMP_PREFIX, atomic_write_json, fsync_dir, read_json
 from tests.support import tiny_target
 
 MODEL_NAME = "tiny-mla"
-MANIFEST = "manifest.json"
 NUM_LAYERS = 4
 HIDDEN = 128
 HEADS = 4
@@ -53,20 +47,6 @@ LM_HEAD_STD = 0.5
 def entry_for(root: Path | None = None) -> Path:
     digest = hashlib.sha256(Path(__file__).read_bytes() + tiny_target.cache_key().encode()).hexdigest()[:16]
     return (Path(root) if root is not None else tiny_target.cache_root()) / f"tiny-mla-{digest}"
-
-
-def is_intact(entry: Path) -> bool:
-    try:
-        manifest = read_json(entry / MANIFEST)
-    except (OSError, ValueError):
-        return False
-    model_dir = entry / MODEL_NAME
-    return model_dir.is_dir() and "config.json" in manifest and tiny_target.digests(model_dir) == manifest
-
-
-def verify_unchanged(model_dir: Path) -> None:
-    if not is_intact(model_dir.parent):
-        raise tiny_target.TinyTargetCacheError(f"{model_dir} changed during the test session")
 
 
 def config_fields(tokenizer) -> dict:
@@ -135,25 +115,5 @@ def build(out_dir: Path, tokenizer_dir: Path) -> Path:
 
 def cached_tiny_mla(root: Path | None = None) -> Path:
     entry = entry_for(root)
-    root = entry.parent
-    root.mkdir(parents=True, exist_ok=True)
-    if is_intact(entry):
-        return entry / MODEL_NAME
-    with open(root / f"{entry.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the handle closes
-        if is_intact(entry):
-            return entry / MODEL_NAME
-        if entry.exists():
-            shutil.rmtree(entry)
-        tmp = root / f"{TEMP_PREFIX}{entry.name}.{uuid.uuid4().hex[:8]}"
-        try:
-            model_dir = build(tmp / MODEL_NAME, tiny_target.cached_tiny_model(root))
-            for path in model_dir.iterdir():
-                with open(path, "rb") as handle:
-                    os.fsync(handle.fileno())
-            atomic_write_json(tmp / MANIFEST, tiny_target.digests(model_dir))
-            os.rename(tmp, entry)
-            fsync_dir(root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return entry / MODEL_NAME
+    return tiny_target.cached_model(entry, MODEL_NAME,
+                                    lambda out: build(out, tiny_target.cached_tiny_model(entry.parent)))

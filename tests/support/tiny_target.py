@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -62,21 +62,21 @@ def digests(model_dir: Path) -> dict[str, str]:
             for p in sorted(model_dir.rglob("*")) if p.is_file()}
 
 
-def is_intact(entry: Path) -> bool:
+def is_intact(entry: Path, model_name: str = MODEL_NAME) -> bool:
     """The entry's model directory holds exactly the files its manifest names, with those contents."""
     try:
         manifest = read_json(entry / MANIFEST)
     except (OSError, ValueError):
         return False
-    model_dir = entry / MODEL_NAME
+    model_dir = entry / model_name
     return model_dir.is_dir() and "config.json" in manifest and digests(model_dir) == manifest
 
 
 def verify_unchanged(model_dir: Path) -> None:
-    """Raise if a test wrote into the shared directory (tests copy it before changing anything)."""
-    if not is_intact(model_dir.parent):
+    """Raise if a test wrote into a shared cached model (tests copy it before changing anything)."""
+    if not is_intact(model_dir.parent, model_dir.name):
         raise TinyTargetCacheError(f"{model_dir} changed during the test session: a test wrote into the shared "
-                                   "tiny target instead of into a copy of it")
+                                   "tiny target (or another cached test model) instead of into a copy of it")
 
 
 @contextmanager
@@ -86,12 +86,10 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def _build(root: Path, entry: Path) -> None:
-    from services.inference.tiny_model import make_tiny_model
-
+def _build(root: Path, entry: Path, model_name: str, make: Callable[[Path], Path]) -> None:
     tmp = root / f"{TEMP_PREFIX}{entry.name}.{uuid.uuid4().hex[:8]}"
     try:
-        model_dir = make_tiny_model(tmp / MODEL_NAME)
+        model_dir = make(tmp / model_name)
         for path in model_dir.iterdir():  # save_pretrained does not fsync; the rename must publish whole files
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -107,22 +105,30 @@ def entry_for(root: Path | None = None) -> Path:
     return (Path(root) if root is not None else cache_root()) / f"tiny-target-{cache_key()}"
 
 
-def cached_tiny_model(root: Path | None = None) -> Path:
-    """The tiny target's directory in the cache, built first if no intact entry exists for this key."""
-    entry = entry_for(root)
+def cached_model(entry: Path, model_name: str, make: Callable[[Path], Path]) -> Path:
+    """``entry / model_name``, built first by ``make(directory)`` if no intact entry exists: in a temp
+    directory, under a lock, renamed into place, with a manifest checked on every load. The tiny target
+    and the engine tests' targets (tests/engines) are all cached this way."""
     root = entry.parent
     root.mkdir(parents=True, exist_ok=True)
-    if is_intact(entry):
-        return entry / MODEL_NAME
+    if is_intact(entry, model_name):
+        return entry / model_name
     with _locked(root / f"{entry.name}.lock"):
-        if is_intact(entry):  # another test run built it while this one waited for the lock
-            return entry / MODEL_NAME
+        if is_intact(entry, model_name):  # another test run built it while this one waited for the lock
+            return entry / model_name
         if entry.exists():
-            log.warning("tiny target cache %s is incomplete or changed: rebuilding it", entry)
+            log.warning("test model cache %s is incomplete or changed: rebuilding it", entry)
             broken = root / f"{TEMP_PREFIX}{entry.name}.broken.{uuid.uuid4().hex[:8]}"
             os.rename(entry, broken)
             shutil.rmtree(broken, ignore_errors=True)
         for stale in root.glob(f"{TEMP_PREFIX}{entry.name}.*"):  # a build killed midway, under this lock
             shutil.rmtree(stale, ignore_errors=True)
-        _build(root, entry)
-    return entry / MODEL_NAME
+        _build(root, entry, model_name, make)
+    return entry / model_name
+
+
+def cached_tiny_model(root: Path | None = None) -> Path:
+    """The tiny target's directory in the cache, built first if no intact entry exists for this key."""
+    from services.inference.tiny_model import make_tiny_model
+
+    return cached_model(entry_for(root), MODEL_NAME, make_tiny_model)
