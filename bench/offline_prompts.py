@@ -54,8 +54,9 @@ def first_line(doc: str | None) -> str:
     return line.rstrip(".") if 12 <= len(line) <= 160 else ""
 
 
-def documented_objects() -> Iterator[tuple[str, str]]:
-    """``(qualified name, first docstring line)`` of public functions and classes, module by module."""
+def public_objects() -> Iterator[tuple[str, str, object]]:
+    """``(module name, attribute, object)`` of every public attribute of each importable stdlib module, in
+    sorted order; both prompt sources below pick from it."""
     for module_name in sorted(sys.stdlib_module_names):
         if module_name.startswith("_") or module_name in SKIP:
             continue
@@ -66,16 +67,20 @@ def documented_objects() -> Iterator[tuple[str, str]]:
         except Exception:  # noqa: BLE001 — a module this platform lacks is simply not a source
             continue
         for attr in sorted(getattr(module, "__all__", None) or dir(module)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(module, attr, None)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                continue
-            if (getattr(obj, "__module__", None) or module_name).split(".")[0] != module_name:
-                continue  # re-exported from elsewhere: counted where it is defined
-            doc = first_line(inspect.getdoc(obj))
-            if doc:
-                yield f"{module_name}.{attr}", doc
+            if not attr.startswith("_"):
+                yield module_name, attr, getattr(module, attr, None)
+
+
+def documented_objects() -> Iterator[tuple[str, str]]:
+    """``(qualified name, first docstring line)`` of public functions and classes, module by module."""
+    for module_name, attr, obj in public_objects():
+        if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            continue
+        if (getattr(obj, "__module__", None) or module_name).split(".")[0] != module_name:
+            continue  # re-exported from elsewhere: counted where it is defined
+        doc = first_line(inspect.getdoc(obj))
+        if doc:
+            yield f"{module_name}.{attr}", doc
 
 
 def completion_tasks() -> Iterator[str]:
@@ -83,35 +88,25 @@ def completion_tasks() -> Iterator[str]:
     (up to the first blank line), the body left for the model to write; a function two modules expose
     under one name is asked once."""
     seen: set[str] = set()
-    for module_name in sorted(sys.stdlib_module_names):
-        if module_name.startswith("_") or module_name in SKIP:
+    for module_name, attr, obj in public_objects():
+        if not inspect.isfunction(obj) or obj.__module__ != module_name:
             continue
+        doc = (inspect.getdoc(obj) or "").split("\n\n")[0].strip()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                module = importlib.import_module(module_name)
-        except Exception:  # noqa: BLE001 — a module this platform lacks is simply not a source
+            signature = str(inspect.signature(obj))
+        except (TypeError, ValueError):
             continue
-        for attr in sorted(getattr(module, "__all__", None) or dir(module)):
-            obj = getattr(module, attr, None)
-            if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module_name:
-                continue
-            doc = (inspect.getdoc(obj) or "").split("\n\n")[0].strip()
-            try:
-                signature = str(inspect.signature(obj))
-            except (TypeError, ValueError):
-                continue
-            if not (20 <= len(doc) <= 600 and len(signature) <= 120 and '"""' not in doc):
-                continue
-            indented = "\n    ".join(doc.splitlines())
-            code = f'def {attr}{signature}:\n    """{indented}\n    """\n'
-            try:  # a default shown by its repr (``<class 'dict'>``) is no Python a model should copy
-                ast.parse(code + "    pass\n")
-            except SyntaxError:
-                continue
-            if code not in seen:
-                seen.add(code)
-                yield COMPLETION_WORDING.format(code=code)
+        if not (20 <= len(doc) <= 600 and len(signature) <= 120 and '"""' not in doc):
+            continue
+        indented = "\n    ".join(doc.splitlines())
+        code = f'def {attr}{signature}:\n    """{indented}\n    """\n'
+        try:  # a default shown by its repr (``<class 'dict'>``) is no Python a model should copy
+            ast.parse(code + "    pass\n")
+        except SyntaxError:
+            continue
+        if code not in seen:
+            seen.add(code)
+            yield COMPLETION_WORDING.format(code=code)
 
 
 def help_topics() -> list[str]:
