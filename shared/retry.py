@@ -353,3 +353,12 @@ def answer_trouble(response: httpx.Response, url: str) -> Failed | None:
 def transport_trouble(exc: httpx.TransportError, url: str) -> Failed:
     """The attempt's trouble when no answer came at all."""
     return Failed(classify_error(exc), InferenceUnavailable(f"{url}: {describe(exc)}"))
+
+
+def post_json(url: str, body: dict, timeout: httpx.Timeout | float) -> httpx.Response | Failed:
+    """One attempt: POST ``body``; the 2xx answer, or the attempt's trouble (no answer, or an error status)."""
+    try:
+        response = httpx.post(url, json=body, timeout=timeout)
+    except httpx.TransportError as exc:
+        return transport_trouble(exc, url)
+    return answer_trouble(response, url) or response

@@ -15,17 +15,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
-
 from shared.dispatch import Dispatcher, http_timeout
 from shared.errors import DraftlineError
-from shared.retry import (
-    Failed,
-    RetryPolicy,
-    answer_trouble,
-    server_root,
-    transport_trouble,
-)
+from shared.retry import Failed, RetryPolicy, post_json, server_root
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +81,9 @@ class HiddenStatesClient:
         return self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
 
     def _once(self, root: str, body: dict) -> HiddenStatesResult | Failed:
-        url = hidden_states_url(root)
-        try:
-            response = httpx.post(url, json=body, timeout=self.timeout)
-        except httpx.TransportError as exc:
-            return transport_trouble(exc, url)
-        failed = answer_trouble(response, url)
-        if failed is not None:
-            return failed
+        response = post_json(hidden_states_url(root), body, self.timeout)
+        if isinstance(response, Failed):
+            return response
         try:
             return HiddenStatesResult.from_json(response.json())
         except ValueError:

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -36,7 +35,7 @@ from shared.dispatch import Dispatcher, http_timeout
 from shared.errors import DraftlineError
 from shared.fingerprint import model_fingerprint
 from shared.hidden_write import RawTensor, write_safetensors
-from shared.retry import Failed, RetryPolicy, answer_trouble, server_root, transport_trouble
+from shared.retry import Failed, RetryPolicy, post_json, server_root
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +89,7 @@ class VllmHiddenStates:
         self.storage = Path(storage).resolve()
         config = json.loads((self.model_dir / "config.json").read_text())
         self.num_layers = int((config.get("text_config") or config)["num_hidden_layers"])
+        self.fingerprint = model_fingerprint(self.model_dir)  # once per source, not per sample
         self.saved_layers = sorted(saved_layers) if saved_layers else None
         self.timeout = http_timeout(timeout_s)
         self.policy = policy or RetryPolicy()
@@ -122,14 +122,9 @@ class VllmHiddenStates:
         return self._write(states, saved, layers, input_ids, loss_mask, path, metadata)
 
     def _once(self, root: str, body: dict) -> Path | Failed:
-        url = f"{server_root(root)}/v1/completions"
-        try:
-            response = httpx.post(url, json=body, timeout=self.timeout)
-        except httpx.TransportError as exc:
-            return transport_trouble(exc, url)
-        failed = answer_trouble(response, url)
-        if failed is not None:
-            return failed
+        response = post_json(f"{server_root(root)}/v1/completions", body, self.timeout)
+        if isinstance(response, Failed):
+            return response
         try:
             named = response.json()["kv_transfer_params"]["hidden_states_path"]
         except (ValueError, KeyError, TypeError):
@@ -171,7 +166,7 @@ class VllmHiddenStates:
         }
         meta = {**metadata, eagle3.META_FORMAT: eagle3.META_FORMAT_VALUE, eagle3.META_SCHEMA: str(SCHEMA_VERSION),
                 eagle3.META_LAYER_IDS: json.dumps(layers), eagle3.META_CONVENTION: eagle3.LAYER_CONVENTION,
-                eagle3.META_MODEL: self.model, eagle3.META_MODEL_FINGERPRINT: model_fingerprint(self.model_dir),
+                eagle3.META_MODEL: self.model, eagle3.META_MODEL_FINGERPRINT: self.fingerprint,
                 eagle3.META_DTYPE: dtype}
         written = write_safetensors(self.data / path, tensors, meta)
         t, h = len(input_ids), last.shape[-1]
