@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from services.extractor.jobs import preload
+from services.extractor.sources import make_source
 from shared.jobs import EXTRACT_QUEUE
 from shared.settings import ExtractorSettings, load_settings
 from shared.worker import run_worker
@@ -12,6 +13,8 @@ from shared.worker import run_worker
 
 def main() -> None:
     settings = load_settings(ExtractorSettings)
+    # A hidden-state source that lacks a setting stops the worker here, naming it, instead of failing every job.
+    make_source(settings, model="")
     # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_worker([EXTRACT_QUEUE], settings, role="extractor", preload=lambda: preload(str(settings.model_dir)))
