@@ -82,12 +82,16 @@ def make_target(model_dir: Path, args: argparse.Namespace, device: torch.device)
 
 
 def writer_target(model_dir: Path) -> object:
-    """The target as the hidden-state writer sees it: ``write_sample`` reads its name, fingerprint and
-    dtype only, so no model or tokenizer is loaded."""
+    """The target as the hidden-state writer sees it: ``write_sample`` reads its name, fingerprint, dtype
+    and the config's hidden size only, so no model or tokenizer is loaded (a stand-in carries the config)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
     from shared.fingerprint import model_fingerprint
     from services.inference.model import LoadedModel
 
-    return LoadedModel(model=None, tokenizer=None, name=MODEL_NAME, fingerprint=model_fingerprint(model_dir),
+    return LoadedModel(model=SimpleNamespace(config=AutoConfig.from_pretrained(model_dir)), tokenizer=None, name=MODEL_NAME, fingerprint=model_fingerprint(model_dir),
                        device=torch.device("cpu"), dtype=torch.bfloat16, eos_token_ids=frozenset(), pad_token_id=0,
                        context_length=131072, knows_think_close=False)
 
@@ -120,7 +124,7 @@ def make_pool(data: Path, model_dir: Path, count: int, args: argparse.Namespace,
     return index
 
 
-def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.Namespace) -> RunSpec:
+def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.Namespace, attention: str = "auto") -> RunSpec:
     """A run of ``files`` samples (hard links to the pool's first files) that trains one epoch."""
     paths = RunPaths(data, name)
     shutil.rmtree(paths.root, ignore_errors=True)
@@ -130,7 +134,7 @@ def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.
         target.parent.mkdir(parents=True, exist_ok=True)
         os.link(pool.hidden(sample_id), target)
     train = TrainConfig(epochs=1, batch_size=batch_size, ttt_steps=args.ttt_steps, max_length=max(int(n) for n in args.length.split(",")),
-                        draft_vocab_size=args.draft_vocab, save_every=10**9, seed=args.seed)
+                        draft_vocab_size=args.draft_vocab, save_every=10**9, seed=args.seed, attention=attention)
     spec = RunSpec(name=name, dataset="synthetic", model=MODEL_NAME, rows=files, train_ids=files, train=train,
                    evaluate=EvalConfig(holdout=0))
     spec.save(data)
@@ -155,9 +159,13 @@ def rank_main(args: argparse.Namespace) -> None:
         ends: list[float] = []
         losses: list[float] = []
 
+        profiler = StepProfiler(args.profile_out, args.profile_from, args.profile_steps) if rank == 0 else None
+
         def progress(p: TrainProgress) -> None:  # called on rank 0 after each step's loss is on the host
             ends.append(time.perf_counter())
             losses.append(p.loss)
+            if profiler is not None:
+                profiler.after_step(p.step)
 
         started = time.perf_counter()
         result = train_drafter(spec, data=args.data, model_dir=args.model_dir, device=str(device), progress=progress)
@@ -172,6 +180,49 @@ def rank_main(args: argparse.Namespace) -> None:
             Path(args.timings).write_text(json.dumps(record), encoding="utf-8")
     finally:
         dist.destroy_process_group()
+
+
+class StepProfiler:
+    """torch.profiler over steps ``first + 1 .. first + steps`` (started after step ``first`` ends), its
+    table of operators by GPU time written to ``out``: where a step's time goes."""
+
+    def __init__(self, out: Path | None, first: int, steps: int) -> None:
+        self.out, self.first, self.last = out, first, first + steps
+        self.profile = None
+
+    def after_step(self, step: int) -> None:
+        if self.out is None or not self.last > self.first:
+            return
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profile = profile(activities=activities, profile_memory=False, record_shapes=False)
+            self.profile.__enter__()
+        elif step == self.last and self.profile is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profile.__exit__(None, None, None)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            table = self.profile.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)
+            self.out.write_text(f"steps {self.first + 1}..{self.last}, totals over all of them\n{table}\n", encoding="utf-8")
+            self.profile = None
+
+
+def flops_per_token(args: argparse.Namespace, length: float) -> float:
+    """Training FLOPs per token as the performance issue counts them: 6 x (fc + TTT x (decoder layer + draft
+    lm_head)) for the weights' forward and backward, 2 x the target lm_head (forward only), plus attention:
+    per TTT step a causal pass over ``length`` keys (QK and PV, forward and backward: 3 x 4 x length/2 x
+    heads x head_dim); a chain step's few diagonal keys are left out."""
+    h, head_dim = args.hidden, args.hidden // args.heads
+    kv = args.kv_heads * head_dim
+    layer = 2 * h * (args.heads * head_dim) + 2 * 2 * h * kv + args.heads * head_dim * h + 3 * h * args.intermediate
+    weights = 3 * h * h + args.ttt_steps * (layer + h * args.draft_vocab)
+    attention = args.ttt_steps * 3 * 4 * (length / 2) * args.heads * head_dim
+    return 6 * weights + 2 * args.vocab * h + attention
+
+
+PEAK_BF16_FLOPS = 790e12  # the performance issue's reference for an H200's dense bf16 rate
 
 
 def comm_probe(drafter, world: int, device: torch.device, ttt_steps: int) -> dict:
@@ -207,6 +258,10 @@ def run_config(work: Path, spec: RunSpec, procs: int, args: argparse.Namespace) 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__, "rank", spec.name,
                "--data", str(work / "data"), "--model-dir", str(work / "target"),
                "--timings", str(timings), "--device", args.device]
+    if args.profile_steps and args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        command += ["--profile-out", str(args.profile_dir / f"profile-{spec.name}.txt"),
+                    "--profile-from", str(args.steps - args.profile_steps), "--profile-steps", str(args.profile_steps)]
     env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS as the train job leaves it (torchrun sets 1 for N > 1)
     log.info("%s: %s", spec.name, " ".join(command))
@@ -214,17 +269,20 @@ def run_config(work: Path, spec: RunSpec, procs: int, args: argparse.Namespace) 
     return json.loads(timings.read_text(encoding="utf-8"))
 
 
-def summarize(raw: dict, spec: RunSpec, procs: int, index: list[dict], warmup: int) -> dict:
-    """Steps and tokens of the steps after warm-up; step i trained the global batch order[i*span:(i+1)*span]."""
-    from services.trainer.train import epoch_order
+def summarize(raw: dict, spec: RunSpec, procs: int, index: list[dict], warmup: int, profiled: int = 0) -> dict:
+    """Steps and tokens of the steps after warm-up; step i trained the i-th global batch of the epoch's plan
+    (``batching.plan_epoch``, which the trainer computes from the same lengths and settings)."""
+    from services.trainer.batching import LENGTH, SHUFFLE, plan_epoch
 
     ends = raw["step_ends"]
     span = spec.train.batch_size * procs
-    order = epoch_order(spec.train_ids, spec.train.seed, 0)
-    timed = range(warmup, len(ends))
-    seconds = ends[-1] - ends[warmup - 1]
-    positions = sum(index[i]["length"] for s in timed for i in order[s * span:(s + 1) * span])
-    learned = sum(index[i]["loss_tokens"] for s in timed for i in order[s * span:(s + 1) * span])
+    lengths = [index[i]["length"] for i in range(spec.train_ids)]
+    plan = plan_epoch(lengths, seed=spec.train.seed, epoch=0, batch_size=spec.train.batch_size, world=procs,
+                      max_tokens=spec.train.max_tokens, batching=LENGTH if spec.train.group_by_length else SHUFFLE)
+    timed = range(warmup, len(ends) - profiled)  # profiled steps (the last ones) run slower: not timed
+    seconds = ends[timed[-1]] - ends[warmup - 1]
+    positions = sum(index[i]["length"] for s in timed for i in plan[s])
+    learned = sum(index[i]["loss_tokens"] for s in timed for i in plan[s])
     step_times = [ends[s] - ends[s - 1] for s in timed if s > 0]
     summary = {
         "procs": procs, "batch_per_gpu": spec.train.batch_size, "global_batch": span, "steps": raw["steps"],
@@ -236,6 +294,7 @@ def summarize(raw: dict, spec: RunSpec, procs: int, index: list[dict], warmup: i
         "first_step_s": round(ends[0], 2), "total_s": round(raw["total_s"], 2),
         "loss_first": round(raw["losses"][0], 4), "loss_last": round(raw["losses"][-1], 4),
         "peak_gib_rank0": round(raw["peak_gib_rank0"], 2) if raw["peak_gib_rank0"] is not None else None,
+        "attention": spec.train.attention,
         "trainable_params": raw["trainable_params"], "device": raw["device"],
     }
     summary.update({k: raw[k] for k in ("allreduce_grad_ms", "allreduce_grad_bytes", "allreduce_small_ms") if k in raw})
@@ -264,26 +323,35 @@ def bench_main(args: argparse.Namespace) -> None:
     results: list[dict] = []
     for batch_size in batch_sizes:
         for procs in procs_list:
-            results.append(one_config(args, work, index, results, batch_size, procs, started))
-            print(json.dumps(results[-1]), flush=True)
+            for attention in args.attention.split(","):
+                results.append(one_config(args, work, index, results, batch_size, procs, started, attention))
+                print(json.dumps(results[-1]), flush=True)
             if args.out:  # after every configuration, so a run cut short still leaves what it measured
                 args.out.write_text(json.dumps({"shape": shape_of(args), "results": results}, indent=1), encoding="utf-8")
 
 
 def one_config(args: argparse.Namespace, work: Path, index: list[dict], done: list[dict], batch_size: int, procs: int,
-               started: float) -> dict:
+               started: float, attention: str = "auto") -> dict:
     if args.deadline_s and time.perf_counter() - started > args.deadline_s:
-        return {"procs": procs, "batch_per_gpu": batch_size, "skipped": f"past --deadline-s {args.deadline_s}"}
+        return {"procs": procs, "batch_per_gpu": batch_size, "attention": attention,
+                "skipped": f"past --deadline-s {args.deadline_s}"}
     data = work / "data"
-    spec = make_run(data, f"bench-b{batch_size}-p{procs}", args.steps * batch_size * procs, batch_size, args)
+    spec = make_run(data, f"bench-b{batch_size}-p{procs}-{attention}", args.steps * batch_size * procs, batch_size, args,
+                    attention)
     try:
-        summary = summarize(run_config(work, spec, procs, args), spec, procs, index, args.warmup)
+        summary = summarize(run_config(work, spec, procs, args), spec, procs, index, args.warmup,
+                            args.profile_steps if args.profile_dir else 0)
     except subprocess.CalledProcessError as exc:  # out of memory, say: the other configurations still run
         log.error("%s failed: %s", spec.name, exc)
-        return {"procs": procs, "batch_per_gpu": batch_size, "error": str(exc)}
+        return {"procs": procs, "batch_per_gpu": batch_size, "attention": attention, "error": str(exc)}
     finally:
         shutil.rmtree(RunPaths(data, spec.name).checkpoints_dir, ignore_errors=True)  # GBs each at 8B shape
-    base = next((r for r in done if r["batch_per_gpu"] == batch_size and r["procs"] == 1 and "tokens_per_s" in r), None)
+    length = summary["tokens_per_s"] / summary["steps_per_s"] / spec.train.batch_size / procs  # mean sample length
+    summary["flops_per_token"] = round(flops_per_token(args, length))
+    if summary["device"] != "cpu":
+        summary["mfu"] = round(summary["tokens_per_s"] / procs * summary["flops_per_token"] / PEAK_BF16_FLOPS, 4)
+    base = next((r for r in done if r["batch_per_gpu"] == batch_size and r["procs"] == 1 and "tokens_per_s" in r
+                 and r.get("attention") == attention), None)
     if base is not None and procs > 1:  # global tokens per second, N processes against one
         summary["speedup_vs_1"] = round(summary["tokens_per_s"] / base["tokens_per_s"], 3)
         summary["scaling_efficiency"] = round(summary["speedup_vs_1"] / procs, 3)
@@ -304,6 +372,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rank.add_argument("run", help="the run to train")  # positional: torchrun's parser would take --run for its --run-path
     rank.add_argument("--timings", type=Path, required=True)
     rank.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    rank.add_argument("--profile-out", type=Path, default=None)
+    rank.add_argument("--profile-from", type=int, default=0)
+    rank.add_argument("--profile-steps", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-train-ddp"), help="target, files and runs (reused when big enough)")
     parser.add_argument("--procs", default="1,2", help="process counts to compare (one per GPU)")
     parser.add_argument("--batch-sizes", default="4", help="per-GPU batch sizes (train.batch_size)")
@@ -319,6 +390,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--length", default="2048", help="sample lengths in tokens, round-robin over the files")
     parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--attention", default="auto", help="TTT attention kinds to compare (train.attention): auto,dense,flex")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile the last this many steps on rank 0 (left out of the timing; with --profile-dir)")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="where the profiles' tables go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write all results here as JSON")
     parser.add_argument("--deadline-s", type=float, default=0, help="start no configuration after this many seconds (0: no limit)")
@@ -327,8 +402,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.command is None and not 1 <= args.warmup < args.steps:
-        raise SystemExit("--warmup must be at least 1 and below --steps")
+    if args.command is None and not 1 <= args.warmup < args.steps - (args.profile_steps if args.profile_dir else 0):
+        raise SystemExit("--warmup must be at least 1 and leave timed steps before the profiled ones")
     if args.command == "rank":
         rank_main(args)
     else:

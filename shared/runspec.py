@@ -50,6 +50,9 @@ class TrainConfig(_Frozen):
     seed: int = 0
     save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps.")
     base_checkpoint: str | None = Field(None, description="Published drafter (repo id or path) to fine-tune.")
+    attention: Literal["auto", "dense", "flex"] = Field(
+        "auto", description="TTT attention of the chain steps: flex (block-sparse, compiled; CUDA), dense (any device, "
+                            "the reference), auto (flex on CUDA, dense otherwise). Both compute the same function.")
 
 
 EvalSetName = Literal["holdout", "humaneval"]  # services/trainer/evalsets.py loads each

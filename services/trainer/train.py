@@ -76,13 +76,17 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
 from services.trainer.export import load_drafter
+from services.trainer.losses import soft_cross_entropy
 from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache, rope_scaling_of
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
+from services.trainer.ttt_attention import FLEX, attention_kind
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
 
 log = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
+LOADER_WORKERS = 4  # per training process on a GPU: a 2,048-token 8B-shape sample is 66 MB to read and pad
+LOADER_PREFETCH = 2  # batches each worker keeps ready
 VOCAB_FROM_BASE = "base checkpoint"  # the base checkpoint's own d2t/t2d, kept as it is
 VOCAB_FROM_DATA = "training data"  # the most frequent loss-masked target tokens of this run's files
 
@@ -131,12 +135,25 @@ class Targets:
     in_draft: torch.Tensor  # (B, L) bool, that token has a draft id
 
 
+TARGET_CHUNK = 1024  # positions per target-logit product: (chunk, V) at a time, not (B, L, V) in float32
+
+
 @torch.no_grad()
 def make_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
-    logits = target_logits(lm_head, batch.last_hidden)  # (B, L, V) float32
-    argmax = logits.argmax(-1)  # (B, L)
-    probs = logits[..., draft_to_target(d2t)].softmax(-1)  # (B, L, Vd)
-    return Targets(probs=probs, argmax=argmax, in_draft=t2d[argmax])
+    """The target's next-token facts at every position, ``TARGET_CHUNK`` positions at a time: a (B, L, V)
+    float32 product of a 128k vocabulary is 2 GiB at L = 4,096, the largest tensor of a step otherwise."""
+    b, length, _ = batch.last_hidden.shape
+    hidden = batch.last_hidden.reshape(b * length, -1)  # (B*L, H)
+    columns = draft_to_target(d2t)  # (Vd,) target ids of the draft vocabulary
+    probs = torch.empty(b * length, columns.shape[0], dtype=torch.float32, device=hidden.device)
+    argmax = torch.empty(b * length, dtype=torch.long, device=hidden.device)
+    for start in range(0, b * length, TARGET_CHUNK):
+        rows = slice(start, start + TARGET_CHUNK)
+        logits = target_logits(lm_head, hidden[rows])  # (chunk, V) float32, exact copies of the head's dtype
+        argmax[rows] = logits.argmax(-1)
+        probs[rows] = logits[:, columns].softmax(-1)
+    argmax = argmax.view(b, length)
+    return Targets(probs=probs.view(b, length, -1), argmax=argmax, in_draft=t2d[argmax])
 
 
 class TTTObjective(nn.Module):
@@ -145,19 +162,24 @@ class TTTObjective(nn.Module):
     Returns this rank's sums, which ``train_step`` turns into means over the global batch: the masked
     cross-entropy sum of each step (K,) with its graph, and (3, K) counts without one: masked positions,
     argmax hits and loss-masked predictions per step.
+
+    Step k's loss at index t needs the label x_{t+2+k}, so only the first L - k - 2 indices have one; the
+    logits and the loss are computed over those, against views of the targets shifted by k + 1 (no copy),
+    and ``losses.soft_cross_entropy`` keeps only the logits for the backward.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int) -> None:
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, flex: bool = False) -> None:
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
+        self.flex = flex  # ttt_attention's block-sparse form of the chain steps' attention (CUDA)
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
         """Step k's output at every index: ``ttt_steps`` x (B, L, H), aligned as the module doc says."""
         b, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand(b, length)  # (B, L)
         hidden = self.drafter.fuse(aux_hidden)  # (B, L, H)
-        cache, outputs = TTTCache(), []
+        cache, outputs = TTTCache(flex=self.flex), []
         for k in range(self.ttt_steps):
             hidden = self.drafter(hidden, shift(input_ids, k + 1), positions + k, cache)  # (B, L, H)
             outputs.append(hidden)
@@ -165,15 +187,17 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.drafter
+        length = batch.input_ids.shape[1]
         ce_sums, counts = [], []
         for k, hidden in enumerate(self.unroll(batch.input_ids, batch.aux_hidden)):
-            logp = d.logits(hidden).float().log_softmax(-1)  # (B, L, Vd)
-            learned = shift(batch.loss_mask, k + 2)  # predicted token x_{t+2+k} is one the drafter learns
-            mask = learned & shift(targets.in_draft, k + 1)
-            ce = -(shift(targets.probs, k + 1) * logp).sum(-1)  # (B, L)
-            ce_sums.append((ce * mask).sum())
+            n = max(length - k - 2, 0)  # indices t whose label x_{t+2+k} is stored
+            labelled = slice(k + 1, k + 1 + n)  # the target's facts at t+1+k, whose next token is that label
+            learned = batch.loss_mask[:, k + 2 : k + 2 + n]  # (B, n): the label is a token the drafter learns
+            mask = learned & targets.in_draft[:, labelled]
+            logits = d.logits(hidden[:, :n])  # (B, n, Vd)
+            ce_sums.append(soft_cross_entropy(logits, targets.probs[:, labelled], mask))
             with torch.no_grad():
-                hit = d.to_target_ids(logp.argmax(-1)) == shift(targets.argmax, k + 1)  # (B, L)
+                hit = d.to_target_ids(logits.argmax(-1)) == targets.argmax[:, labelled]  # (B, n)
                 counts.append(torch.stack([mask.sum(), (hit & learned).sum(), learned.sum()]))
         return torch.stack(ce_sums), torch.stack(counts, dim=1).float()  # (K,), (3, K)
 
@@ -372,11 +396,17 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     torch.manual_seed(cfg.seed)
     drafter, draft_vocab = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config,
                                          layer_ids=layer_ids, embed=head.embed, files=files, max_length=max_length)
+    drafter.store_embedding_as(head.embed.dtype)
     drafter = drafter.to(dev)
-    objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps)
+    attention = attention_kind(cfg.attention, dev)
+    objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX)
     if world > 1:
-        objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
+        # Gradients as views of DDP's all-reduce buckets: one copy of them in memory, not two.
+        objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                                        gradient_as_bucket_view=True)
+    # The fused CUDA AdamW updates every tensor in a few kernels (the foreach one: 8.3 ms a step at 8B shapes,
+    # fused 3.5; bench/RESULTS.md); it keeps the same state, so checkpoints move between the two.
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0, fused=dev.type == "cuda")
     lengths = [min(info.num_tokens, max_length) for info in infos]
     batching = checkpoint_batching(paths, cfg)
     plans = [plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
@@ -390,8 +420,8 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
-    log.info("training %s: %d files of up to %d tokens, %s batches, %d steps, starting at step %d",
-             spec.name, len(files), max_length, batching, total, session.position.step)
+    log.info("training %s: %d files of up to %d tokens, %s batches, %d steps, starting at step %d, %s TTT attention",
+             spec.name, len(files), max_length, batching, total, session.position.step, attention)
     return session
 
 
@@ -472,7 +502,7 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
         for index, batch in enumerate(epoch_loader(s, plan, first), start=first):
             if share(plan[index], s.rank, s.world).filler:
                 batch = batch.without_loss()
-            done = train_step(s, batch.to(s.device, torch.float32))
+            done = train_step(s, batch.to(s.device, None if s.device.type == "cuda" else torch.float32))
             step += 1
             tokens += done.tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
@@ -494,9 +524,13 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
 
 def epoch_loader(s: Session, plan: list[list[int]], first: int) -> DataLoader:
     """This rank's shares of the epoch's global batches from batch ``first`` on."""
-    workers = 2 if s.device.type == "cuda" else 0  # prefetch file reads while the GPU works
     shares = [share(batch, s.rank, s.world).indices for batch in plan[first:]]
-    return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=workers)
+    if s.device.type != "cuda":
+        return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=0)
+    # Workers read and pad the next batches while the GPU works, into pinned memory so the copy to the GPU
+    # is asynchronous (a pageable copy of an 8B-shape sample held the step for 8 ms).
+    return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=LOADER_WORKERS,
+                      prefetch_factor=LOADER_PREFETCH, pin_memory=True)
 
 
 @dataclass(frozen=True)
@@ -529,5 +563,8 @@ def train_step(s: Session, batch: Batch) -> StepResult:
     s.optimizer.step()
     s.scheduler.step()
     step_losses, accs = g_ce / g_masked.clamp(min=1), g_hits / g_learned.clamp(min=1)
-    return StepResult(float((weights * step_losses).sum()), [round(float(x), 6) for x in step_losses],
-                      [round(float(x), 6) for x in accs], float(grad_norm), int(g_tokens))
+    # One copy to the host for everything the log records: each float() would wait for the GPU again.
+    host = torch.cat([(weights * step_losses).sum().view(1), step_losses, accs, grad_norm.double().view(1),
+                      g_tokens.view(1)]).tolist()
+    return StepResult(host[0], [round(x, 6) for x in host[1 : 1 + k]], [round(x, 6) for x in host[1 + k : 1 + 2 * k]],
+                      host[-2], int(host[-1]))

@@ -1,0 +1,98 @@
+"""The TTT objective as training computes it (label views, the soft cross-entropy's own backward,
+targets in chunks) against its plain form: the shifted copies and autograd's log-softmax it replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer import train as train_module
+from services.trainer.data import Batch
+from services.trainer.train import Targets, TTTObjective, make_targets, shift
+from services.trainer.vocab import draft_to_target
+from tests.services.trainer.test_model import SMALL, random_drafter
+
+
+def plain_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
+    logits = (batch.last_hidden.to(lm_head.dtype) @ lm_head.T).float()  # (B, L, V) at once
+    argmax = logits.argmax(-1)
+    return Targets(logits[..., draft_to_target(d2t)].softmax(-1), argmax, t2d[argmax])
+
+
+def plain_objective(objective: TTTObjective, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    d, ce_sums, counts = objective.drafter, [], []
+    for k, hidden in enumerate(objective.unroll(batch.input_ids, batch.aux_hidden)):
+        logp = d.logits(hidden).float().log_softmax(-1)
+        learned = shift(batch.loss_mask, k + 2)
+        mask = learned & shift(targets.in_draft, k + 1)
+        ce_sums.append((-(shift(targets.probs, k + 1) * logp).sum(-1) * mask).sum())
+        hit = d.to_target_ids(logp.argmax(-1)) == shift(targets.argmax, k + 1)
+        counts.append(torch.stack([mask.sum(), (hit & learned).sum(), learned.sum()]))
+    return torch.stack(ce_sums), torch.stack(counts, dim=1).float()
+
+
+def padded_batch(lengths: list[int], seed: int = 1) -> Batch:
+    """Rows of the given lengths, right-padded as ``collate`` pads them; random states and a mask of ones
+    after a 'prompt' of a third of each row."""
+    g = torch.Generator().manual_seed(seed)
+    width, b = max(lengths), len(lengths)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    aux = torch.zeros(b, width, 3 * SMALL.target_hidden_size)
+    last = torch.zeros(b, width, SMALL.hidden_size)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(0, SMALL.vocab_size, (n,), generator=g)
+        mask[row, n // 3 : n] = True
+        aux[row, :n] = torch.randn(n, aux.shape[-1], generator=g)
+        last[row, :n] = torch.randn(n, last.shape[-1], generator=g)
+    return Batch(ids, mask, aux, last, torch.tensor(lengths))
+
+
+@pytest.fixture()
+def setup():
+    drafter = random_drafter(seed=4).train()
+    g = torch.Generator().manual_seed(2)
+    drafter.set_vocab_mapping(*mapping(g))
+    lm_head = torch.randn(SMALL.vocab_size, SMALL.hidden_size, generator=g)
+    return drafter, lm_head
+
+
+def mapping(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft vocabulary of SMALL.draft_vocab_size random target ids, so some labels fall outside it."""
+    chosen = torch.randperm(SMALL.vocab_size, generator=g)[: SMALL.draft_vocab_size].sort().values
+    t2d = torch.zeros(SMALL.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    return chosen - torch.arange(SMALL.draft_vocab_size), t2d
+
+
+def test_targets_in_chunks_equal_the_whole_product(setup, monkeypatch):
+    drafter, lm_head = setup
+    batch = padded_batch([13, 9, 4])
+    whole = plain_targets(batch, lm_head, drafter.d2t, drafter.t2d)
+    monkeypatch.setattr(train_module, "TARGET_CHUNK", 5)  # chunks that cut rows of the batch apart
+    chunked = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
+    torch.testing.assert_close(chunked.probs, whole.probs)
+    assert torch.equal(chunked.argmax, whole.argmax) and torch.equal(chunked.in_draft, whole.in_draft)
+    assert not whole.in_draft.all() and whole.in_draft.any()  # both kinds of label occur
+
+
+@pytest.mark.parametrize("lengths", [[21], [21, 14, 3]])
+def test_losses_counts_and_gradients_equal_the_plain_objective(setup, lengths):
+    """Same weights, same padded batch (a row shorter than the unroll included): the per-step cross-entropy
+    sums, the counts and every trainable parameter's gradient equal the plain form's."""
+    drafter, lm_head = setup
+    batch = padded_batch(lengths)
+    targets = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
+    objective = TTTObjective(drafter, 7)
+    results = []
+    for compute in (objective.forward, lambda b, t: plain_objective(objective, b, t)):
+        drafter.zero_grad(set_to_none=True)
+        ce_sums, counts = compute(batch, targets)
+        (ce_sums * 0.8 ** torch.arange(7)).sum().backward()
+        results.append((ce_sums.detach(), counts, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}))
+    (ce, counts, grads), (ref_ce, ref_counts, ref_grads) = results
+    torch.testing.assert_close(ce, ref_ce, atol=1e-5, rtol=1e-5)
+    assert torch.equal(counts, ref_counts) and counts[0].sum() > 0
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
