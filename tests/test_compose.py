@@ -4,12 +4,16 @@ and interpolated the way Compose does."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,10 +21,17 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from shared import eagle3
 from shared.endpoints import parse_endpoints
 from shared.redis_acl import ROLES, role_of
 from shared.services import SERVICE_COMMANDS, SERVICE_NAMES
-from shared.settings import SERVICE_SETTINGS, ExtractorSettings, GeneratorSettings, settings_variables
+from shared.settings import (
+    SERVICE_SETTINGS,
+    ExtractorSettings,
+    GeneratorSettings,
+    load_settings,
+    settings_variables,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -41,12 +52,32 @@ PROJECTS = {
     "gpus": ("docker-compose.yml", "docker-compose.gpus.yml"),
     "gpus-vllm": ("docker-compose.yml", "docker-compose.gpus-vllm.yml"),
     "gpus-sglang": ("docker-compose.yml", "docker-compose.gpus-sglang.yml"),
+    "gpus-vllm-states": ("docker-compose.yml", "docker-compose.gpus-vllm-states.yml"),
     "worker": (WORKER_HOST_FILE,),
     "worker-gpus": (WORKER_HOST_FILE, "docker-compose.gpus.yml"),
 }
 # The GPUs each per-GPU layout hands out; every one of them to exactly one server.
 LAYOUT_GPUS = {"gpus": set(map(str, range(8))), "gpus-vllm": set(map(str, range(8))),
-               "gpus-sglang": set(map(str, range(8)))}
+               "gpus-sglang": set(map(str, range(8))), "gpus-vllm-states": set(map(str, range(8)))}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What runs after one of the README's commands for a layout: the services of the project compose
+    loads with these profiles enabled (those without a profile and those of an enabled one), less the
+    ones an earlier step stopped."""
+
+    profiles: frozenset[str] = frozenset()
+    stopped: frozenset[str] = frozenset()
+
+
+# Each layout's phases in the README's order; the first is the one that generates and extracts. With
+# docker-compose.gpus-vllm-states.yml, `stop vllm` then `up -d trainer` (which enables its profile).
+PHASES = {
+    "gpus-vllm": (Phase(frozenset({"vllm"})),),
+    "gpus-sglang": (Phase(frozenset({"sglang"})),),
+    "gpus-vllm-states": (Phase(), Phase(frozenset({"train"}), stopped=frozenset({"vllm"}))),
+}
 
 # Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}, ${VAR:+replacement},
 # ${VAR+replacement}, nested in one another's argument; $$ is a literal $.
@@ -64,6 +95,9 @@ ROLE_PASSWORDS = {
     "DRAFTLINE_REDIS_WORKER_PASSWORD": "worker-pw-0123",
     "DRAFTLINE_REDIS_EXPORTER_PASSWORD": "exporter-pw-0123",
 }
+# What a layout's own file requires on top of EXAMPLE_ENV: the vLLM layer ids of a 61-layer target
+# (Kimi-K2) with the default auxiliary layers, as README and .env.example give them.
+LAYOUT_ENV = {"gpus-vllm-states": {"DRAFTLINE_VLLM_SAVED_LAYERS": "[2, 30, 58, 61]"}}
 # A worker host's .env: the main host's Redis with its password, and this host's mount of the share.
 WORKER_ENV = {
     "REDIS_URL": "redis://:s3cret-pw@10.0.0.1:6379/0",
@@ -76,8 +110,12 @@ def shipped_compose_files() -> list[Path]:
     return sorted(REPO.glob("docker-compose*.yml"))
 
 
+def is_worker_host(project: str) -> bool:
+    return PROJECTS[project][0] == WORKER_HOST_FILE
+
+
 def project_env(project: str) -> dict[str, str]:
-    return WORKER_ENV if PROJECTS[project][0] == WORKER_HOST_FILE else EXAMPLE_ENV
+    return WORKER_ENV if is_worker_host(project) else {**EXAMPLE_ENV, **LAYOUT_ENV.get(project, {})}
 
 
 class MissingVariable(ValueError):
@@ -464,9 +502,9 @@ def test_each_service_is_its_roles_redis_user_when_that_password_is_set(roles: l
         assert env[role.password_variable] == passwords.get(role.password_variable, ""), role.name
 
 
-@pytest.mark.parametrize("project", [p for p in PROJECTS if PROJECTS[p][0] != WORKER_HOST_FILE])
+@pytest.mark.parametrize("project", [p for p in PROJECTS if not is_worker_host(p)])
 def test_with_every_role_set_each_redis_password_reaches_only_its_role_and_redis(project: str) -> None:
-    services = interpolate(load_project(project), {**EXAMPLE_ENV, **ROLE_PASSWORDS})["services"]
+    services = interpolate(load_project(project), {**project_env(project), **ROLE_PASSWORDS})["services"]
     assert holders(services, EXAMPLE_ENV["REDIS_PASSWORD"]) == {"redis"}  # the operator's, and no service's
     for role in ROLES.values():
         users = {name for name, s in draftline_services(services).items() if role_of(service_kind(s)) is role}
@@ -531,7 +569,7 @@ def test_each_secret_reaches_only_the_services_that_use_it(project: str, project
     assert holders(project_services, redis_password) == expected_redis
     assert {name for name, s in draftline.items() if "REDIS_URL" in environment(s)} == reading("REDIS_URL")
     assert "inference" not in reading("REDIS_URL")  # the model server uses no Redis, so it holds no password
-    if project_env(project) is EXAMPLE_ENV:
+    if not is_worker_host(project):
         assert holders(project_services, EXAMPLE_ENV["DRAFTLINE_API_TOKEN"]) == reading("DRAFTLINE_API_TOKEN")
         assert holders(project_services, EXAMPLE_ENV["GRAFANA_ADMIN_PASSWORD"]) == {"grafana"}
     if "controller" in project_services:
@@ -698,10 +736,40 @@ def url_hosts(value: str) -> list[tuple[str, int]]:
     return [(urlsplit(root).hostname, urlsplit(root).port) for root in parse_endpoints(value)]
 
 
+def phases(project: str) -> tuple[Phase, ...]:
+    return PHASES.get(project, (Phase(),))
+
+
+def enabled(services: dict, phase: Phase) -> dict:
+    """The services of the project compose loads with the phase's profiles: no profile, or an enabled one."""
+    return {n: s for n, s in services.items() if not s.get("profiles") or phase.profiles & set(s["profiles"])}
+
+
+def running(services: dict, phase: Phase) -> dict:
+    return {n: s for n, s in enabled(services, phase).items() if n not in phase.stopped}
+
+
 def active(services: dict, project: str) -> dict:
-    """The services ``docker compose up`` starts: no profile, or the profile the layout's README line names."""
-    profiles = {"gpus-vllm": "vllm", "gpus-sglang": "sglang"}
-    return {n: s for n, s in services.items() if not s.get("profiles") or profiles.get(project) in s["profiles"]}
+    """The services that generate and extract: what the layout's first README command starts."""
+    return running(services, phases(project)[0])
+
+
+def test_phases_name_profiles_and_services_of_the_project(project: str, project_services: dict) -> None:
+    # A profile or service misspelt here would leave the phase tests below checking nothing.
+    profiles = {p for s in project_services.values() for p in s.get("profiles", [])}
+    for phase in phases(project):
+        assert phase.profiles <= profiles and phase.stopped <= set(enabled(project_services, phase)), phase
+
+
+def test_every_service_compose_starts_finds_the_services_it_needs(project: str, project_services: dict) -> None:
+    """Compose refuses a whole project in which an enabled service depends on a disabled one (unless
+    ``required: false``), whatever the command: each phase's profiles must enable every dependency."""
+    for phase in phases(project):
+        started = enabled(project_services, phase)
+        for name, service in started.items():
+            for dependency, spec in (service.get("depends_on") or {}).items():
+                if spec.get("required") is not False:
+                    assert dependency in started, f"{name} needs {dependency}: {set(phase.profiles)} disable it"
 
 
 def test_gpu_servers_are_pinned_to_distinct_gpus(project: str, project_services: dict) -> None:
@@ -738,7 +806,10 @@ def test_worker_url_lists_name_exactly_the_servers_that_exist(project: str, proj
     servers = {(name, int(environment(s)["DRAFTLINE_PORT"])) for name, s in builtin_servers(services).items()}
     engines = {(name, int(container_port(s))) for name, s in generation_engines(services).items()}
     hidden = url_hosts(environment(services["extractor"])["DRAFTLINE_HIDDEN_STATES_URL"])
-    assert set(hidden) == servers and len(hidden) == len(servers)  # hidden states: every built-in server
+    # Hidden states: every built-in server, or the vLLM server where the extractor takes them from vLLM.
+    from_vllm = environment(services["extractor"]).get("DRAFTLINE_HIDDEN_SOURCE") == "vllm"
+    expected = {engine for engine in engines if engine[0] == "vllm"} if from_vllm else servers
+    assert expected and set(hidden) == expected and len(hidden) == len(expected), hidden
     generation = url_hosts(environment(services["generator"])["DRAFTLINE_INFERENCE_URL"])
     assert set(generation) == (engines or servers), generation  # the engine if one runs, else every server
     if "controller" in services:
@@ -756,11 +827,210 @@ def test_generation_can_still_be_pointed_elsewhere_in_every_layout(project: str)
 
 
 def test_trainer_never_shares_a_gpu_with_vllm_or_sglang(project: str, project_services: dict) -> None:
-    services = active(project_services, project)
-    if "trainer" not in services:
-        return
-    engine_gpus = {gpu for s in generation_engines(services).values() for gpu in device_ids(s)}
-    assert not set(device_ids(services["trainer"])) & engine_gpus
+    trains = False
+    for phase in phases(project):
+        services = running(project_services, phase)
+        if "trainer" not in services:
+            continue
+        trains = True
+        engine_gpus = {gpu for s in generation_engines(services).values() for gpu in device_ids(s)}
+        assert not set(device_ids(services["trainer"])) & engine_gpus, phase
+    assert trains == ("trainer" in project_services), f"no phase of {project} runs its trainer"
+
+
+# ---- one vLLM server for generation and hidden states (docker-compose.gpus-vllm-states.yml) ----------
+STATES = "gpus-vllm-states"
+# What the vLLM image brings that the connector may import; anything else must come from the mounts.
+VLLM_IMAGE_PACKAGES = frozenset({"torch", "vllm"})
+
+
+def states_services(**env: str) -> dict:
+    return interpolate(load_project(STATES), {**project_env(STATES), **env})["services"]
+
+
+def flag(command: list[str], name: str) -> str:
+    assert command.count(name) == 1, f"{name} given {command.count(name)} times"
+    return command[command.index(name) + 1]
+
+
+def connector_config(vllm: dict) -> dict:
+    return json.loads(flag(vllm["command"], "--kv-transfer-config"))
+
+
+def saved_layer_ids(vllm: dict) -> list[int]:
+    spec = json.loads(flag(vllm["command"], "--speculative-config"))
+    assert spec["method"] == "extract_hidden_states"
+    return spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def repository_file(mounts: dict[str, str], path: str) -> Path | None:
+    """The repository file a container sees at ``path`` through its ``./…`` bind mounts (the deepest wins)."""
+    for target in sorted(mounts, key=len, reverse=True):
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return REPO / mounts[target] / os.path.relpath(path, target)
+    return None
+
+
+def module_file(module: str, roots: list[str], mounts: dict[str, str]) -> Path | None:
+    """The file the container's Python finds for ``module`` on ``roots`` (its PYTHONPATH), in the repository."""
+    relative = module.replace(".", "/")
+    for root in roots:
+        for candidate in (f"{root}/{relative}.py", f"{root}/{relative}/__init__.py"):
+            found = repository_file(mounts, candidate)
+            if found is not None and found.is_file():
+                return found
+    return None
+
+
+def unresolved_imports(module: str, roots: list[str], mounts: dict[str, str]) -> list[str]:
+    """Modules that importing ``module`` reaches (its packages' ``__init__`` files too) and that neither the
+    standard library, the vLLM image nor the mounted files provide."""
+    from tests.test_boundaries import imported_modules
+
+    found: dict[str, bool] = {}  # module -> whether the mounts hold it
+    todo = [module]
+    while todo:
+        parts = todo.pop().split(".")
+        if parts[0] in sys.stdlib_module_names or parts[0] in VLLM_IMAGE_PACKAGES:
+            continue
+        for i in range(1, len(parts) + 1):  # `import a.b.c` runs a/__init__.py and a/b/__init__.py first
+            prefix = ".".join(parts[:i])
+            if prefix not in found:
+                path = module_file(prefix, roots, mounts)
+                found[prefix] = path is not None
+                todo += [name for _, name in imported_modules(path) if name] if path else []
+            if not found[prefix]:
+                break
+    return sorted(name for name, held in found.items() if not held)
+
+
+def test_one_vllm_server_holds_every_gpu_with_tensor_parallel_and_no_builtin_server_starts() -> None:
+    services = states_services()
+    vllm = services["vllm"]
+    assert sorted(device_ids(vllm), key=int) == [str(gpu) for gpu in range(8)]
+    assert flag(vllm["command"], "--tensor-parallel-size") == "8"
+    assert flag(states_services(DRAFTLINE_GENERATION_TP="4")["vllm"]["command"], "--tensor-parallel-size") == "4"
+    serving = active(services, STATES)
+    assert "vllm" in serving and "profiles" not in vllm  # this layout's server, started by a plain `up`
+    assert builtin_servers(serving) == {} and services["inference"]["profiles"] == ["disabled"]
+    for name in ("controller", "generator"):
+        assert url_hosts(environment(services[name])["DRAFTLINE_INFERENCE_URL"]) == [("vllm", 8000)], name
+
+
+def test_vllm_saves_exactly_the_layers_the_extractor_is_told(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The example is right for Kimi-K2's 61 layers and the default auxiliary layers.
+    example = json.loads(LAYOUT_ENV[STATES]["DRAFTLINE_VLLM_SAVED_LAYERS"])
+    assert example == eagle3.engine_saved_layers(eagle3.default_layer_ids(61), 61)
+    for layers in (example, [3, 31, 59, 61]):  # one variable reaches both, whatever it holds
+        services = states_services(DRAFTLINE_VLLM_SAVED_LAYERS=json.dumps(layers))
+        extractor = environment(services["extractor"])
+        for name in settings_variables(ExtractorSettings):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in extractor.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.chdir(tmp_path)  # no .env from the working directory
+        settings = load_settings(ExtractorSettings)
+        assert settings.hidden_source == "vllm" and settings.vllm_saved_layers == layers
+        assert saved_layer_ids(services["vllm"]) == layers
+    with pytest.raises(MissingVariable, match="DRAFTLINE_VLLM_SAVED_LAYERS"):
+        interpolate(load_project(STATES), EXAMPLE_ENV)
+
+
+def test_the_documented_layer_formula_is_what_the_extractor_expects() -> None:
+    # README and .env.example: for N layers and the default auxiliary layers, vLLM saves [2, N//2, N-3, N].
+    for n in range(8, 129):
+        assert [2, n // 2, n - 3, n] == eagle3.engine_saved_layers(eagle3.default_layer_ids(n), n), n
+
+
+def test_vllm_imports_draftlines_connector_from_the_read_only_repository_mount() -> None:
+    vllm = states_services()["vllm"]
+    config = connector_config(vllm)
+    assert config["kv_role"] == "kv_producer"
+    # Chat generation on the same server asks for nothing, so nothing is saved for it.
+    assert config["kv_connector_extra_config"]["save_only_when_asked"] is True
+    roots = environment(vllm)["PYTHONPATH"].split(":")
+    mounts = bind_mounts(vllm)  # every ./ mount read-only
+    module = config["kv_connector_module_path"]
+    path = module_file(module, roots, mounts)
+    assert path == REPO / "services" / "extractor" / "vllm_connector.py", module
+    classes = {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    assert config["kv_connector"] in classes
+    assert unresolved_imports(module, roots, mounts) == []
+
+
+def test_unresolved_imports_names_what_the_mounts_lack(tmp_path: Path) -> None:
+    # The check above can fail: a module importing draftline's shared package, which vLLM's mount lacks.
+    mounts = {"/opt/draftline/services": "./services"}
+    assert unresolved_imports("services.extractor.vllm_connector", ["/opt/draftline"], mounts) == []
+    assert "shared" in unresolved_imports("services.extractor.vllm_source", ["/opt/draftline"], mounts)
+    assert unresolved_imports("services.extractor.vllm_connector", ["/elsewhere"], mounts) == ["services"]
+
+
+def test_vllm_writes_hidden_states_where_the_extractor_reads_them_as_the_same_user() -> None:
+    services = states_services()
+    vllm, extractor = services["vllm"], services["extractor"]
+    storage = connector_config(vllm)["kv_connector_extra_config"]["shared_storage_path"]
+    assert environment(extractor)["DRAFTLINE_VLLM_STORAGE"] == storage
+    assert Path(storage).parent == Path("/data")  # a folder of its own on the data volume, the same in both
+    for service in (vllm, extractor):
+        assert "data:/data" in service["volumes"]
+    # The connector's files are owner-only: the extractor can read and delete them only as vLLM's user.
+    assert vllm["user"] == extractor["user"] == "1000:1000"
+    moved = states_services(DRAFTLINE_UID="2001", DRAFTLINE_GID="2002")
+    assert moved["vllm"]["user"] == moved["extractor"]["user"] == "2001:2002"
+
+
+def run_vllm_entry(vllm: dict, dotenv: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """The vllm service's entrypoint and command as the container runs them, with a stand-in ``vllm`` that
+    prints its arguments; the container's environment is its compose values and, for each name compose
+    passes through, the value ``dotenv`` gives it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "vllm"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    (tmp_path / "a-file").touch()  # a glob in the extra flags would expand to it
+    shell, script, *rest = vllm["entrypoint"]
+    assert shell == "sh" and not rest
+    host_script = repository_file(bind_mounts(vllm), script)
+    assert host_script is not None and host_script.is_file(), script
+    env = {**environment(vllm), **{k: v for k, v in dotenv.items() if k in passed_through(vllm)},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return subprocess.run(["sh", str(host_script), *vllm["command"]], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30, check=False)
+
+
+def test_optional_vllm_flags_are_passed_only_when_env_sets_them(tmp_path: Path) -> None:
+    vllm = states_services()["vllm"]
+    base = ["serve", *vllm["command"]]
+    for unset in ({}, {"DRAFTLINE_VLLM_REASONING_PARSER": "", "DRAFTLINE_VLLM_TRUST_REMOTE_CODE": "false",
+                       "DRAFTLINE_VLLM_EXTRA_ARGS": ""}):
+        done = run_vllm_entry(vllm, unset, tmp_path)
+        assert done.returncode == 0 and json.loads(done.stdout) == base, done.stderr
+    kimi = {"DRAFTLINE_VLLM_REASONING_PARSER": "kimi_k2", "DRAFTLINE_VLLM_TRUST_REMOTE_CODE": "true",
+            "DRAFTLINE_VLLM_EXTRA_ARGS": " --max-model-len 65536  --limit-mm-per-prompt.image 0 *"}
+    done = run_vllm_entry(vllm, kimi, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [*base, "--reasoning-parser", "kimi_k2", "--trust-remote-code",
+                                       "--max-model-len", "65536", "--limit-mm-per-prompt.image", "0", "*"]
+    done = run_vllm_entry(vllm, {"DRAFTLINE_VLLM_TRUST_REMOTE_CODE": "yes"}, tmp_path)
+    assert done.returncode == 2 and done.stdout == "" and "DRAFTLINE_VLLM_TRUST_REMOTE_CODE" in done.stderr
+
+
+def test_the_trainer_gets_every_gpu_once_vllm_is_stopped() -> None:
+    services = states_services()
+    serve, train = phases(STATES)
+    assert "trainer" not in running(services, serve) and services["trainer"]["profiles"] == ["train"]
+    trainer = running(services, train)["trainer"]
+    assert "vllm" not in running(services, train)
+    assert sorted(device_ids(trainer), key=int) == [str(gpu) for gpu in range(8)]
+    # `up -d trainer` starts what it depends on: never the engine that holds the GPUs.
+    assert not set(trainer.get("depends_on") or {}) & set(generation_engines(services))
+
+
+def test_prometheus_scrapes_vllm_and_no_builtin_server_in_the_vllm_states_layout(tmp_path: Path) -> None:
+    loaded = scrape_targets(prometheus_view(STATES, tmp_path))
+    assert loaded["draftline-inference"] == [] and loaded["vllm"] == [("vllm:8000", "/metrics")]
 
 
 # ---- a worker host ---------------------------------------------------------------------------------

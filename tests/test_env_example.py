@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings
 import shared.settings
 from shared.settings import env_name, load_settings
 from tests.test_compose import (
+    LAYOUT_ENV,
+    PROJECTS,
     WORKER_HOST_FILE,
     all_passed_through_variables,
     all_referenced_variables,
@@ -94,6 +96,20 @@ def test_what_a_worker_host_requires_is_documented_as_required_there() -> None:
     for name in worker_required - main_required:
         assert "REQUIRED on a worker host" in comment_of(name), name
         assert WORKER_HOST_FILE in comment_of(name), name
+
+
+OVERRIDE_LAYOUTS = [project for project, files in PROJECTS.items() if files[0] == "docker-compose.yml" and files[1:]]
+
+
+@pytest.mark.parametrize("project", OVERRIDE_LAYOUTS)
+def test_what_a_layout_requires_is_documented_as_required_with_its_file(project: str) -> None:
+    main_required = {name for name, needed in referenced_variables(load_compose()).items() if needed}
+    (layout,) = PROJECTS[project][1:]
+    required = {name for name, needed in referenced_variables(read_compose(ENV_EXAMPLE.parent / layout)).items()
+                if needed} - main_required
+    assert required == set(LAYOUT_ENV.get(project, {}))  # what the compose tests fill in for that layout
+    for name in required:
+        assert f"REQUIRED with {layout}" in comment_of(name), name
 
 
 def test_every_variable_has_a_comment_above_it() -> None:
