@@ -12,6 +12,8 @@ Both factors are *measured* once samples land (the extractor tallies ``hidden_by
     tokens per sample ≈ min(prompt bytes per row / 4 + generation.max_tokens, extraction.max_length)
     bytes per token   = 4 × hidden_size × dtype bytes + 9      (3 auxiliary layers + the last layer,
                                                                plus an int64 token id and a uint8 mask)
+                      = 4 × hidden_size + 8 + 9                 (fp8 storage: 1 byte a value, and four
+                                                               bf16 scales a token)
 
 Four bytes per prompt token is the usual size of English BPE text (JSON overhead makes it an
 over-estimate, which is the safe side), and ``max_tokens`` is the longest reply a sample can get.
@@ -46,6 +48,7 @@ BYTES_PER_PROMPT_TOKEN = 4.0
 HIDDEN_TENSORS_PER_TOKEN = 4  # three auxiliary layers and the last layer
 TOKEN_OVERHEAD_BYTES = 9  # the int64 token id and the uint8 loss-mask entry
 DEFAULT_DTYPE_BYTES = 2  # bf16, what real targets are served in
+FP8_SCALE_BYTES = 2  # fp8 storage: one bf16 scale per token and stored layer
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 WAIT_LOG_EVERY_S = 60.0
 
@@ -121,13 +124,16 @@ def format_bytes(n: float) -> str:
 # ---- the estimate before any sample lands -------------------------------------------------------
 
 
-def hidden_bytes_per_token(hidden_size: int, dtype: str | None = None) -> int:
-    """Bytes one token costs in a hidden-state file of a target with ``hidden_size`` in ``dtype``."""
+def hidden_bytes_per_token(hidden_size: int, dtype: str | None = None, storage: str = "target") -> int:
+    """Bytes one token costs in a hidden-state file of a target with ``hidden_size`` in ``dtype``, its
+    states stored as ``storage`` (a run's ``extraction.storage``) says."""
+    if storage == "fp8":
+        return HIDDEN_TENSORS_PER_TOKEN * (hidden_size + FP8_SCALE_BYTES) + TOKEN_OVERHEAD_BYTES
     width = DTYPE_BYTES.get(dtype or "", DEFAULT_DTYPE_BYTES)
     return HIDDEN_TENSORS_PER_TOKEN * hidden_size * width + TOKEN_OVERHEAD_BYTES
 
 
-def target_bytes_per_token(model_dir: Path) -> int | None:
+def target_bytes_per_token(model_dir: Path, storage: str = "target") -> int | None:
     """The estimate from a target's ``config.json`` (hidden size, dtype); None when it cannot be read."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
@@ -137,7 +143,7 @@ def target_bytes_per_token(model_dir: Path) -> int | None:
     hidden = text.get("hidden_size") or config.get("hidden_size")
     if not isinstance(hidden, int):
         return None
-    return hidden_bytes_per_token(hidden, str(config.get("torch_dtype") or config.get("dtype") or ""))
+    return hidden_bytes_per_token(hidden, str(config.get("torch_dtype") or config.get("dtype") or ""), storage)
 
 
 def estimate_sample_tokens(prompt_bytes_per_row: float, max_tokens: int, max_length: int) -> float:

@@ -16,6 +16,18 @@ AUX_HIDDEN = "aux_hidden_states"  # [L, 3H], the three auxiliary layers concaten
 LAST_HIDDEN = "hidden_states"  # [L, H], after the final norm: the input of the target's lm_head
 SAMPLE_TENSORS = (INPUT_IDS, LOSS_MASK, AUX_HIDDEN, LAST_HIDDEN)
 
+# fp8 storage (a run's ``extraction.storage = "fp8"``): both states as float8 e4m3 ("F8_E4M3"), each with a
+# bf16 scale per token and stored layer, the token's largest magnitude in that layer over FP8_MAX, so that
+# value lands on e4m3's largest finite value. state = e4m3 value × its scale. Per token, not per channel:
+# measured on SmolLM2 (bench/RESULTS.md, "fp8 hidden states") per-token scales reconstruct every layer
+# better, and their size does not depend on the sample's length.
+FP8_DTYPE = "F8_E4M3"
+FP8_MAX = 448.0  # e4m3fn's largest finite value; it has no infinity
+SCALE_DTYPE = "BF16"
+AUX_SCALE = "aux_hidden_states_scale"  # [L, 3]: low, mid, high
+LAST_SCALE = "hidden_states_scale"  # [L, 1]
+SCALES = {AUX_HIDDEN: (AUX_SCALE, 3), LAST_HIDDEN: (LAST_SCALE, 1)}  # state -> (its scale, layers it holds)
+
 # Metadata keys (safetensors metadata is str -> str).
 META_FORMAT = "format"
 META_FORMAT_VALUE = "draftline-hidden-states"

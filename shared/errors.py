@@ -51,6 +51,11 @@ class HiddenStateFileError(DraftlineError):
     """A hidden-state file is missing, truncated, or disagrees with what the run expects."""
 
 
+class HiddenStateScaleError(HiddenStateFileError):
+    """An fp8 hidden-state file lacks a scale tensor, or one has the wrong shape or dtype or a value that is
+    not finite and positive; or a file that is not fp8 carries one."""
+
+
 class PathOutsideVolume(DraftlineError):
     """A path resolves outside the data volume."""
 

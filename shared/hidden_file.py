@@ -2,7 +2,9 @@
 
 A file counts as a finished sample only if ``verify_hidden_file`` accepts it: the header parses, every
 tensor is present with the dtype and shape the token count implies, layer ids and convention are what
-the run expects, every value is finite, and (when given) the checksum matches.
+the run expects, every value is finite, and (when given) the checksum matches. An fp8 file (both states
+``F8_E4M3``) must also hold each state's bf16 scales, ``[L, layers]``, every one finite and positive; a
+file in any other dtype must hold none.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from shared import eagle3
-from shared.errors import HiddenStateFileError
+from shared.errors import HiddenStateFileError, HiddenStateScaleError
 
-# Raw bit patterns: a float is non-finite when all exponent bits are set.
-_EXPONENT_MASKS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "BOOL": 1, "I32": 4}
+# Raw bit patterns: a float is non-finite when all exponent bits are set. e4m3fn has no infinity, and its
+# NaN is the one pattern with every exponent and mantissa bit set.
+_EXPONENT_MASKS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000),
+                   eagle3.FP8_DTYPE: (np.uint8, 0x7F)}
+_SIGN_BF16 = 0x8000
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "BOOL": 1, "I32": 4, eagle3.FP8_DTYPE: 1}
 HEADER_LIMIT = 100 * 1024 * 1024
 
 
@@ -100,9 +105,12 @@ def verify_hidden_file(
     end = max(info["data_offsets"][1] for info in header.values())
     if data_start + end != size:
         raise HiddenStateFileError(f"{path}: {size} bytes on disk, header describes {data_start + end} (truncated?)")
+    scales = _scale_tensors(header, float_dtype, num_tokens, path)
     raw = path.read_bytes()
     for name in (eagle3.AUX_HIDDEN, eagle3.LAST_HIDDEN):
         _check_finite(raw, header[name], data_start, f"{path}: {name}")
+    for name in scales:
+        _check_positive(raw, header[name], data_start, f"{path}: {name}")
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 is not None and digest != sha256:
         raise HiddenStateFileError(f"{path}: checksum {digest[:12]}… differs from the recorded {sha256[:12]}…")
@@ -124,6 +132,36 @@ def _expect(header: dict, name: str, shape: list[int], path: Path) -> None:
     itemsize = _ITEMSIZE.get(info["dtype"])
     if itemsize is None or end - start != itemsize * int(np.prod(shape)):
         raise HiddenStateFileError(f"{path}: {name} byte range does not match {info['dtype']} {shape}")
+
+
+def _scale_tensors(header: dict, float_dtype: str, num_tokens: int, path: Path) -> list[str]:
+    """The scale tensors an fp8 file must hold, each checked for presence, shape and dtype; a file in
+    another dtype must hold none (its states would be read as they are, and the scales ignored)."""
+    names = [name for name, _ in eagle3.SCALES.values()]
+    if float_dtype != eagle3.FP8_DTYPE:
+        stray = [name for name in names if name in header]
+        if stray:
+            raise HiddenStateScaleError(f"{path}: states in {float_dtype} but scale tensors {stray} (only fp8 has scales)")
+        return []
+    for name, layers in eagle3.SCALES.values():
+        if name not in header:
+            raise HiddenStateScaleError(f"{path}: fp8 states without their scale tensor {name}")
+        if header[name]["dtype"] != eagle3.SCALE_DTYPE:
+            raise HiddenStateScaleError(f"{path}: {name} is {header[name]['dtype']}, fp8 scales are {eagle3.SCALE_DTYPE}")
+        if header[name]["shape"] != [num_tokens, layers]:
+            raise HiddenStateScaleError(f"{path}: {name} has shape {header[name]['shape']}, expected {[num_tokens, layers]}")
+        _expect(header, name, [num_tokens, layers], path)
+    return names
+
+
+def _check_positive(raw: bytes, info: dict, data_start: int, what: str) -> None:
+    """Every bf16 value finite and above zero: a zero, negative or non-finite scale makes no state."""
+    start, end = info["data_offsets"]
+    bits = np.frombuffer(raw, dtype=np.uint16, count=(end - start) // 2, offset=data_start + start)
+    _, mask = _EXPONENT_MASKS["BF16"]
+    bad = int(np.count_nonzero(((bits & mask) == mask) | ((bits & _SIGN_BF16) != 0) | ((bits & 0x7FFF) == 0)))
+    if bad:
+        raise HiddenStateScaleError(f"{what}: {bad} scales that are not finite and positive")
 
 
 def _check_finite(raw: bytes, info: dict, data_start: int, what: str) -> None:

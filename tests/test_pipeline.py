@@ -121,3 +121,32 @@ def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
     assert f">{status['errors']['total']}</b>" in page
     assert {int(i) for i in re.findall(r'data-sample="(\d+)"', page)} >= set(MALFORMED)
     assert f"{status['drafter']['acceptance_length']:.2f}" in page
+
+
+def test_an_fp8_run_goes_through_every_stage_and_trains_on_its_fp8_files(tmp_path, redis_server, tiny_model_dir):
+    """The cheapest whole run (8 samples, one epoch, 2 held out) with ``extraction.storage = "fp8"``."""
+    from services.trainer.export import verify_export
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(demo_prompts_path().read_text().splitlines()[:10]) + "\n")
+    config = StackConfig(data=tmp_path / "data", model_dir=tiny_model_dir, log_dir=tmp_path / "logs",
+                         redis_url=redis_server.url, env={"DRAFTLINE_DATASET_ROOTS": str(tmp_path)})
+    with LocalStack(config) as stack:
+        body = {
+            "dataset": str(dataset), "name": "fp8-e2e",
+            "generation": {"max_tokens": 16, "min_completion_tokens": 0},
+            "extraction": {"storage": "fp8"},
+            "train": {"epochs": 1, "batch_size": 4, "ttt_steps": 2, "draft_vocab_size": 128, "max_length": 128},
+            "evaluate": {"holdout": 2, "sets": ["holdout"], "max_new_tokens": 8, "draft_steps": 2, "curve_max_steps": 2},
+        }
+        response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
+        assert response.status_code == 201, response.text
+        status = wait_terminal(stack, "fp8-e2e", timeout=420.0)
+    assert status["state"] == "complete", status
+    paths = RunPaths(config.data, "fp8-e2e")
+    files = sorted(paths.hidden_dir.rglob("*.safetensors"))
+    assert len(files) == status["stages"]["extract"]["done"] == 8
+    for path in files:
+        assert verify_hidden_file(path, layer_ids=[1, 3, 4], dtype="F8_E4M3", hidden_size=64).dtype == "F8_E4M3"
+    verify_export(Path(status["drafter"]["export_path"]))
+    assert status["drafter"]["acceptance_length"] >= 1.0

@@ -50,15 +50,15 @@ def _run(args: argparse.Namespace) -> int:
     from services.controller.served import served_model
     from services.controller.start import PreflightFailed, RunRequest, start_run
     from shared.queues import connect
-    from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
+    from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
 
     settings = _settings()
-    generation, train, evaluate = _run_sections(args)
+    generation, extraction, train, evaluate = _run_sections(args)
     request = RunRequest(
         dataset=args.dataset, name=args.name, limit=args.limit, split=args.split,
         model=args.model or served_model(settings.inference_url),
-        generation=GenerationConfig(**generation), train=TrainConfig(**train),
-        evaluate=EvalConfig(**evaluate) if evaluate else None,
+        generation=GenerationConfig(**generation), extraction=ExtractionConfig(**extraction),
+        train=TrainConfig(**train), evaluate=EvalConfig(**evaluate) if evaluate else None,
     )
     try:
         spec, report = start_run(settings, connect(settings.redis_url), request, force=args.force)
@@ -71,24 +71,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    """The generation, train and evaluate settings given on the command line (the rest take defaults)."""
+def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
+    """The generation, extraction, train and evaluate settings given on the command line (the rest take
+    defaults)."""
     generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
                   "temperature": args.temperature}
+    extraction = {"storage": args.hidden_storage}
     train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
              "base_checkpoint": args.base_checkpoint}
     evaluate = {"holdout": args.holdout}
-    return tuple({k: v for k, v in section.items() if v is not None} for section in (generation, train, evaluate))
+    return tuple({k: v for k, v in section.items() if v is not None}
+                 for section in (generation, extraction, train, evaluate))
 
 
 def _run_through_api(args: argparse.Namespace) -> int:
     """``draftline run --controller URL``: the same run through ``POST /runs``, with the API token."""
     from services.cli.api import ControllerClient, ControllerRefused
 
-    generation, train, evaluate = _run_sections(args)
+    generation, extraction, train, evaluate = _run_sections(args)
     body = {"dataset": args.dataset, "name": args.name, "limit": args.limit, "split": args.split, "model": args.model,
-            "generation": generation or None, "train": train or None, "evaluate": evaluate or None,
-            "force": args.force}
+            "generation": generation or None, "extraction": extraction or None, "train": train or None,
+            "evaluate": evaluate or None, "force": args.force}
     token = _settings().api_token
     with ControllerClient(args.controller, token=token.get_secret_value() if token else None) as client:
         try:
@@ -269,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, help="longest reply asked of the target")
     run.add_argument("--min-completion-tokens", type=int, help="shorter replies are dropped, each named")
     run.add_argument("--temperature", type=float)
+    run.add_argument("--hidden-storage", choices=("target", "fp8"),
+                     help="hidden states in the target's dtype (default) or fp8 with scales: half the bytes of bf16")
     run.add_argument("--epochs", type=int)
     run.add_argument("--ttt-steps", type=int, help="training-time-test unroll length")
     run.add_argument("--draft-vocab-size", type=int)

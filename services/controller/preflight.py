@@ -335,12 +335,13 @@ def check_persistent(settings: ControllerSettings) -> Check:
 # ---- disk space ----------------------------------------------------------------------------------
 
 
-def bytes_per_token_of(card: dict | None, model_dir: Path | None) -> float | None:
-    """Hidden-state bytes per token: from the served model's card, else from the target's config."""
+def bytes_per_token_of(card: dict | None, model_dir: Path | None, storage: str = "target") -> float | None:
+    """Hidden-state bytes per token: from the served model's card, else from the target's config; stored
+    as ``storage`` (the run's ``extraction.storage``) says."""
     info = (card or {}).get("draftline") or {}
     if isinstance(info.get("hidden_size"), int):
-        return float(hidden_bytes_per_token(info["hidden_size"], info.get("dtype")))
-    per_token = target_bytes_per_token(model_dir) if model_dir is not None else None
+        return float(hidden_bytes_per_token(info["hidden_size"], info.get("dtype"), storage))
+    per_token = target_bytes_per_token(model_dir, storage) if model_dir is not None else None
     return float(per_token) if per_token else None
 
 
@@ -379,7 +380,8 @@ def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts)
     data = Path(settings.data)
     free, total = volume_usage(data)
     reserve = reserve_for(total, settings.disk_reserve_bytes, settings.disk_reserve_fraction)
-    facts.bytes_per_token = bytes_per_token_of(facts.card, settings.model_dir)
+    storage = spec.extraction.storage if spec is not None else "target"
+    facts.bytes_per_token = bytes_per_token_of(facts.card, settings.model_dir, storage)
     room = f"{format_bytes(free)} free on {data}, {format_bytes(reserve)} kept in reserve"
     if free < reserve:
         return Check("disk space", False, ERROR, f"{room}: less free space than the reserve",

@@ -73,11 +73,12 @@ class HiddenStatesClient:
         return self._dispatch.pool.urls
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
-                metadata: dict[str, str], on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
+                metadata: dict[str, str], storage: str = "target",
+                on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
         """Ask for one file until it is written, the request fails permanently, or it runs out of attempts
         or patience; ``on_retry`` is called before each attempt after the first."""
         body = {"input_ids": input_ids, "loss_mask": loss_mask, "path": path, "layer_ids": layer_ids,
-                "metadata": metadata}
+                "metadata": metadata, "storage": storage}
         return self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
 
     def _once(self, root: str, body: dict) -> HiddenStatesResult | Failed:

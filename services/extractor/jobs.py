@@ -4,10 +4,11 @@ The ids are the engine's own where the reply record carries them (``token_ids``,
 them), else the target's chat template renders the conversation (``tokenize.py`` says how).
 
 A sample counts as extracted only after ``verify_hidden_file`` accepts what the server wrote: shapes
-match the tokens we sent, the layer ids are the run's, every value is finite, and the checksum is the
-one the server reported. The verified file is then recorded in its shard's ``manifest.jsonl`` (what a
-resume checks files against) before the sample is marked done. The run's layer ids are fixed by its
-first verified sample, so a server restarted with other defaults cannot mix layers within one run.
+match the tokens we sent, the layer ids are the run's, the states are stored as the run's
+``extraction.storage`` says, every value is finite, and the checksum is the one the server reported.
+The verified file is then recorded in its shard's ``manifest.jsonl`` (what a resume checks files
+against) before the sample is marked done. The run's layer ids are fixed by its first verified sample,
+so a server restarted with other defaults cannot mix layers within one run.
 """
 
 from __future__ import annotations
@@ -126,13 +127,16 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_d
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},
-        on_retry=lambda: state.note_retry("extract"),
+        storage=spec.extraction.storage, on_retry=lambda: state.note_retry("extract"),
     )
     path = state.paths.hidden(job.sample_id)
     try:
         info = verify_hidden_file(path, layer_ids=_run_layers(state, spec, result), sha256=result.sha256)
         if info.num_tokens != len(input_ids):
             raise HiddenStateFileError(f"{path}: {info.num_tokens} tokens, sent {len(input_ids)}")
+        if (info.dtype == eagle3.FP8_DTYPE) != (spec.extraction.storage == "fp8"):
+            raise HiddenStateFileError(f"{path}: states in {info.dtype}, the run stores them as "
+                                       f"{spec.extraction.storage!r}")
     except HiddenStateFileError:
         path.unlink(missing_ok=True)  # a file that fails verification must never pass for finished work
         raise

@@ -24,8 +24,10 @@ class HiddenStateSource(Protocol):
     def endpoints(self) -> list[str]: ...
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
-                metadata: dict[str, str], on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
-        """Write the sample's file at ``path`` (inside the data volume) and describe it."""
+                metadata: dict[str, str], storage: str = "target",
+                on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
+        """Write the sample's file at ``path`` (inside the data volume), its states stored as ``storage``
+        says (the run's ``extraction.storage``), and describe it."""
 
 
 class SourceMisconfigured(DraftlineError):

@@ -12,8 +12,9 @@ Here: send that request (retries and fail-over as every client, ``shared.dispatc
 engine's writer (it holds ``<path>.lock`` exclusively until the file is complete), check the ids are
 the ones sent, take the auxiliary layers and apply the target's final norm to the last layer (vLLM
 saves it before the norm; draftline files hold the input of ``lm_head``), write the sample atomically
-with the same tensors and metadata the built-in server writes, and delete the engine's file and lock
-whatever happened. Layer ids map between the two conventions only through ``shared.eagle3``.
+with the same tensors and metadata the built-in server writes (fp8 with scales when the run stores
+fp8), and delete the engine's file and lock whatever happened. Layer ids map between the two
+conventions only through ``shared.eagle3``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class VllmHiddenStates:
         return self._dispatch.pool.urls
 
     def extract(self, *, input_ids: list[int], loss_mask: list[int], path: str, layer_ids: list[int] | None,
-                metadata: dict[str, str], on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
+                metadata: dict[str, str], storage: str = "target",
+                on_retry: Callable[[], object] | None = None) -> HiddenStatesResult:
         layers = eagle3.check_layer_ids(list(layer_ids) if layer_ids else eagle3.default_layer_ids(self.num_layers),
                                         self.num_layers)
         saved = self.saved_layers or eagle3.engine_saved_layers(eagle3.default_layer_ids(self.num_layers), self.num_layers)
@@ -119,7 +121,7 @@ class VllmHiddenStates:
         finally:
             engine_file.unlink(missing_ok=True)
             engine_file.with_name(engine_file.name + ".lock").unlink(missing_ok=True)
-        return self._write(states, saved, layers, input_ids, loss_mask, path, metadata)
+        return self._write(states, saved, layers, input_ids, loss_mask, path, metadata, storage)
 
     def _once(self, root: str, body: dict) -> Path | Failed:
         response = post_json(f"{server_root(root)}/v1/completions", body, self.timeout)
@@ -153,7 +155,7 @@ class VllmHiddenStates:
         return states
 
     def _write(self, states: torch.Tensor, saved: list[int], layers: list[int], input_ids: list[int],
-               loss_mask: list[int], path: str, metadata: dict[str, str]) -> HiddenStatesResult:
+               loss_mask: list[int], path: str, metadata: dict[str, str], storage: str) -> HiddenStatesResult:
         dtype = _DTYPES[states.dtype]
         aux = torch.cat([states[:, saved.index(eagle3.engine_layer_id(i))] for i in layers], dim=-1)  # (T, 3H)
         weight, eps = final_norm(str(self.model_dir))
@@ -161,8 +163,8 @@ class VllmHiddenStates:
         tensors = {
             eagle3.INPUT_IDS: RawTensor.of(np.asarray(input_ids, dtype=np.int64)),
             eagle3.LOSS_MASK: RawTensor.of(np.asarray(loss_mask, dtype=np.uint8)),
-            eagle3.AUX_HIDDEN: raw(aux, dtype),
-            eagle3.LAST_HIDDEN: raw(last, dtype),
+            **state_tensors(eagle3.AUX_HIDDEN, aux, storage, dtype),
+            **state_tensors(eagle3.LAST_HIDDEN, last, storage, dtype),
         }
         meta = {**metadata, eagle3.META_FORMAT: eagle3.META_FORMAT_VALUE, eagle3.META_SCHEMA: str(SCHEMA_VERSION),
                 eagle3.META_LAYER_IDS: json.dumps(layers), eagle3.META_CONVENTION: eagle3.LAYER_CONVENTION,
@@ -170,11 +172,34 @@ class VllmHiddenStates:
                 eagle3.META_DTYPE: dtype}
         written = write_safetensors(self.data / path, tensors, meta)
         t, h = len(input_ids), last.shape[-1]
+        stored = eagle3.FP8_DTYPE if storage == "fp8" else dtype
         return HiddenStatesResult(
-            path=path, num_tokens=t, dtype=dtype, layer_ids=layers, layer_convention=eagle3.LAYER_CONVENTION,
+            path=path, num_tokens=t, dtype=stored, layer_ids=layers, layer_convention=eagle3.LAYER_CONVENTION,
             shapes={eagle3.INPUT_IDS: [t], eagle3.LOSS_MASK: [t], eagle3.AUX_HIDDEN: [t, 3 * h], eagle3.LAST_HIDDEN: [t, h]},
             sha256=written.sha256, bytes=written.nbytes)
 
 
 def raw(t: torch.Tensor, dtype: str) -> RawTensor:
     return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
+
+
+def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``states`` (L, layers·H) as e4m3 and bf16 scales (L, layers) by the rule of ``shared.eagle3``. The
+    arithmetic is the built-in server writer's (services/inference/hidden.py; services share no code), so
+    either source writes the same bytes for the same states: tests/services/extractor/test_vllm_source.py
+    holds the two to it."""
+    length, width = states.shape
+    grouped = states.reshape(length, layers, width // layers).float()  # (L, layers, H)
+    tiny = torch.finfo(torch.float32).tiny  # an all-zero row keeps a positive scale
+    scale = (grouped.abs().amax(dim=-1) / eagle3.FP8_MAX).clamp_min(tiny).to(torch.bfloat16)  # (L, layers)
+    scaled = (grouped / scale.float().unsqueeze(-1)).clamp_(-eagle3.FP8_MAX, eagle3.FP8_MAX)  # (L, layers, H)
+    return scaled.to(torch.float8_e4m3fn).reshape(length, width), scale
+
+
+def state_tensors(name: str, states: torch.Tensor, storage: str, dtype: str) -> dict[str, RawTensor]:
+    """One state as the file stores it: as it is, or as fp8 beside its scales."""
+    if storage != "fp8":
+        return {name: raw(states, dtype)}
+    scale_name, layers = eagle3.SCALES[name]
+    quantized, scale = quantize_fp8(states, layers)
+    return {name: raw(quantized, eagle3.FP8_DTYPE), scale_name: raw(scale, eagle3.SCALE_DTYPE)}

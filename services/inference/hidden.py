@@ -1,4 +1,9 @@
-"""One hidden-state sample: the forward pass that yields it and the safetensors file that stores it."""
+"""One hidden-state sample: the forward pass that yields it and the safetensors file that stores it.
+
+The file holds the states in the target's dtype, or (``storage="fp8"``) as float8 e4m3 with a bf16 scale
+per token and layer, as ``shared.eagle3`` defines it. Quantizing runs here, on the writer threads, over
+host memory: the forward thread and the device-to-host copies are the same in both modes.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from services.inference.model import LoadedModel
 from shared import SCHEMA_VERSION, eagle3
 from shared.hidden_write import RawTensor, write_safetensors
+from shared.runspec import HiddenStorage
 
 RESERVED_METADATA = frozenset({
     eagle3.META_FORMAT, eagle3.META_SCHEMA, eagle3.META_LAYER_IDS, eagle3.META_CONVENTION,
@@ -31,6 +37,7 @@ class HiddenJob:
     relative_path: str
     layer_ids: tuple[int, int, int]
     metadata: dict[str, str] = field(default_factory=dict)
+    storage: HiddenStorage = "target"
 
     @property
     def num_tokens(self) -> int:
@@ -108,13 +115,35 @@ def host_tensor(t: torch.Tensor, dtype: str) -> RawTensor:
     return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
 
 
+def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``states`` (L, layers·H) as e4m3 (L, layers·H) and their bf16 scales (L, layers): each token's
+    largest magnitude in each layer over FP8_MAX, so that value is e4m3's largest finite one."""
+    length, width = states.shape
+    grouped = states.reshape(length, layers, width // layers).float()  # (L, layers, H)
+    # The floor keeps an all-zero row's scale positive (its values stay 0); bf16 halves the scales' bytes,
+    # and dividing by the rounded scale keeps the largest value within the clamp, so it still lands on 448.
+    tiny = torch.finfo(torch.float32).tiny
+    scale = (grouped.abs().amax(dim=-1) / eagle3.FP8_MAX).clamp_min(tiny).to(torch.bfloat16)  # (L, layers)
+    scaled = (grouped / scale.float().unsqueeze(-1)).clamp_(-eagle3.FP8_MAX, eagle3.FP8_MAX)  # (L, layers, H)
+    return scaled.to(torch.float8_e4m3fn).reshape(length, width), scale
+
+
+def state_tensors(name: str, states: torch.Tensor, storage: str, dtype: str) -> dict[str, RawTensor]:
+    """One state as the file stores it: as it is, or as fp8 beside its scales."""
+    if storage != "fp8":
+        return {name: host_tensor(states, dtype)}
+    scale_name, layers = eagle3.SCALES[name]
+    quantized, scale = quantize_fp8(states, layers)
+    return {name: host_tensor(quantized, eagle3.FP8_DTYPE), scale_name: host_tensor(scale, eagle3.SCALE_DTYPE)}
+
+
 def write_sample(loaded: LoadedModel, job: HiddenJob, aux: torch.Tensor, last: torch.Tensor) -> WrittenSample:
     """Write one sample's file atomically; ``aux`` (L, 3H) and ``last`` (L, H) are host tensors."""
     tensors = {
         eagle3.INPUT_IDS: RawTensor.of(np.asarray(job.input_ids, dtype=np.int64)),
         eagle3.LOSS_MASK: RawTensor.of(np.asarray(job.loss_mask, dtype=np.uint8)),
-        eagle3.AUX_HIDDEN: host_tensor(aux, loaded.dtype_name),
-        eagle3.LAST_HIDDEN: host_tensor(last, loaded.dtype_name),
+        **state_tensors(eagle3.AUX_HIDDEN, aux, job.storage, loaded.dtype_name),
+        **state_tensors(eagle3.LAST_HIDDEN, last, job.storage, loaded.dtype_name),
     }
     written = write_safetensors(job.path, tensors, sample_metadata(loaded, job))
     return describe_sample(loaded, job, written.sha256, written.nbytes)
@@ -131,7 +160,7 @@ def describe_sample(loaded: LoadedModel, job: HiddenJob, sha256: str, nbytes: in
             eagle3.AUX_HIDDEN: [length, 3 * hidden],
             eagle3.LAST_HIDDEN: [length, hidden],
         },
-        dtype=loaded.dtype_name,
+        dtype=eagle3.FP8_DTYPE if job.storage == "fp8" else loaded.dtype_name,
         layer_ids=list(job.layer_ids),
         sha256=sha256,
         bytes=nbytes,

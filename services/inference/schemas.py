@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from shared.runspec import HiddenStorage
+
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_SEED = 2**63 - 1
 MAX_METADATA_BYTES = 64 << 10  # the safetensors header holds the metadata; a large one is refused, not written
@@ -137,6 +139,7 @@ class HiddenStatesRequest(BaseModel):
     path: str = Field(..., min_length=1, description="Relative to the data volume, or absolute inside it.")
     layer_ids: list[StrictInt] | None = Field(None, min_length=3, max_length=3)
     metadata: dict[str, str] = Field(default_factory=dict)
+    storage: HiddenStorage = Field("target", description="The target's dtype, or fp8 with scales (shared.eagle3).")
 
     @field_validator("path")
     @classmethod

@@ -2,6 +2,11 @@
 
 A file that fails verification stops training with a HiddenStateFileError naming it: training on a
 silently shrunken dataset is the failure this pipeline exists to prevent.
+
+fp8 files (``extraction.storage = "fp8"``) say so themselves, by their dtypes and scale tensors; no
+setting tells the trainer. Their states travel as fp8 with their scales up to ``Batch.to``, which
+dequantizes on the training device: the host reads and copies half the bytes of bf16, and the
+device does the arithmetic.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +44,8 @@ def list_hidden_files(paths: RunPaths) -> list[tuple[int, Path]]:
 
 
 def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -> list[HiddenFileInfo]:
-    """Verify every file; all must come from the same target (model name and fingerprint)."""
+    """Verify every file; all must come from the same target (model name and fingerprint), and be fp8 or
+    not alike (a batch carries scales for all its rows or for none)."""
     if not files:
         raise HiddenStateFileError("no hidden-state files to train on")
     # Hashing every byte is I/O-bound; threads overlap the reads (hashlib releases the GIL). ``map`` keeps
@@ -54,6 +60,8 @@ def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -
                 raise HiddenStateFileError(
                     f"{info.path}: {key} {info.metadata.get(key)!r} differs from {first.get(key)!r} in {infos[0].path}"
                 )
+        if (info.dtype == eagle3.FP8_DTYPE) != (infos[0].dtype == eagle3.FP8_DTYPE):
+            raise HiddenStateFileError(f"{info.path}: states in {info.dtype}, {infos[0].path} stores {infos[0].dtype}")
     log.info("verified %d hidden-state files (%d tokens)", len(infos), sum(i.num_tokens for i in infos))
     return infos
 
@@ -80,6 +88,13 @@ def count_loss_tokens(files: list[Path], max_length: int) -> int:
     return total
 
 
+def dequantize_fp8(states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``states`` (..., layers·H) times their ``scale`` (..., layers), in float32: exact, since a
+    4-bit by 8-bit significand product fits float32's 24 bits."""
+    grouped = states.float().unflatten(-1, (scale.shape[-1], -1))  # (..., layers, H)
+    return (grouped * scale.float().unsqueeze(-1)).flatten(-2)  # (..., layers·H)
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, L) int64, 0 after each row's length
@@ -87,29 +102,33 @@ class Batch:
     aux_hidden: torch.Tensor  # (B, L, 3H)
     last_hidden: torch.Tensor  # (B, L, H)
     lengths: torch.Tensor  # (B,) int64
+    aux_scale: torch.Tensor | None = None  # (B, L, 3) bf16 where the states are fp8, else None
+    last_scale: torch.Tensor | None = None  # (B, L, 1)
 
     def without_loss(self) -> Batch:
         """The same rows with nothing to learn: a stand-in that runs the model but adds no loss or count."""
-        return Batch(self.input_ids, torch.zeros_like(self.loss_mask), self.aux_hidden, self.last_hidden, self.lengths)
+        return replace(self, loss_mask=torch.zeros_like(self.loss_mask))
 
     def pin_memory(self) -> Batch:
         """The DataLoader's ``pin_memory`` calls this on its pinning thread (a custom batch pins itself)."""
-        return Batch(*(t.pin_memory() for t in (self.input_ids, self.loss_mask, self.aux_hidden, self.last_hidden,
-                                                self.lengths)))
+        pinned = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).pin_memory() for f in fields(self)}
+        return Batch(**pinned)
 
     def to(self, device: torch.device, dtype: torch.dtype | None) -> Batch:
-        """On ``device``, the states as ``dtype`` (None: as stored). Moved first, converted second: a
-        CPU-to-GPU copy that also changes dtype converts on the CPU, on one thread per rank under torchrun
-        (OMP_NUM_THREADS=1), which was a third of a 2-GPU step. From pinned memory the copies are
-        asynchronous; the kernels that read them wait for them on the same stream."""
+        """On ``device``, the states as ``dtype`` (None: as stored, or float32 from fp8). Moved first,
+        converted second: a CPU-to-GPU copy that also changes dtype converts on the CPU, on one thread per
+        rank under torchrun (OMP_NUM_THREADS=1), which was a third of a 2-GPU step; fp8 states are
+        dequantized after the move for the same reason. From pinned memory the copies are asynchronous;
+        the kernels that read them wait for them on the same stream."""
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=t.is_pinned())
 
-        def states(t: torch.Tensor) -> torch.Tensor:
-            return move(t) if dtype is None else move(t).to(dtype)
-
-        return Batch(move(self.input_ids), move(self.loss_mask), states(self.aux_hidden), states(self.last_hidden),
-                     move(self.lengths))
+        aux, last = move(self.aux_hidden), move(self.last_hidden)
+        if self.aux_scale is not None and self.last_scale is not None:
+            aux, last = dequantize_fp8(aux, move(self.aux_scale)), dequantize_fp8(last, move(self.last_scale))
+        if dtype is not None:
+            aux, last = aux.to(dtype), last.to(dtype)
+        return Batch(move(self.input_ids), move(self.loss_mask), aux, last, move(self.lengths))
 
 
 class HiddenStateDataset(Dataset):
@@ -123,23 +142,33 @@ class HiddenStateDataset(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """The sample's tensors as stored, an fp8 file's scales included."""
         with safe_open(self.files[index], framework="pt") as handle:
-            return {name: handle.get_slice(name)[: self.max_length] for name in eagle3.SAMPLE_TENSORS}
+            names = [*eagle3.SAMPLE_TENSORS, *(name for name, _ in eagle3.SCALES.values() if name in handle.keys())]
+            return {name: handle.get_slice(name)[: self.max_length] for name in names}
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> Batch:
-    """Right-pad to the longest sample: causal attention keeps real positions blind to the padding."""
+    """Right-pad to the longest sample: causal attention keeps real positions blind to the padding.
+    fp8 states keep their dtype and bring their scales (``verify_files`` lets no run mix the two)."""
     lengths = torch.tensor([s[eagle3.INPUT_IDS].shape[0] for s in samples])
     width = int(lengths.max())
-    first = samples[0]
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     mask = torch.zeros(len(samples), width, dtype=torch.bool)
-    aux = torch.zeros(len(samples), width, first[eagle3.AUX_HIDDEN].shape[1], dtype=first[eagle3.AUX_HIDDEN].dtype)
-    last = torch.zeros(len(samples), width, first[eagle3.LAST_HIDDEN].shape[1], dtype=first[eagle3.LAST_HIDDEN].dtype)
     for row, sample in enumerate(samples):
-        n = int(lengths[row])
-        ids[row, :n] = sample[eagle3.INPUT_IDS]
-        mask[row, :n] = sample[eagle3.LOSS_MASK].bool()
-        aux[row, :n] = sample[eagle3.AUX_HIDDEN]
-        last[row, :n] = sample[eagle3.LAST_HIDDEN]
-    return Batch(ids, mask, aux, last, lengths)
+        ids[row, : int(lengths[row])] = sample[eagle3.INPUT_IDS]
+        mask[row, : int(lengths[row])] = sample[eagle3.LOSS_MASK].bool()
+    aux, last = (_padded(samples, lengths, name) for name in (eagle3.AUX_HIDDEN, eagle3.LAST_HIDDEN))
+    scaled = eagle3.AUX_SCALE in samples[0]
+    aux_scale, last_scale = (_padded(samples, lengths, name) if scaled else None
+                             for name in (eagle3.AUX_SCALE, eagle3.LAST_SCALE))
+    return Batch(ids, mask, aux, last, lengths, aux_scale, last_scale)
+
+
+def _padded(samples: list[dict[str, torch.Tensor]], lengths: torch.Tensor, name: str) -> torch.Tensor:
+    """``name`` of every sample in one zero-padded (B, L, C) tensor of its own dtype."""
+    first = samples[0][name]
+    out = torch.zeros(len(samples), int(lengths.max()), first.shape[1], dtype=first.dtype)
+    for row, sample in enumerate(samples):
+        out[row, : int(lengths[row])] = sample[name]
+    return out

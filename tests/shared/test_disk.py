@@ -85,6 +85,12 @@ def test_bytes_per_token_of_a_target_config(tmp_path):
     assert disk.target_bytes_per_token(tmp_path / "missing") is None
 
 
+def test_fp8_storage_costs_a_byte_a_value_and_four_bf16_scales_a_token_whatever_the_targets_dtype(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    assert disk.target_bytes_per_token(tmp_path, "fp8") == 4 * 4096 + 4 * 2 + 9
+    assert disk.hidden_bytes_per_token(64, "float32", "fp8") == 4 * 64 + 8 + 9
+
+
 def test_a_volume_not_yet_created_is_measured_where_it_would_live(tmp_path):
     assert disk.volume_usage(tmp_path / "not" / "yet") == disk.volume_usage(tmp_path)
 

@@ -90,4 +90,5 @@ def build_job(runtime: Runtime, body: HiddenStatesRequest) -> HiddenJob:
         relative_path=str(target.relative_to(volume)),
         layer_ids=tuple(layer_ids),
         metadata=dict(body.metadata),
+        storage=body.storage,
     )

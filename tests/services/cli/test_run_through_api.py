@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from services.cli.main import main
+from shared.runspec import RunSpec
 from tests.services.controller.test_api_auth import TOKEN, start_controller
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
@@ -57,10 +58,12 @@ def test_with_a_wrong_token_the_cli_says_it_is_not_the_controllers(cli, controll
 
 
 def test_with_the_token_the_run_is_submitted(cli, controller):
-    code, out, _ = cli("--dataset", dataset(controller, "right"), "--name", "right", "--max-tokens", "5", token=TOKEN)
+    code, out, _ = cli("--dataset", dataset(controller, "right"), "--name", "right", "--max-tokens", "5",
+                       "--hidden-storage", "fp8", token=TOKEN)
     assert code == 0
     assert "run right: 5 rows read, 4 sample ids queued for generation" in out
-    assert (controller["data"] / "runs" / "right" / "run.json").is_file()
+    spec = RunSpec.load(controller["data"], "right")
+    assert (spec.generation.max_tokens, spec.extraction.storage) == (5, "fp8")
 
 
 def test_a_dataset_outside_the_roots_is_an_error_naming_them(cli, controller, tmp_path):

@@ -246,6 +246,17 @@ def test_a_run_larger_than_the_volume_warns_and_a_volume_below_its_reserve_refus
     assert "less free space than the reserve" in full.message
 
 
+def test_the_projection_of_an_fp8_run_counts_a_byte_a_value_and_its_scales(tmp_path):
+    dataset = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a question"} for _ in range(10)])
+    projected = {}
+    for storage in ("target", "fp8"):
+        facts = pf.Facts(card=TINY_CARD)
+        found = pf.check_disk(settings_for(tmp_path), spec_for(dataset, extraction=ExtractionConfig(storage=storage)), facts)
+        projected[storage] = facts.bytes_per_token
+        assert found.ok and f"{facts.bytes_per_token:,.0f} bytes" in found.message
+    assert projected == {"target": 4 * 64 * 4 + 9, "fp8": 4 * 64 + 4 * 2 + 9}
+
+
 def test_a_gpu_is_required_only_when_cuda_is_configured(tmp_path):
     assert pf.check_gpu(settings_for(tmp_path, device="auto")).ok
     names, _ = pf.visible_gpus()

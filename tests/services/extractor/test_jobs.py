@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from services.controller.submit import submit_run
@@ -17,6 +18,7 @@ from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob
+from shared.manifest import manifest_path, read_manifest
 from shared.runspec import EvalConfig, ExtractionConfig
 from shared.runstate import RunState
 from shared.settings import ExtractorSettings
@@ -110,6 +112,40 @@ def test_run_layer_ids_reach_the_file(inference, data_dir, redis_url, redis_conn
     state = make_run(data_dir, redis_conn, tmp_path, "layers", extraction=ExtractionConfig(layer_ids=[0, 2, 5]))
     assert extract(state, 1, settings(data_dir, redis_url, tiny_model_dir, inference["url"]), redis_conn) == "done"
     assert verify_hidden_file(state.paths.hidden(1), layer_ids=[0, 2, 5]).layer_ids == [0, 2, 5]
+
+
+def test_an_fp8_run_gets_verified_fp8_files_recorded_as_fp8_in_the_manifest(inference, data_dir, redis_url, redis_conn,
+                                                                           tmp_path, tiny_model_dir):
+    exact = make_run(data_dir, redis_conn, tmp_path, "exact-storage")
+    fp8 = make_run(data_dir, redis_conn, tmp_path, "fp8-storage", extraction=ExtractionConfig(storage="fp8"))
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    assert [extract(run, 0, cfg, redis_conn) for run in (exact, fp8)] == ["done", "done"]
+    info = verify_hidden_file(fp8.paths.hidden(0), layer_ids=[1, 3, 4], dtype="F8_E4M3", hidden_size=64)
+    (entry,) = read_manifest(manifest_path(fp8.paths, 0)).values()
+    assert (entry.dtype, entry.bytes, entry.sha256) == ("F8_E4M3", info.nbytes, info.sha256)
+    assert int(float(fp8.meta()["hidden_bytes"])) == info.nbytes
+    with safe_open(fp8.paths.hidden(0), framework="pt") as handle:  # numpy has no fp8 dtype
+        assert handle.get_tensor("input_ids").tolist() == load_file(exact.paths.hidden(0))["input_ids"].tolist()
+    assert info.nbytes < exact.paths.hidden(0).stat().st_size / 3  # against the tiny target's fp32
+
+
+class IgnoresStorage(HiddenStatesClient):
+    """A server that writes its own dtype whatever the run asked for."""
+
+    def extract(self, **kwargs):
+        return super().extract(**{**kwargs, "storage": "target"})
+
+
+def test_a_file_in_another_storage_than_the_runs_is_a_named_failure_and_removed(inference, data_dir, redis_url,
+                                                                                redis_conn, tmp_path, tiny_model_dir):
+    state = make_run(data_dir, redis_conn, tmp_path, "wrong-storage", extraction=ExtractionConfig(storage="fp8"))
+    cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
+    client = IgnoresStorage(cfg.hidden_states_url, timeout_s=cfg.request_timeout_s, retry_delays_s=(0.05,))
+    job = ExtractJob(run=state.run, sample_id=0)
+    assert run_extract(job, cfg, redis_conn, load_tokenizer(str(cfg.model_dir)), client) == "failed"
+    (failure,) = state.failures("extract")
+    assert failure.error_class == "HiddenStateFileError" and "states in F32, the run stores them as 'fp8'" in failure.message
+    assert not state.paths.hidden(0).exists() and state.counts("extract").done == 0
 
 
 def test_a_file_with_other_layers_than_the_runs_is_a_named_failure_and_removed(inference, data_dir, redis_url, redis_conn,

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from services.inference.hidden import HiddenJob, forward_hidden
+from services.inference.hidden import HiddenJob, forward_hidden, write_sample
 from services.inference.pipeline import HiddenStatePipeline
 from shared import SCHEMA_VERSION, eagle3
 from shared.atomic import temp_files
+from shared.errors import HiddenStateFileError
 from shared.hidden_file import verify_hidden_file
 
 
@@ -148,3 +151,52 @@ def test_host_buffers_are_reused_smallest_fit_first_and_bounded():
     buffers.give(again)
     buffers.give(torch.empty(16, dtype=torch.uint8))  # beyond ``keep``: dropped
     assert buffers.take((4000,), torch.uint8)[0] is big
+
+
+def fp8_job(job: HiddenJob, name: str) -> HiddenJob:
+    return dataclasses.replace(job, path=job.path.with_name(f"{name}.safetensors"), relative_path=f"{name}.safetensors",
+                               storage="fp8")
+
+
+def test_an_fp8_group_writes_e4m3_states_with_a_scale_per_token_and_layer_beside_exact_ones(loaded_tiny, tmp_path):
+    exact = make_job(loaded_tiny, tmp_path, "exact", 40)
+    fp8 = fp8_job(exact, "fp8")
+    (exact_result, fp8_result), sizes = run_pipeline(loaded_tiny, [exact, fp8], batch_tokens=128, writer_threads=2)
+    assert sizes == [2]  # one forward pass serves both storages
+    assert (exact_result.dtype, fp8_result.dtype) == ("F32", "F8_E4M3")
+    info = verify_hidden_file(fp8.path, dtype="F8_E4M3", hidden_size=64, sha256=fp8_result.sha256)
+    assert info.num_tokens == 40 and fp8_result.bytes == fp8.path.stat().st_size
+    assert fp8_result.shapes == exact_result.shapes
+    with safe_open(fp8.path, "pt") as handle:
+        meta = handle.metadata()
+        stored = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert meta[eagle3.META_DTYPE] == "F32"  # the dtype the target computed the states in
+    assert stored["aux_hidden_states_scale"].shape == (40, 3) and stored["hidden_states_scale"].shape == (40, 1)
+    assert stored["aux_hidden_states_scale"].dtype == torch.bfloat16
+    ref_aux, ref_last, _ = reference(loaded_tiny, exact)
+    for name, ref, layers in (("aux_hidden_states", ref_aux, 3), ("hidden_states", ref_last, 1)):
+        q, scale = stored[name], stored[f"{name}_scale"]
+        assert q.dtype == torch.float8_e4m3fn
+        grouped_q = q.float().unflatten(-1, (layers, 64))  # (L, layers, H)
+        # Each token's largest value in each layer lands on e4m3's largest finite value, 448.
+        assert (grouped_q.abs().amax(dim=-1) == 448).all()
+        grouped_ref = ref.unflatten(-1, (layers, 64))
+        back = grouped_q * scale.float().unsqueeze(-1)
+        assert ((back - grouped_ref).abs() <= grouped_ref.abs() / 16 + grouped_ref.abs().amax(-1, keepdim=True) / 448 / 1000).all()
+    # Half a byte per value saved twice over against fp32's four: the states take a quarter, scales 8 bytes a token.
+    assert fp8_result.bytes < exact_result.bytes / 3
+
+
+def test_fp8_keeps_a_row_of_zeros_zero_and_names_non_finite_states(loaded_tiny, tmp_path):
+    from services.inference.hidden import quantize_fp8
+
+    states = torch.randn(4, 3 * 8)
+    states[1] = 0.0
+    q, scale = quantize_fp8(states, 3)
+    assert (q[1].float() == 0).all() and (scale[1] > 0).all()
+    job = fp8_job(make_job(loaded_tiny, tmp_path, "x", 4), "nan")
+    aux = torch.randn(4, 192)
+    aux[2, 5] = float("nan")
+    write_sample(loaded_tiny, job, aux, torch.randn(4, 64))
+    with pytest.raises(HiddenStateFileError, match="not finite and positive|non-finite"):
+        verify_hidden_file(job.path)

@@ -319,6 +319,8 @@ def test_sample_longer_than_the_context_is_refused(inference_server, loaded_tiny
     {"layer_ids": [1, 3, 99]},
     {"metadata": {"sample_id": 3}},
     {"metadata": {"format": "mine"}},
+    {"storage": "fp4"},
+    {"storage": "F8_E4M3"},
     {"surprise": True},
 ])
 def test_malformed_hidden_state_bodies_are_4xx_and_write_nothing(inference_server, change):

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from shared import SCHEMA_VERSION, eagle3
 from shared.layout import RunPaths
-from shared.runspec import EvalConfig, RunSpec, TrainConfig
+from shared.runspec import EvalConfig, ExtractionConfig, RunSpec, TrainConfig
 
 LAYER_IDS = [1, 3, 4]  # default for the 8-layer tiny target
 NUM_TRAIN = 16
@@ -114,21 +114,34 @@ def eval_messages() -> list[list[dict]]:
     return demo_messages()[NUM_TRAIN : NUM_TRAIN + NUM_EVAL]
 
 
+def stored(tensors: dict[str, torch.Tensor], storage: str) -> dict[str, torch.Tensor]:
+    """A sample's tensors as a file of ``storage`` holds them: fp8 through the built-in server's own quantizer."""
+    if storage != "fp8":
+        return tensors
+    from services.inference.hidden import quantize_fp8
+
+    out = dict(tensors)
+    for name, (scale_name, layers) in eagle3.SCALES.items():
+        out[name], out[scale_name] = quantize_fp8(tensors[name], layers)
+    return out
+
+
 def write_run(
     data: Path, name: str, target: TinyTarget, samples: list[dict[str, torch.Tensor]], eval_messages: list[list[dict]],
-    *, train: dict | None = None, evaluate: dict | None = None,
+    *, train: dict | None = None, evaluate: dict | None = None, storage: str = "target",
 ) -> RunPaths:
     """A prepared run directory: run.json, one hidden-state file per sample, held-out prompts."""
     train_cfg = {"epochs": 2, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3,
                  "draft_vocab_size": 256, "save_every": 4, **(train or {})}
     spec = RunSpec(name=name, dataset="tiny-demo", model=MODEL_NAME, rows=len(samples) + len(eval_messages),
-                   train_ids=len(samples), train=TrainConfig(**train_cfg), evaluate=EvalConfig(**(evaluate or {})))
+                   train_ids=len(samples), train=TrainConfig(**train_cfg), evaluate=EvalConfig(**(evaluate or {})),
+                   extraction=ExtractionConfig(storage=storage))
     spec.save(data)
     paths = RunPaths(data, name)
     for sample_id, tensors in enumerate(samples):
         path = paths.hidden(sample_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=file_metadata(target))
+        save_file(stored(tensors, storage), str(path), metadata=file_metadata(target))
     rows = [{"sample_id": len(samples) + i, "messages": m} for i, m in enumerate(eval_messages)]
     (paths.root / "eval_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths

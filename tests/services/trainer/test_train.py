@@ -57,6 +57,21 @@ def test_loss_falls_and_step_zero_accuracy_rises_on_the_targets_own_replies(make
     assert records[0]["lr"] < records[12]["lr"] and records[-1]["lr"] < records[12]["lr"]  # warmup, then decay
 
 
+def test_an_fp8_run_learns_as_the_target_dtype_run_does(make_run, tiny_model_dir):
+    mean = lambda rows, key: sum(r[key] if key == "loss" else r[key][0] for r in rows) / len(rows)  # noqa: E731
+    curves = {}
+    for storage in ("target", "fp8"):
+        paths = make_run(storage, storage=storage, train={"epochs": 30, "save_every": 1000})
+        assert train(paths, tiny_model_dir).steps == 120
+        curves[storage] = log_records(paths)
+    exact, fp8 = curves["target"], curves["fp8"]
+    assert mean(fp8[-10:], "loss") < mean(fp8[:5], "loss") - 1.0
+    assert mean(fp8[-10:], "acc") > mean(fp8[:5], "acc") + 0.15
+    assert fp8[0]["loss"] != exact[0]["loss"]  # the drafter really saw other inputs
+    assert abs(mean(fp8[-10:], "loss") - mean(exact[-10:], "loss")) < 0.05 * mean(exact[-10:], "loss")
+    assert abs(mean(fp8[-10:], "acc") - mean(exact[-10:], "acc")) < 0.05
+
+
 def test_two_runs_with_the_same_seed_train_identical_weights(make_run, tiny_model_dir):
     first = train(make_run("one"), tiny_model_dir)
     second = train(make_run("two"), tiny_model_dir)
