@@ -15,27 +15,25 @@ from __future__ import annotations
 
 import torch
 
+from services.trainer.fused import ce_backward, ce_forward
+
 
 class _SoftCrossEntropy(torch.autograd.Function):
     # ``lse * sum(p) - p.z`` is ``-p.log_softmax(z)`` for any ``p``, so value and gradients are the plain
-    # form's exactly, a test's gradient with respect to ``p`` included.
+    # form's exactly, a test's gradient with respect to ``p`` included. Both passes are fused kernels on
+    # CUDA (``fused.ce_forward``, ``fused.ce_backward``).
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        z = logits.float()  # (..., Vd)
-        lse = torch.logsumexp(z, dim=-1)  # (...)
-        mass = probs.sum(-1)  # (...), 1 for a softmax row
-        ce = lse * mass - (probs * z).sum(-1)  # (...)
+        total, lse, mass = ce_forward(logits, probs, weight)
         ctx.save_for_backward(logits, probs, lse, mass, weight)
-        return (ce * weight).sum()
+        return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         logits, probs, lse, mass, weight = ctx.saved_tensors
         scale = (grad * weight).unsqueeze(-1)  # (..., 1)
-        logp = logits.float() - lse.unsqueeze(-1)  # (..., Vd), recomputed instead of kept
-        dprobs = -logp * scale if ctx.needs_input_grad[1] else None
-        dz = logp.exp_().mul_(mass.unsqueeze(-1)).sub_(probs).mul_(scale)  # sum(p) softmax(z) - p, weighted
-        return dz.to(logits.dtype), dprobs, None
+        dz, dprobs = ce_backward(logits, probs, lse, mass, scale, ctx.needs_input_grad[1])
+        return dz, dprobs, None
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ Parameter names are the export keys of EAGLE3.md (``midlayer.self_attn.q_proj.we
 The drafter runs in two modes that share every module and differ only in which keys a query sees:
 ``KVCache`` (evaluation: a plain causal cache over the sequence) and ``TTTCache`` (training-time test:
 step k attends to step 0's keys causally plus the keys of steps 1..k at its own index; see train.py).
+The elementwise functions (RMSNorm, RoPE, SiLU times up) live in ``fused``, compiled where training runs
+on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.errors import UnsupportedRopeScaling
+from services.trainer.fused import apply_rope, rms_norm, silu_mul
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 like the serving engines, then scale in the input dtype.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # float32 normalization, scaled in the input dtype
 
 
 class RotaryEmbedding(nn.Module):
@@ -174,12 +175,6 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
         cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
         return cos[:, None], sin[:, None]  # (B, 1, T, hd) each
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, n, T, hd)
-    return (x * cos + rotated * sin).to(x.dtype)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -328,7 +323,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, H)
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # (B, T, H)
 
 
 class MidLayer(nn.Module):

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from services.trainer.fused import compile_dynamic
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"  # flex on CUDA, dense elsewhere
@@ -32,7 +34,6 @@ DENSE = "dense"
 FLEX = "flex"
 ATTENTION_KINDS = (AUTO, DENSE, FLEX)
 MASK_CACHE = 128  # block masks kept, one per (length, steps): batches of a run share a few hundred lengths
-RECOMPILE_LIMIT = 64  # dynamic shapes keep one kernel per layout; the limit only guards against a surprise
 
 
 def attention_kind(requested: str, device: torch.device) -> str:
@@ -69,11 +70,8 @@ def _flex(compiled: bool) -> Callable[..., torch.Tensor]:
 
     if not compiled:
         return flex_attention
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     log.info("compiling flex attention for the TTT chain (once per process)")
-    return torch.compile(flex_attention, dynamic=True)
+    return compile_dynamic(flex_attention)
 
 
 def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,

@@ -174,3 +174,39 @@ def test_a_cuda_run_trains_the_same_curve_with_either_attention(tmp_path, tiny_t
     dense, flex = curves["dense"], curves["flex"]
     assert len(dense) == len(flex) > 5
     assert all(abs(a - b) <= 0.02 * abs(a) + 0.02 for a, b in zip(dense, flex)), list(zip(dense, flex))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_elementwise_functions_equal_their_eager_math_with_gradients(dtype):
+    """fused.py's functions as CUDA training runs them (compiled) against the same math run eagerly."""
+    from services.trainer import fused
+    from services.trainer.losses import soft_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 77, 64, device="cuda", dtype=dtype, requires_grad=True)
+    weight = torch.rand(64, device="cuda", requires_grad=True)
+    cos, sin = torch.rand(1, 1, 77, 16, device="cuda"), torch.rand(1, 1, 77, 16, device="cuda")
+    rope_in = torch.randn(2, 4, 77, 16, device="cuda", dtype=dtype, requires_grad=True)
+    gate, up = (torch.randn(2, 77, 96, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    cases = {
+        "rms_norm": (lambda f: f(x, weight, 1e-6), fused.rms_norm, [x, weight]),
+        "apply_rope": (lambda f: f(rope_in, cos, sin), fused.apply_rope, [rope_in]),
+        "silu_mul": (lambda f: f(gate, up), fused.silu_mul, [gate, up]),
+    }
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, (call, compiled, inputs) in cases.items():
+        eager = compiled.__wrapped__
+        got, want = call(compiled), call(eager)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+        grads = [torch.autograd.grad(out.float().square().sum(), inputs) for out in (got, want)]
+        for g, w in zip(*grads):
+            torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name} gradient: {m}")
+    logits = (3 * torch.randn(2, 77, 500, device="cuda")).to(dtype).requires_grad_(True)
+    probs = torch.randn(2, 77, 500, device="cuda").softmax(-1)
+    mask = torch.rand(2, 77, device="cuda") > 0.3
+    loss = soft_cross_entropy(logits, probs, mask)
+    (grad,) = torch.autograd.grad(loss, logits)
+    reference = (-(probs * logits.float().log_softmax(-1)).sum(-1) * mask).sum()
+    (ref_grad,) = torch.autograd.grad(reference, logits)
+    torch.testing.assert_close(loss, reference, **tol)
+    torch.testing.assert_close(grad, ref_grad, **tol)
