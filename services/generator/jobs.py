@@ -58,10 +58,6 @@ def worker_settings() -> GeneratorSettings:
     return load_settings(GeneratorSettings)
 
 
-
-
-
-
 def generate(payload: dict) -> dict:
     """RQ entry point (``shared.jobs.GENERATE_FUNC``)."""
     job = GenerateJob.model_validate(payload)

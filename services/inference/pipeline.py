@@ -1,6 +1,7 @@
 """The hidden-state pipeline: forward passes on one thread, file writes on a pool, overlapping.
 
-    submit() ─▶ queue ─▶ forward thread: group up to ``batch_tokens`` (padded), forward under
+    submit() ─▶ queue ─▶ forward thread: take what is queued (a window), sort it by length, cut it
+                         into groups of up to ``batch_tokens`` (padded), forward each under
                          inference_mode, copy each row's states to host (CUDA: pinned buffers,
                          non_blocking, then a recorded event)
                       ─▶ writer pool: wait for the event, write header and tensor memory atomically, resolve the future
@@ -8,6 +9,12 @@
 While the writers write one group, the forward thread already computes the next. A
 semaphore bounds the groups waiting for their writers, so slow storage stalls the GPU instead of
 filling host memory.
+
+Requests come from many extractors at once in no particular order of length. Grouped as they arrive, a
+group pads every row to its longest: on an 8B target with samples of 512-4,096 tokens only 58% of the
+computed positions were real (the performance issue's measurement). Sorted first, a group's rows are of
+similar length. A window is served whole before the next one is taken, so a short request waits for at
+most the window it arrived in, never for long requests that arrive after it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 Item = tuple[HiddenJob, Future]
+WINDOW_ITEMS = 512  # requests sorted together at most: enough for every extractor's in-flight requests
 # A quota counts as a full disk too: either way the volume has no room for this file right now.
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
@@ -129,7 +137,8 @@ class HiddenStatePipeline:
         self._slots = threading.Semaphore(pending)
         self._pinned = PinnedBuffers(keep=2 * pending) if loaded.device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue()
-        self._held: Item | None = None
+        self._window: list[Item] = []  # taken from the queue, sorted longest first, not yet grouped
+        self._stop_seen = False
         self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="hidden-writer")
         self._thread = threading.Thread(target=self._loop, name="hidden-forward", daemon=True)
 
@@ -159,25 +168,34 @@ class HiddenStatePipeline:
                 self._process(live)
 
     def _collect(self) -> tuple[list[Item], bool]:
-        """Block for one request, then take whatever else is queued while the padded group fits the budget."""
-        first = self._held if self._held is not None else self._queue.get()
-        self._held = None
-        if first is _STOP:
+        """The next group: the longest request of the window, then the next ones while the padded group
+        (rows x the first, longest, row) fits the budget; a new window when this one is used up."""
+        if not self._window and not self._stop_seen:
+            self._take_window()
+        if not self._window:
             return [], True
-        group, width = [first], first[0].num_tokens
-        while True:
+        group, width = [self._window[0]], self._window[0][0].num_tokens
+        while len(group) < len(self._window) and width * (len(group) + 1) <= self._batch_tokens:
+            group.append(self._window[len(group)])
+        del self._window[: len(group)]
+        return group, self._stop_seen and not self._window
+
+    def _take_window(self) -> None:
+        """Block for one request, then take whatever else is queued (up to WINDOW_ITEMS), longest first;
+        equal lengths keep their order of arrival."""
+        taken: list[Item] = []
+        item = self._queue.get()
+        while item is not _STOP:
+            taken.append(item)
+            if len(taken) >= WINDOW_ITEMS:
+                break
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return group, False
-            if item is _STOP:
-                return group, True
-            new_width = max(width, item[0].num_tokens)
-            if new_width * (len(group) + 1) > self._batch_tokens:
-                self._held = item
-                return group, False
-            group.append(item)
-            width = new_width
+                break
+        else:
+            self._stop_seen = True
+        self._window = sorted(taken, key=lambda it: -it[0].num_tokens)
 
     def _process(self, group: list[Item]) -> None:
         self._slots.acquire()
