@@ -1,12 +1,24 @@
-"""Hidden-state extraction speed: a bare forward pass against the endpoint's pipeline, same samples.
+"""Hidden-state extraction speed: the endpoint's pipeline against the best plain forward, same tokens.
 
     python bench/bench_hidden_states.py --model-dir models/tiny --lengths 128,512 --samples 32
+    python bench/bench_hidden_states.py --model-dir /tmp/target-8b --lengths 512,1024,1536,2048,3072,4096 --samples 384
 
-"bare" runs the decoder stack over the same token-budget groups and keeps nothing; "pipeline" runs
-``HiddenStatePipeline`` (forward with hidden states, copies to host, serialization, atomic writes on
-the writer pool) until every file is on disk. With ``--url`` the samples also go through a running
-server's ``/v1/hidden_states`` (its data volume must be ``--out``'s filesystem view; paths are sent
-relative). Prints one JSON line.
+Three measurements over the same samples (lengths round-robin, so they arrive mixed, as many
+extractors send them):
+
+- "plain": the baseline, the best plain implementation of the work: HF's decoder stack over batches of
+  samples of one length each (sorted, no padding and no mask, so SDPA takes its flash kernel), as many
+  per batch as the token budget holds; it keeps nothing;
+- "padded": the same forward over the groups the pipeline would cut from the queue in arrival order
+  (the old measure, for comparison);
+- "pipeline": ``HiddenStatePipeline`` (its own grouping, forward with hidden states, copies to host,
+  writes with fsync and rename on the writer pool) until every file is on disk.
+
+It also measures the output filesystem's sustained write rate with fsync (``--disk-mb`` written in 64 MB
+chunks), and reports which bound applies to the pipeline: the plain forward, or the rate at which that
+disk takes the pipeline's bytes. With ``--url`` the samples also go through a running server's
+``/v1/hidden_states`` (its data volume must be ``--out``'s filesystem view; paths are sent relative).
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--url", default=None, help="also time a running server's /v1/hidden_states")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight with --url")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk-mb", type=int, default=2048, help="MB written to time the disk (0: skip)")
     return parser.parse_args(argv)
 
 
@@ -69,6 +82,53 @@ def plan_groups(jobs: list[HiddenJob], budget: int) -> list[list[HiddenJob]]:
         else:
             groups.append([job])
     return groups
+
+
+def plain_batches(jobs: list[HiddenJob], budget: int) -> list[list[HiddenJob]]:
+    """Samples of one length per batch, at most ``budget`` tokens each (one sample if longer)."""
+    by_length: dict[int, list[HiddenJob]] = {}
+    for job in jobs:
+        by_length.setdefault(job.num_tokens, []).append(job)
+    batches = []
+    for length, same in sorted(by_length.items(), reverse=True):
+        per_batch = max(1, budget // length)
+        batches += [same[i : i + per_batch] for i in range(0, len(same), per_batch)]
+    return batches
+
+
+def plain_forward_seconds(loaded: LoadedModel, batches: list[list[HiddenJob]]) -> float:
+    """HF's forward over equal-length batches, no attention mask: the causal flash path."""
+    def run(batch: list[HiddenJob]) -> None:
+        ids = torch.tensor([job.input_ids for job in batch], device=loaded.device)
+        loaded.model.base_model(input_ids=ids, use_cache=False)
+
+    with torch.inference_mode():
+        run(batches[0])  # warm-up: kernels, allocator
+        synchronize(loaded)
+        started = time.perf_counter()
+        for batch in batches:
+            run(batch)
+        synchronize(loaded)
+    return time.perf_counter() - started
+
+
+def disk_write_bytes_per_s(directory: Path, megabytes: int) -> float:
+    """Sustained write rate of ``directory``'s filesystem: 64 MB chunks, fsync at the end, as ``dd
+    conv=fsync`` measures it (the page cache cannot hide a slow disk behind the fsync)."""
+    import os
+
+    chunk = os.urandom(64 << 20)
+    path = directory / "disk-rate.tmp"
+    started = time.perf_counter()
+    with open(path, "wb") as handle:
+        for _ in range(max(1, megabytes // 64)):
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    seconds = time.perf_counter() - started
+    written = path.stat().st_size
+    path.unlink()
+    return written / seconds
 
 
 def synchronize(loaded: LoadedModel) -> None:
@@ -127,17 +187,29 @@ def main(argv: list[str] | None = None) -> None:
     jobs = make_jobs(loaded, lengths, args.samples, out, args.seed)
     tokens = sum(job.num_tokens for job in jobs)
     try:
+        plain = plain_forward_seconds(loaded, plain_batches(jobs, args.batch_tokens))
         bare = bare_forward_seconds(loaded, plan_groups(jobs, args.batch_tokens))
         piped, written = pipeline_seconds(loaded, jobs, args)
+        forward_rate, piped_rate = tokens / plain, tokens / piped
+        bytes_per_token = written / tokens
         report = {
             "model": loaded.name, "device": str(loaded.device), "dtype": loaded.dtype_name,
             "samples": len(jobs), "tokens": tokens, "lengths": lengths, "batch_tokens": args.batch_tokens,
             "writer_threads": args.writer_threads,
-            "bare_tokens_per_s": round(tokens / bare, 1),
-            "pipeline_tokens_per_s": round(tokens / piped, 1),
-            "pipeline_vs_bare": round(bare / piped, 3),
+            "forward_tokens_per_s": round(forward_rate, 1),  # the baseline: plain, length-sorted, unpadded
+            "padded_forward_tokens_per_s": round(tokens / bare, 1),
+            "extraction_tokens_per_s": round(piped_rate, 1),
+            "extraction_vs_forward": round(piped_rate / forward_rate, 3),
             "bytes_written": written, "write_mb_per_s": round(written / piped / 1e6, 1),
+            # bytes per token against the states' own size: 4 states (3 auxiliary + last) of hidden × itemsize
+            "disk_bytes_per_token_vs_8h": round(bytes_per_token / (4 * loaded.hidden_size * loaded.dtype.itemsize), 4),
         }
+        if args.disk_mb:
+            disk_rate = disk_write_bytes_per_s(out, args.disk_mb)
+            disk_bound = disk_rate / bytes_per_token  # tokens/s the disk takes at this file size
+            report.update({"disk_write_bytes_per_s": round(disk_rate), "disk_bound_tokens_per_s": round(disk_bound, 1),
+                           "bound": "disk" if disk_bound < forward_rate else "forward",
+                           "extraction_vs_bound": round(piped_rate / min(disk_bound, forward_rate), 3)})
         if args.url:
             report["http_tokens_per_s"] = round(tokens / http_seconds(args.url, jobs, args.concurrency), 1)
     finally:

@@ -1,0 +1,29 @@
+"""The extraction benchmark runs end to end on the tiny target on the CPU and reports every figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_extraction_benchmark_measures_plain_forward_pipeline_and_disk(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "bench" / "bench_hidden_states.py"), "--model-dir", str(tiny_model_dir),
+               "--lengths", "48,32,16", "--samples", "9", "--batch-tokens", "96", "--disk-mb", "64", "--out", str(out)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["tokens"] == 3 * (48 + 32 + 16)
+    for key in ("forward_tokens_per_s", "padded_forward_tokens_per_s", "extraction_tokens_per_s",
+                "disk_write_bytes_per_s", "disk_bound_tokens_per_s"):
+        assert report[key] > 0, key
+    assert report["extraction_vs_forward"] == round(report["extraction_tokens_per_s"] / report["forward_tokens_per_s"], 3)
+    assert report["bound"] in ("disk", "forward")
+    # float32 files hold 4 states of hidden 64 at 4 bytes, plus ids, mask and header: a little over 1x.
+    assert 1.0 < report["disk_bytes_per_token_vs_8h"] < 1.2
+    assert len(list(out.rglob("*.safetensors"))) == 9 and not list(out.rglob("disk-rate.tmp"))
