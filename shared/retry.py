@@ -20,8 +20,10 @@ counts as down, and is waited for, only when every endpoint is.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -245,7 +247,7 @@ def wait_until_any_up(healths: Sequence[str], outage: Outage, deadline: float, *
         sleep(outage.pause_s(deadline))
         for index, health in enumerate(healths):
             try:
-                up = up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S).status_code)
+                up = up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S, verify=tls_context()).status_code)
             except httpx.HTTPError:
                 continue
             if up:
@@ -280,7 +282,7 @@ class AsyncServerWatch:
             raise outage.gave_up() from None
 
     async def _poll(self, outage: Outage) -> None:
-        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as http:
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, verify=tls_context()) as http:
             while True:
                 await asyncio.sleep(outage.pause_s())
                 for url in self.pool.urls:
@@ -355,10 +357,19 @@ def transport_trouble(exc: httpx.TransportError, url: str) -> Failed:
     return Failed(classify_error(exc), InferenceUnavailable(f"{url}: {describe(exc)}"))
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The verifying TLS context every draftline HTTP client of this process shares. httpx builds one for
+    each new client, even one that only speaks plain http, and loading the CA bundle costs 5-60 ms on a
+    busy core: more than a whole loopback request. ``shared.worker`` builds it before forking, so each
+    job's process inherits it."""
+    return httpx.create_ssl_context()
+
+
 def post_json(url: str, body: dict, timeout: httpx.Timeout | float) -> httpx.Response | Failed:
     """One attempt: POST ``body``; the 2xx answer, or the attempt's trouble (no answer, or an error status)."""
     try:
-        response = httpx.post(url, json=body, timeout=timeout)
+        response = httpx.post(url, json=body, timeout=timeout, verify=tls_context())
     except httpx.TransportError as exc:
         return transport_trouble(exc, url)
     return answer_trouble(response, url) or response

@@ -39,6 +39,7 @@ from shared.outage import REDIS_DOWN, RedisOutage
 from shared.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
 from shared.requeue import requeue_lost
+from shared.retry import tls_context
 from shared.settings import CommonSettings, configure_logging
 from shared.volume import VolumeMismatch, verify_volume
 
@@ -290,6 +291,7 @@ def run_worker(
     verify_volume(settings.data, conn)  # refuse before loading anything: a wrong mount is a setup error
     if preload is not None:
         preload()
+    tls_context()  # built once here, inherited by every job's forked process (shared.retry.tls_context)
     name = f"{role}-{socket.gethostname()}-{os.getpid()}"
     worker = DraftlineWorker(
         [queue(n, conn) for n in queue_names],

@@ -23,6 +23,7 @@ from shared.retry import (
     RetryPolicy,
     answer_trouble,
     server_root,
+    tls_context,
     transport_trouble,
 )
 from shared.runspec import GenerationConfig
@@ -112,7 +113,7 @@ class ChatClient:
                  start: int | None = None) -> None:
         self.policy = policy or (RetryPolicy.fixed(retry_delays_s) if retry_delays_s is not None else RetryPolicy())
         self._dispatch = Dispatcher(base_url, self.policy, "chat request", start=start)
-        self._http = httpx.AsyncClient(timeout=http_timeout(timeout_s),
+        self._http = httpx.AsyncClient(timeout=http_timeout(timeout_s), verify=tls_context(),
                                        limits=httpx.Limits(max_connections=max_connections))
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.generator import jobs
 from shared.jobs import GENERATE_QUEUE
 from shared.settings import GeneratorSettings, load_settings
 from shared.worker import run_worker
@@ -9,4 +10,6 @@ from shared.worker import run_worker
 
 def main() -> None:
     settings = load_settings(GeneratorSettings)
-    run_worker([GENERATE_QUEUE], settings, role="generator")
+    # Imported and its settings read here, before forking: each job's process inherits the module (and
+    # httpx with it) instead of importing it and parsing the environment again.
+    run_worker([GENERATE_QUEUE], settings, role="generator", preload=jobs.worker_settings)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
+import time
 
 import httpx
 import pytest
@@ -199,3 +201,37 @@ def test_wait_until_up_keeps_waiting_while_health_says_unhealthy_and_gives_up_at
         with pytest.raises(InferenceUnavailable, match="gave up waiting after 0.6s"):
             wait_until_up(health_url(server.url), outage, outage.clock() + policy.wait_max_s)
         assert server.health_checks >= 2
+
+
+def test_every_request_of_a_process_shares_one_tls_context(monkeypatch):
+    """httpx builds a TLS context (the CA bundle loaded) for each new client, even for plain http; the
+    extractor's per-sample POSTs, the health checks and the generator's client take the shared one."""
+    import asyncio
+
+    from services.generator.client import ChatClient
+    from shared import retry
+
+    built: list[object] = []
+    real = ssl.SSLContext.load_verify_locations
+
+    def counting(self, *args, **kwargs):  # the costly part of a new context: reading the CA bundle
+        built.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counting)
+    retry.tls_context.cache_clear()
+    with OpenAIServer() as server:
+        for _ in range(3):
+            answer = retry.post_json(server.url + "/v1/chat/completions", {"model": "stand-in-target"}, timeout=5)
+            assert isinstance(answer, (httpx.Response, retry.Failed))  # answered either way: a request was made
+            outage = Outage(server.url, "is down", "refused", RetryPolicy(base_delay_s=0.01, max_delay_s=0.01))
+            retry.wait_until_up(server.url + "/health", outage, time.monotonic() + 5, sleep=lambda s: None)
+
+        async def clients() -> None:
+            for _ in range(3):
+                async with ChatClient(server.url, timeout_s=5, max_connections=2):
+                    pass
+
+        asyncio.run(clients())
+    assert len(built) == 1
+    retry.tls_context.cache_clear()
