@@ -79,6 +79,14 @@ def rq_safe(run: str) -> str:
     return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
 
 
+# A sample job that succeeded leaves nothing in Redis: its outcome is on the volume and in the run's bitmaps,
+# and nothing reads a finished job's result, so RQ deletes it at once instead of keeping it an hour (about
+# 6.9 KB a sample, so a 1.4M-sample run would hold GBs). A failed one stays a week: failures.py names its
+# samples from it.
+SAMPLE_RESULT_TTL_S = 0
+SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
+
+
 def generate_job_id(run: str, first_sample_id: int) -> str:
     return f"generate_{rq_safe(run)}_{first_sample_id:08d}"
 

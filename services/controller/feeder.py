@@ -39,6 +39,8 @@ from shared.jobs import (
     GENERATE_QUEUE,
     ExtractJob,
     GenerateJob,
+    SAMPLE_FAILURE_TTL_S,
+    SAMPLE_RESULT_TTL_S,
     PromptItem,
     extract_job_id,
     generate_job_id,
@@ -53,8 +55,6 @@ log = logging.getLogger(__name__)
 # A generate job holds several samples, each up to a long reply with retries; RQ's 180 s default is far too short.
 GENERATE_JOB_TIMEOUT_S = 6 * 3600
 EXTRACT_JOB_TIMEOUT_S = 3600
-RESULT_TTL_S = 3600
-FAILURE_TTL_S = 7 * 24 * 3600
 SCAN_LINES_PER_TICK = 50_000  # prompt lines one tick reads at most, so a tick stays short on huge runs
 SCAN_IDS_PER_TICK = 262_144  # sample ids the backfill checks per tick at most (32 KiB of each bitmap)
 BITMAP_CHUNK = 8192
@@ -74,8 +74,8 @@ def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, j
     q = queue(queue_name, conn)
     for _ in range(2):
         try:
-            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=RESULT_TTL_S,
-                           failure_ttl=FAILURE_TTL_S, unique=True)
+            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=SAMPLE_RESULT_TTL_S,
+                           failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True)
             return True
         except DuplicateJobError:
             if not _drop_finished(conn, job_id):

@@ -36,6 +36,8 @@ from shared.jobs import (
     EXTRACT_QUEUE,
     ExtractJob,
     GenerateJob,
+    SAMPLE_FAILURE_TTL_S,
+    SAMPLE_RESULT_TTL_S,
     PromptItem,
     extract_job_id,
 )
@@ -48,8 +50,6 @@ from shared.settings import GeneratorSettings, load_settings
 log = logging.getLogger(__name__)
 
 EXTRACT_JOB_TIMEOUT_S = 3600
-RESULT_TTL_S = 3600
-FAILURE_TTL_S = 7 * 24 * 3600
 EXPECTED_ERRORS = (InferenceRejected, InferenceUnavailable, MalformedCompletion, PromptTooLong, ReplyTooShort)
 
 
@@ -160,7 +160,7 @@ def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
         queue(EXTRACT_QUEUE, conn).enqueue_call(
             EXTRACT_FUNC, args=(ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),),
             job_id=extract_job_id(run, sample_id), timeout=EXTRACT_JOB_TIMEOUT_S,
-            result_ttl=RESULT_TTL_S, failure_ttl=FAILURE_TTL_S, unique=True,
+            result_ttl=SAMPLE_RESULT_TTL_S, failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True,
         )
     except DuplicateJobError:
         return False
