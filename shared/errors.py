@@ -77,6 +77,11 @@ class BaseCheckpointMismatch(CheckpointFormatError):
     that differs with both values."""
 
 
+class RemoteCodeRefused(DraftlineError):
+    """The target's tokenizer or model is code in its own directory, and running it is not allowed
+    (``DRAFTLINE_TRUST_REMOTE_CODE``)."""
+
+
 class UnsupportedRopeScaling(DraftlineError):
     """A config names a RoPE scaling type the drafter cannot reproduce the way the engines compute it."""
 

@@ -22,6 +22,10 @@ DEFAULT_INFERENCE_URL = "http://127.0.0.1:8000"
 LOOPBACK = "127.0.0.1"
 # A shorter token is guessable; 32 random bytes in URL-safe base64 are 43 characters.
 MIN_TOKEN_CHARS = 16
+TRUST_REMOTE_CODE_HELP = (
+    "Run the Python code the target directory ships for its tokenizer or model (auto_map in tokenizer_config.json "
+    "or config.json; Kimi-K2.5's tokenizer is such code). Only for a target directory you trust."
+)
 
 
 class ServiceSettings(BaseSettings):
@@ -47,6 +51,7 @@ class InferenceSettings(ServiceSettings):
     """The built-in model server: chat completions and hidden-state extraction. It uses no Redis."""
 
     model_dir: Path = Field(..., description="Local Hugging Face model directory of the target.")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     model_name: str | None = Field(None, description="Name served in /v1/models; defaults to the directory name.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -157,6 +162,7 @@ class ExtractorSettings(RetrySettings):
         "comma-separated; requests are spread over them and fail over when one is down."
     )
     model_dir: Path = Field(..., description="Target model directory (its tokenizer and chat template).")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     request_timeout_s: float = Field(600.0, gt=0)
     hidden_source: Literal["builtin", "vllm"] = Field(
         "builtin", description="Who computes hidden states: the built-in server, or a vLLM server running the "
@@ -173,6 +179,7 @@ class TrainerSettings(CommonSettings):
     """RQ worker that trains, exports and evaluates drafters."""
 
     model_dir: Path = Field(..., description="Target model directory (embeddings, lm_head, evaluation).")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     train_procs: int | Literal["auto"] = Field(
         "auto",

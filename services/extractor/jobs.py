@@ -32,6 +32,7 @@ from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import connect
+from shared.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
 from shared.runstate import Failure, RunState, run_key
 from shared.settings import ExtractorSettings, load_settings
@@ -49,11 +50,12 @@ def worker_settings() -> ExtractorSettings:
 
 
 @lru_cache(maxsize=2)
-def load_tokenizer(model_dir: str):
-    """The target's tokenizer, loaded once per process (the worker preloads it before forking)."""
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    """The target's tokenizer, loaded once per process (the worker preloads it before forking); code the
+    directory ships runs only with ``trust_remote_code`` (``shared.remote_code``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_from_target(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=trust_remote_code)
 
 
 @lru_cache(maxsize=2)
@@ -64,9 +66,9 @@ def turn_end_of(tokenizer, model_dir: str) -> TurnEnd:
     return turn_end
 
 
-def preload(model_dir: str) -> None:
+def preload(model_dir: str, trust_remote_code: bool = False) -> None:
     """What the worker loads before forking, so each job's child inherits it."""
-    turn_end_of(load_tokenizer(model_dir), model_dir)
+    turn_end_of(load_tokenizer(model_dir, trust_remote_code), model_dir)
 
 
 def generation_eos(model_dir: Path) -> int | list[int] | None:
@@ -83,7 +85,8 @@ def extract(payload: dict) -> str:
     settings = worker_settings()
     # Starting at the sample id sends consecutive samples to consecutive endpoints.
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_id)
-    return run_extract(job, settings, connect(settings.redis_url), load_tokenizer(str(settings.model_dir)), source)
+    tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
+    return run_extract(job, settings, connect(settings.redis_url), tokenizer, source)
 
 
 def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis, tokenizer,

@@ -17,4 +17,5 @@ def main() -> None:
     make_source(settings, model="")
     # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_worker([EXTRACT_QUEUE], settings, role="extractor", preload=lambda: preload(str(settings.model_dir)))
+    run_worker([EXTRACT_QUEUE], settings, role="extractor",
+               preload=lambda: preload(str(settings.model_dir), settings.trust_remote_code))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from safetensors import safe_open
 from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
 from shared import SCHEMA_VERSION, eagle3
 from shared.dispatch import Dispatcher, http_timeout
-from shared.errors import DraftlineError
+from shared.errors import CheckpointFormatError, DraftlineError
 from shared.fingerprint import model_fingerprint
 from shared.hidden_write import RawTensor, write_safetensors
 from shared.retry import Failed, RetryPolicy, post_json, server_root
@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # Final norms that are ``weight * x / rms(x)``; another kind would need its own formula, so it is refused.
 RMS_NORM_TARGETS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"})
+INDEX_FILE = "model.safetensors.index.json"
+# The final norm's name in a causal LM and in multimodal wrappers, checked in order; other wrappers are
+# found by the suffix, which a decoder layer's norms (``…layers.N.input_layernorm.weight``,
+# ``…post_attention_layernorm.weight``) and an MTP layer's (``…shared_head.norm.weight``) never end in.
+NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
+NORM_SUFFIX = "model.norm.weight"
 
 
 class EngineLayersMissing(DraftlineError):
@@ -51,6 +57,38 @@ class EngineLayersMissing(DraftlineError):
 
 class EngineFileError(DraftlineError):
     """The engine's hidden-state file is missing, unreadable, or not for the tokens that were sent."""
+
+
+class FinalNormNotFound(CheckpointFormatError):
+    """The target's checkpoint names no final norm weight, or several tensors that could be it."""
+
+
+def checkpoint_tensors(root: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (``model.safetensors.index.json``, else every file)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise FinalNormNotFound(f"target {root.name}: {INDEX_FILE} has no weight_map")
+        return {name: root / file for name, file in weight_map.items()}
+    names: dict[str, Path] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def final_norm_name(names: Iterable[str], target: str) -> str:
+    """The final norm's tensor: a known name, else the one name ending in ``NORM_SUFFIX``."""
+    names = set(names)
+    for name in NORM_NAMES:
+        if name in names:
+            return name
+    matches = sorted(name for name in names if name.endswith(NORM_SUFFIX))
+    if len(matches) != 1:
+        found = f"several end in {NORM_SUFFIX!r}: {matches[:4]}" if matches else f"none ends in {NORM_SUFFIX!r}"
+        raise FinalNormNotFound(f"target {target}: no tensor is named {' or '.join(NORM_NAMES)}, and {found}")
+    return matches[0]
 
 
 @lru_cache(maxsize=2)
@@ -62,15 +100,10 @@ def final_norm(model_dir: str) -> tuple[torch.Tensor, float]:
     if text.get("model_type") not in RMS_NORM_TARGETS:
         raise EngineFileError(f"target {root.name}: model_type {text.get('model_type')!r} has no known final norm "
                               f"(supported: {sorted(RMS_NORM_TARGETS)})")
-    name, files = "model.norm.weight", sorted(root.glob("*.safetensors"))
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = [root / json.loads(index.read_text())["weight_map"][name]]
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            if name in f.keys():
-                return f.get_tensor(name).float(), float(text.get("rms_norm_eps", 1e-6))
-    raise EngineFileError(f"target {root.name}: no {name} in its checkpoint")
+    tensors = checkpoint_tensors(root)
+    name = final_norm_name(tensors, root.name)
+    with safe_open(str(tensors[name]), framework="pt") as f:
+        return f.get_tensor(name).float(), float(text.get("rms_norm_eps", 1e-6))
 
 
 def apply_norm(state: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from shared.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
+from shared.remote_code import load_from_target
 from shared.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,10 @@ def load_model(settings: InferenceSettings) -> LoadedModel:
     if device.type == "cuda":
         avoid_cudnn_attention()
     log.info("loading target %s on %s in %s", model_dir, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    trust = settings.trust_remote_code
+    tokenizer = load_from_target(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=trust)
+    model = load_from_target(AutoModelForCausalLM.from_pretrained, model_dir, trust_remote_code=trust,
+                             dtype=dtype).to(device).eval()
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     loaded = LoadedModel(

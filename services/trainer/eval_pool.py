@@ -36,7 +36,7 @@ def shard(prompts: list[EvalPrompt], index: int, procs: int) -> list[EvalPrompt]
     return prompts[index::procs]
 
 
-def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str, dtype: str,
+def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str, dtype: str, trust_remote_code: bool,
             sets: list[dict[str, Any]], cfg: dict[str, Any], out: Any) -> None:
     try:
         import torch
@@ -46,7 +46,7 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
         torch.set_num_threads(1)
         config = EvalConfig.model_validate(cfg)
         target, tokenizer, drafter = load_evaluated(Path(model_dir), Path(export_dir), torch.device(device),
-                                                    getattr(torch, dtype))
+                                                    getattr(torch, dtype), trust_remote_code=trust_remote_code)
         shares = []
         for one in sets:
             measured, reported = SetRun(one["name"]), [0]
@@ -66,7 +66,7 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
 
 def measure_in_processes(
     *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False,
 ) -> list[dict[str, Any]]:
     """Per set, in order, the shares of every process (``SetRun.to_json`` dicts)."""
     ctx = mp.get_context("spawn")
@@ -74,7 +74,7 @@ def measure_in_processes(
     payload = [{"name": s.name, "prompts": [{"sample_id": p.sample_id, "messages": p.messages} for p in s.prompts]}
                for s in sets]
     workers = [ctx.Process(target=_worker, name=f"evaluate-{i}", daemon=True,
-                           args=(i, procs, str(model_dir), str(export_dir), device, dtype, payload,
+                           args=(i, procs, str(model_dir), str(export_dir), device, dtype, trust_remote_code, payload,
                                  cfg.model_dump(mode="json"), out))
                for i in range(procs)]
     for worker in workers:
@@ -114,13 +114,13 @@ def _check_alive(workers: list[Any], results: dict[int, Any]) -> None:
 
 def evaluate_sets_in_processes(
     *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
-    layer_ids: list[int], progress: Callable[[int, int], None] | None = None,
+    layer_ids: list[int], progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
     from services.trainer.evaluate import SetRun, combine_sets, set_report
 
     shares = measure_in_processes(model_dir=model_dir, export_dir=export_dir, device=device, dtype=dtype, sets=sets,
-                                  cfg=cfg, procs=procs, progress=progress)
+                                  cfg=cfg, procs=procs, progress=progress, trust_remote_code=trust_remote_code)
     reports = {}
     for one, parts in zip(sets, shares):
         measured = SetRun(one.name)

@@ -33,6 +33,7 @@ import torch
 
 from shared.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
+from shared.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evalsets import EvalPrompt, EvalSet
 from services.trainer.lookup import LookupProposer, NoProposer
@@ -308,27 +309,29 @@ def verify_greedy_equality(report: dict[str, Any]) -> None:
             f"first differing position {first['position']}")
 
 
-def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
+                trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The target for evaluation (float32 unless told otherwise: the greedy-equality check is tightest there)
     and its tokenizer; decoding stops at the chat template's end-of-turn token as well as at eos, as the
-    built-in server does."""
+    built-in server does. Code the directory ships runs only with ``trust_remote_code`` (``shared.remote_code``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.type == "cuda":
         avoid_cudnn_attention()  # every verification pass meets a new key length
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = load_from_target(AutoModelForCausalLM.from_pretrained, model_dir, trust_remote_code=trust_remote_code,
+                              dtype=dtype or torch.float32).to(device).eval()
+    tokenizer = load_from_target(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=trust_remote_code)
     turn_end = find_turn_end(tokenizer).token_id
     if turn_end is not None and turn_end not in eos_ids_of(target):
         target.generation_config.eos_token_id = sorted(eos_ids_of(target) | {turn_end})
     return target, tokenizer
 
 
-def load_evaluated(model_dir: Path, export_dir: Path, device: torch.device,
-                   dtype: torch.dtype | None = None) -> tuple[Any, Any, Eagle3Drafter]:
+def load_evaluated(model_dir: Path, export_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
+                   trust_remote_code: bool = False) -> tuple[Any, Any, Eagle3Drafter]:
     """Target, tokenizer and the exported drafter (read as the engines read it, with the target's embedding)
     on ``device``: what every evaluation decodes with."""
-    target, tokenizer = load_target(model_dir, device, dtype)
+    target, tokenizer = load_target(model_dir, device, dtype, trust_remote_code=trust_remote_code)
     return target, tokenizer, exported_drafter(target, model_dir, export_dir)
 
 

@@ -178,9 +178,11 @@ def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, 
         report = evaluate_sets_in_processes(
             model_dir=settings.model_dir, export_dir=paths.export_dir, device=str(device), dtype=settings.eval_dtype,
             sets=sets, cfg=spec.evaluate, procs=min(settings.eval_procs, max(total, 1)),
-            layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress)
+            layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress,
+            trust_remote_code=settings.trust_remote_code)
     else:
         target, tokenizer, drafter = load_evaluated(settings.model_dir, paths.export_dir, device,
-                                                    getattr(torch, settings.eval_dtype))
+                                                    getattr(torch, settings.eval_dtype),
+                                                    trust_remote_code=settings.trust_remote_code)
         report = evaluate_sets(target, tokenizer, drafter, sets, spec.evaluate, progress=progress)
     return {**report, "run": spec.name, "export_path": str(paths.export_dir), "dtype": settings.eval_dtype}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import target64, target_mla
+from tests.engines import target64, target_mla, target_think
 from tests.support import tiny_target
 from tests.engines.target64 import CHUNK_TOKENS, LAYER_IDS
 from tests.support.vllm_server import (
@@ -46,6 +46,15 @@ def tiny64_dir() -> Iterator[Path]:
 def tiny_mla_dir() -> Iterator[Path]:
     """The tiny random Kimi-K2-shaped target, MLA + MoE (tests/engines/target_mla.py); shared and read-only."""
     model_dir = target_mla.cached_tiny_mla()
+    yield model_dir
+    tiny_target.verify_unchanged(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_think_dir() -> Iterator[Path]:
+    """The tiny thinking target, Qwen3's template, taught to reply with a think block then the answer
+    (tests/engines/target_think.py); shared and read-only."""
+    model_dir = target_think.cached_tiny_think()
     yield model_dir
     tiny_target.verify_unchanged(model_dir)
 

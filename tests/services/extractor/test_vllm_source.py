@@ -40,3 +40,63 @@ def test_an_engine_file_becomes_a_verified_file_in_the_runs_storage(tmp_path, ti
     info = verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, dtype=dtype, hidden_size=64,
                               sha256=result.sha256)
     assert (result.dtype, info.num_tokens, result.bytes) == (dtype, 9, info.nbytes)
+
+
+LAYER_NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+               "model.layers.1.input_layernorm.weight", "model.layers.2.shared_head.norm.weight")  # the last: an MTP layer's
+
+
+def write_target(root, tensors: dict[str, torch.Tensor], *, shards: int = 1, config: dict | None = None):
+    """A target directory of ``tensors`` in ``shards`` files (with ``model.safetensors.index.json`` when several)
+    and a Kimi-K2.5-shaped config.json: the language model's fields under ``text_config``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    config = config or {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "rms_norm_eps": 1e-5}}
+    (root / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    files = {name: f"model-{i % shards + 1:05d}-of-{shards:05d}.safetensors" for i, name in enumerate(names)}
+    for file in set(files.values()):
+        save_file({name: tensors[name] for name in names if files[name] == file}, str(root / file))
+    if shards > 1:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    return root
+
+
+def layer_norms(prefix: str) -> dict[str, torch.Tensor]:
+    return {prefix + name: torch.full((4,), 9.0) for name in LAYER_NORMS}
+
+
+@pytest.mark.parametrize("prefix,shards", [
+    ("", 1), ("language_model.", 3), ("", 2),
+    ("text_model.", 1),  # a wrapper none of the known names covers: found by the suffix alone
+])
+def test_the_final_norm_is_found_under_a_wrappers_prefix_and_not_mistaken_for_a_layers(tmp_path, prefix, shards):
+    weight = torch.arange(4.0)
+    tensors = {**layer_norms(prefix), f"{prefix}model.norm.weight": weight, "vision_tower.final_layernorm.weight":
+               torch.zeros(4), "mm_projector.pre_norm.weight": torch.zeros(4)}
+    root = write_target(tmp_path / "target", tensors, shards=shards)
+    norm, eps = vllm_source.final_norm(str(root))
+    assert torch.equal(norm, weight) and eps == 1e-5
+
+
+def test_the_newer_multimodal_layout_names_its_final_norm_after_the_language_model(tmp_path):
+    weight = torch.arange(4.0)
+    tensors = {**layer_norms("model.language_model."), "model.language_model.norm.weight": weight}
+    norm, _ = vllm_source.final_norm(str(write_target(tmp_path / "target", tensors, shards=2)))
+    assert torch.equal(norm, weight)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_checkpoint_without_a_final_norm_fails_by_name(tmp_path, shards):
+    root = write_target(tmp_path / "target", layer_norms("language_model."), shards=shards)
+    with pytest.raises(vllm_source.FinalNormNotFound, match="none ends in 'model.norm.weight'"):
+        vllm_source.final_norm(str(root))
+
+
+def test_two_tensors_that_could_each_be_the_final_norm_fail_by_name(tmp_path):
+    tensors = {"text_model.model.norm.weight": torch.ones(4), "vision_model.norm.weight": torch.ones(4)}
+    with pytest.raises(vllm_source.FinalNormNotFound, match="several end in"):
+        vllm_source.final_norm(str(write_target(tmp_path / "target", tensors)))
