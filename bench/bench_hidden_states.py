@@ -102,8 +102,13 @@ def plain_forward_seconds(loaded: LoadedModel, batches: list[list[HiddenJob]]) -
         ids = torch.tensor([job.input_ids for job in batch], device=loaded.device)
         loaded.model.base_model(input_ids=ids, use_cache=False)
 
+    return timed_forward(loaded, batches, run)
+
+
+def timed_forward(loaded: LoadedModel, batches: list[list[HiddenJob]], run) -> float:
+    """Seconds ``run`` takes over every batch, after one warm-up batch (kernels, allocator)."""
     with torch.inference_mode():
-        run(batches[0])  # warm-up: kernels, allocator
+        run(batches[0])
         synchronize(loaded)
         started = time.perf_counter()
         for batch in batches:
@@ -137,16 +142,11 @@ def synchronize(loaded: LoadedModel) -> None:
 
 
 def bare_forward_seconds(loaded: LoadedModel, groups: list[list[HiddenJob]]) -> float:
-    with torch.inference_mode():
-        run = lambda group: loaded.model.base_model(*right_pad(group, loaded.pad_token_id, loaded.device),  # noqa: E731
-                                                    use_cache=False)
-        run(groups[0])  # warm-up: kernels, allocator
-        synchronize(loaded)
-        started = time.perf_counter()
-        for group in groups:
-            run(group)
-        synchronize(loaded)
-    return time.perf_counter() - started
+    """The same forward over right-padded groups with their attention mask."""
+    def run(group: list[HiddenJob]) -> None:
+        loaded.model.base_model(*right_pad(group, loaded.pad_token_id, loaded.device), use_cache=False)
+
+    return timed_forward(loaded, groups, run)
 
 
 def pipeline_seconds(loaded: LoadedModel, jobs: list[HiddenJob], args: argparse.Namespace) -> tuple[float, int]:

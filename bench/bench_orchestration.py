@@ -85,6 +85,18 @@ def settle(stage: str, state: RunState, feeder: ControllerSettings, conn: redis.
     raise TimeoutError(f"{stage} did not settle: {state.counts(stage)}")
 
 
+def stage(name: str, service: str, count: int, env: dict[str, str], logs: Path, state: RunState,
+          feeder: ControllerSettings, conn: redis.Redis, deadline: float) -> tuple[float, list[int]]:
+    """``count`` worker processes of ``service`` until the stage settles: its seconds and the workers' memory."""
+    workers = [ServiceProcess(service, env, logs).start() for _ in range(count)]
+    try:
+        seconds = settle(name, state, feeder, conn, workers, deadline)
+        return seconds, [rss_bytes(w.proc.pid) for w in workers]
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
 def run(args: argparse.Namespace, work: Path) -> dict:
     data, logs = work / "data", work / "logs"
     data.mkdir(parents=True, exist_ok=True)
@@ -104,14 +116,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         memory_before = conn.info("memory")["used_memory"]
         with OpenAIServer(model=model_dir.name) as chat:
             chat.set_default(Reply(REPLY))
-            generators = [ServiceProcess("generator", {**base, "DRAFTLINE_INFERENCE_URL": chat.url}, logs).start()
-                          for _ in range(args.generators)]
-            try:
-                generate_s = settle("generate", state, feeder, conn, generators, deadline)
-                generator_rss = [rss_bytes(g.proc.pid) for g in generators]
-            finally:
-                for g in generators:
-                    g.stop()
+            env = {**base, "DRAFTLINE_INFERENCE_URL": chat.url}
+            generate_s, generator_rss = stage("generate", "generator", args.generators, env, logs, state, feeder, conn,
+                                              deadline)
         waiting = queue(EXTRACT_QUEUE, conn).count
         memory_waiting = conn.info("memory")["used_memory"]
         port = free_port()
@@ -120,13 +127,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                                    health_url=f"http://127.0.0.1:{port}/health").start()
         try:
             env = {**base, "DRAFTLINE_HIDDEN_STATES_URL": f"http://127.0.0.1:{port}", "DRAFTLINE_MODEL_DIR": str(model_dir)}
-            extractors = [ServiceProcess("extractor", env, logs).start() for _ in range(args.extractors)]
-            try:
-                extract_s = settle("extract", state, feeder, conn, extractors, deadline)
-                extractor_rss = [rss_bytes(e.proc.pid) for e in extractors]
-            finally:
-                for e in extractors:
-                    e.stop()
+            extract_s, extractor_rss = stage("extract", "extractor", args.extractors, env, logs, state, feeder, conn,
+                                             deadline)
         finally:
             inference.stop()
         memory_after = conn.info("memory")["used_memory"]
