@@ -16,8 +16,9 @@ def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_
     command = [sys.executable, str(REPO / "bench" / "bench_orchestration.py"), "--samples", "12", "--generators", "1",
                "--extractors", "1", "--generate-batch", "4", "--work", str(tmp_path / "work"), "--json", str(out),
                "--timeout-s", "300"]
-    subprocess.run(command, check=True, capture_output=True, cwd=REPO, timeout=400,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert (report["generated"], report["extracted"]) == (12, 12)
     assert report["extract_jobs_waiting"] == 12  # generation queued one extract job per sample, none ran yet

@@ -19,7 +19,8 @@ def test_the_trainer_benchmark_times_profiles_and_counts_flops(tmp_path):
                "--batch-sizes", "2", "--attention", "dense", "--profile-steps", "1", "--profile-dir", str(profiles),
                "--device", "cpu", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, env=env, cwd=REPO, timeout=600, capture_output=True)
+    done = subprocess.run(command, env=env, cwd=REPO, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
     assert result["attention"] == "dense" and result["timed_steps"] == 3  # 6 steps - 2 warm-up - 1 profiled
     # Samples alternate 96 and 64 tokens; length batching pairs equal ones, so a step trains 192 or 128
