@@ -79,11 +79,11 @@ def rq_safe(run: str) -> str:
     return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
 
 
-# A sample job that succeeded leaves nothing in Redis: its outcome is on the volume and in the run's bitmaps,
-# and nothing reads a finished job's result, so RQ deletes it at once instead of keeping it an hour (about
-# 6.9 KB a sample, so a 1.4M-sample run would hold GBs). A failed one stays a week: failures.py names its
-# samples from it.
-SAMPLE_RESULT_TTL_S = 0
+# How long RQ keeps a sample job once it ended. A finished one is kept an hour (about 6.9 KB of Redis a
+# sample): nothing in the pipeline reads its result, but the tests that check which worker did which job
+# (tests/test_remote_host.py, tests/shared/test_redis_acl.py) read finished jobs. A failed one stays a
+# week: failures.py names its samples from it.
+SAMPLE_RESULT_TTL_S = 3600
 SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-from rq.registry import FinishedJobRegistry
-
 from services.controller.feeder import feed_run
 from services.controller.submit import submit_run
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, extract_job_id
@@ -50,8 +48,3 @@ def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, red
     assert sorted(queue(EXTRACT_QUEUE, redis_conn).get_job_ids()) == [extract_job_id(RUN, i) for i in range(10) if i != 4]
     reply = json.loads(state.paths.generated(9).read_text())["reply"]
     assert reply == {"content": "a perfectly ordinary answer", "reasoning_content": "some thoughts first"}
-    # Finished generate jobs leave no job in Redis (the volume and the bitmaps hold their outcome), while
-    # the extract jobs they queued wait there.
-    jobs = {key.decode().removeprefix("rq:job:") for key in redis_conn.scan_iter("rq:job:*")}
-    assert jobs == {extract_job_id(RUN, i) for i in range(10) if i != 4}
-    assert FinishedJobRegistry(GENERATE_QUEUE, connection=redis_conn).count == 0
