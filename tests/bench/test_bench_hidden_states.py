@@ -23,7 +23,10 @@ def test_the_extraction_benchmark_measures_plain_forward_pipeline_and_disk(tmp_p
     for key in ("forward_tokens_per_s", "padded_forward_tokens_per_s", "extraction_tokens_per_s",
                 "disk_write_bytes_per_s", "disk_bound_tokens_per_s"):
         assert report[key] > 0, key
-    assert report["extraction_vs_forward"] == round(report["extraction_tokens_per_s"] / report["forward_tokens_per_s"], 3)
+    # The ratio is of the unrounded rates, the rates are printed to 0.1: equal up to that rounding (an exact
+    # comparison of the recomputed ratio failed once when it fell on a rounding boundary).
+    ratio = report["extraction_tokens_per_s"] / report["forward_tokens_per_s"]
+    assert abs(report["extraction_vs_forward"] - ratio) <= 1e-3, (report["extraction_vs_forward"], ratio)
     assert report["bound"] in ("disk", "forward")
     # float32 files hold 4 states of hidden 64 at 4 bytes, plus ids, mask and header: a little over 1x.
     assert 1.0 < report["disk_bytes_per_token_vs_8h"] < 1.2
