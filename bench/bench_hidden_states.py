@@ -57,10 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight with --url")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disk-mb", type=int, default=2048, help="MB written to time the disk (0: skip)")
+    parser.add_argument("--storage", choices=["target", "fp8"], default="target",
+                        help="the files' state storage (extraction.storage): the target's dtype, or fp8 e4m3 + scales")
     return parser.parse_args(argv)
 
 
-def make_jobs(loaded: LoadedModel, lengths: list[int], count: int, out: Path, seed: int) -> list[HiddenJob]:
+def make_jobs(loaded: LoadedModel, lengths: list[int], count: int, out: Path, seed: int,
+              storage: str = "target") -> list[HiddenJob]:
     gen = torch.Generator().manual_seed(seed)
     layer_ids = tuple(loaded.default_layer_ids())
     jobs = []
@@ -68,7 +71,7 @@ def make_jobs(loaded: LoadedModel, lengths: list[int], count: int, out: Path, se
         length = lengths[i % len(lengths)]
         ids = torch.randint(0, loaded.vocab_size, (length,), generator=gen).tolist()
         rel = RunPaths(out, "bench").hidden_relative(i)  # the server writes only into runs' hidden-state folders
-        jobs.append(HiddenJob(ids, [1] * length, out / rel, rel, layer_ids, {"bench": "1"}))
+        jobs.append(HiddenJob(ids, [1] * length, out / rel, rel, layer_ids, {"bench": "1"}, storage))
     return jobs
 
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = InferenceSettings(model_dir=args.model_dir, data=out, device=args.device, dtype=args.dtype)
     loaded = load_model(settings)
     lengths = [int(n) for n in args.lengths.split(",")]
-    jobs = make_jobs(loaded, lengths, args.samples, out, args.seed)
+    jobs = make_jobs(loaded, lengths, args.samples, out, args.seed, args.storage)
     tokens = sum(job.num_tokens for job in jobs)
     try:
         plain = plain_forward_seconds(loaded, plain_batches(jobs, args.batch_tokens))
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         report = {
             "model": loaded.name, "device": str(loaded.device), "dtype": loaded.dtype_name,
             "samples": len(jobs), "tokens": tokens, "lengths": lengths, "batch_tokens": args.batch_tokens,
-            "writer_threads": args.writer_threads,
+            "writer_threads": args.writer_threads, "storage": args.storage,
             "forward_tokens_per_s": round(forward_rate, 1),  # the baseline: plain, length-sorted, unpadded
             "padded_forward_tokens_per_s": round(tokens / bare, 1),
             "extraction_tokens_per_s": round(piped_rate, 1),

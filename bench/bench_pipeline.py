@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # evaluation prompt of a set decoded as one batch (a pass costs about the same for one row as for 256).
 GPU_RUN: dict[str, Any] = {
     "generation": {"max_tokens": 256, "min_completion_tokens": 16, "temperature": 0.0},
-    "train": {"epochs": 4, "batch_size": 16, "lr": 5e-4, "ttt_steps": 7, "draft_vocab_size": 32000,
+    "train": {"epochs": 6, "batch_size": 16, "lr": 5e-4, "ttt_steps": 7, "draft_vocab_size": 32000,
               "save_every": 500},
     "evaluate": {"holdout": 64, "max_new_tokens": 128, "draft_steps": 3, "curve_max_steps": 7, "batch_prompts": 256},
 }

@@ -4,7 +4,7 @@
 # bench/offline_prompts.py. Prepare here with `bash bench/gpu_carry.sh`, then two device calls, back to back
 # (the machine keeps /tmp only while it is warm, 30 s after a call):
 #   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
-#   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES] [BENCH ARGS]
+#   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  [SWEEP=FILE] bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES] [BENCH ARGS]
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -43,16 +43,31 @@ env_vars() {
   export LD_LIBRARY_PATH="$PWD/.gpu/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
+# SWEEP=FILE (one NAME=JSON per line, bench/bench_train_sweep.py's --variant): once the run's drafter is exported,
+# retrain its files each way and evaluate each export; it starts while the run still evaluates (the GPU is far
+# from full then), so the run's evaluation time is measured beside it.
+start_sweep() {
+  local run=$1 args=() line
+  while IFS= read -r line; do [ -n "$line" ] && args+=(--variant "$line"); done < "$SWEEP"
+  printf '%q ' "${args[@]}" > "$WORK/sweep.args"
+  setsid bash -c "while [ ! -f $WORK/data/runs/$run/drafter/export/config.json ] && [ ! -f $WORK/done ]; do sleep 5; done
+    [ -f $WORK/data/runs/$run/drafter/export/config.json ] || exit 1
+    $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
+      --json $WORK/sweep.json $(cat "$WORK/sweep.args") > $WORK/sweep.log 2>&1; echo rc=\$? > $WORK/sweep-done" < /dev/null &
+}
+
 follow() {
   local minutes=$1 deadline=$(( $(date +%s) + $1 * 60 ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
-    [ -f "$WORK/done" ] && break
+    [ -f "$WORK/done" ] && { [ ! -f "$WORK/sweep.args" ] || [ -f "$WORK/sweep-done" ]; } && break
     sleep 5
   done
-  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$OUT"/ 2>/dev/null
+  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep.log "$WORK"/sweep.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
+  [ -f "$WORK/sweep.log" ] && tail -5 "$WORK/sweep.log"
+  [ -f "$WORK/sweep-done" ] && cat "$WORK/sweep-done"
 }
 
 case "${1:-}" in
@@ -66,6 +81,7 @@ case "${1:-}" in
     prompts=${2:-6000} minutes=${3:-9} extra=${4:-}
     setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda $extra \
       --json $WORK/pipeline.json > $WORK/pipeline.log 2>&1; echo rc=\$? > $WORK/done" < /dev/null &
+    [ -n "${SWEEP:-}" ] && start_sweep "bench-smollm2-$prompts"
     follow "$minutes" ;;
   follow)
     follow "${2:-9}" ;;

@@ -31,3 +31,15 @@ def test_the_extraction_benchmark_measures_plain_forward_pipeline_and_disk(tmp_p
     # float32 files hold 4 states of hidden 64 at 4 bytes, plus ids, mask and header: a little over 1x.
     assert 1.0 < report["disk_bytes_per_token_vs_8h"] < 1.2
     assert len(list(out.rglob("*.safetensors"))) == 9 and not list(out.rglob("disk-rate.tmp"))
+
+
+def test_the_extraction_benchmark_writes_fp8_files_when_asked(tmp_path, tiny_model_dir):
+    command = [sys.executable, str(REPO / "bench" / "bench_hidden_states.py"), "--model-dir", str(tiny_model_dir),
+               "--lengths", "48,32", "--samples", "4", "--batch-tokens", "96", "--disk-mb", "0", "--storage", "fp8"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["storage"] == "fp8"
+    # One byte per value instead of float32's four, plus a bf16 scale per token and state, ids, mask, header.
+    assert 0.25 < report["disk_bytes_per_token_vs_8h"] < 0.35

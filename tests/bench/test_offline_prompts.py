@@ -28,7 +28,13 @@ def test_completion_tasks_are_stdlib_signatures_asked_in_humanevals_wording_and_
     assert len(set(tasks)) == len(tasks)
 
 
-def test_the_pool_mixes_completion_tasks_into_the_sampled_prompts():
-    rows = offline_prompts.prompts(2000)
-    completions = sum(row["prompt"].startswith("Complete this Python function:") for row in rows)
-    assert 0 < completions < len(rows) and len({row["prompt"] for row in rows}) == len(rows)
+def test_every_completion_task_is_taken_first_and_mixed_in():
+    tasks = set(offline_prompts.completion_tasks())
+    rows = [row["prompt"] for row in offline_prompts.prompts(2000)]
+    assert len(set(rows)) == len(rows) == 2000
+    assert tasks <= set(rows)  # all of them, though they are under a twentieth of the pool
+    positions = [i for i, prompt in enumerate(rows) if prompt in tasks]
+    assert positions[0] < 200 and positions[-1] > 1800  # shuffled among the prose prompts, not a block
+    fewer = [row["prompt"] for row in offline_prompts.prompts(100)]
+    assert set(fewer) <= tasks and len(fewer) == 100  # fewer rows than tasks: tasks only
+    assert offline_prompts.prompts(2000) == offline_prompts.prompts(2000)  # deterministic

@@ -1,0 +1,185 @@
+"""Training settings measured on a real target: the same hidden-state files trained several ways, each
+drafter evaluated on the same sets as the source run.
+
+From a finished run (``--run``, e.g. bench/bench_pipeline.py's) each ``--variant NAME=JSON`` makes a new
+run on the same volume whose training settings are the source's with JSON's fields replaced, trains it,
+exports it and evaluates the export on the source run's evaluation sets (its held-out rows, HumanEval with
+the same overlap exclusion) with the source's evaluation settings, drafter only: the baselines do not
+depend on the drafter and stay in the source run's eval.json. The files are hard-linked, never copied.
+One JSON key is not a training setting: ``"storage": "fp8"`` rewrites the files as the extractor writes
+them with ``extraction.storage = "fp8"`` (``quantize_fp8`` over the same bf16 states, so the same bytes
+an fp8 extraction of the run would have written) instead of linking them.
+
+    python bench/bench_train_sweep.py --data /tmp/bench-data --run bench-smollm2-5000 \\
+        --model-dir /tmp/bench-data/models/smollm2 --device cuda --json sweep.json \\
+        --variant 'fp8={"storage": "fp8"}' --variant 'lr1e-3={"lr": 1e-3}'
+
+The JSON is rewritten after each variant, so a cut-short sweep keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from services.inference.hidden import host_tensor, quantize_fp8  # noqa: E402
+from services.trainer.data import list_hidden_files  # noqa: E402
+from services.trainer.evalsets import load_sets  # noqa: E402
+from services.trainer.evaluate import evaluate_sets, exported_drafter, load_target  # noqa: E402
+from services.trainer.export import export_drafter  # noqa: E402
+from services.trainer.train import train_drafter  # noqa: E402
+from shared import eagle3  # noqa: E402
+from shared.atomic import atomic_write_text  # noqa: E402
+from shared.hidden_file import read_header, verify_hidden_file  # noqa: E402
+from shared.hidden_write import RawTensor, write_safetensors  # noqa: E402
+from shared.layout import RunPaths  # noqa: E402
+from shared.runspec import RunSpec  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+STORAGE_KEY = "storage"  # the one variant key that is not a TrainConfig field
+
+
+class BadVariant(ValueError):
+    """A --variant that is not NAME=JSON object."""
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    name, sep, body = text.partition("=")
+    try:
+        fields = json.loads(body) if sep else None
+    except json.JSONDecodeError as exc:
+        raise BadVariant(f"--variant {text!r}: {exc}") from exc
+    if not name or not isinstance(fields, dict):
+        raise BadVariant(f"--variant {text!r}: expected NAME={{json object}}")
+    if fields.get(STORAGE_KEY, "target") not in ("target", "fp8"):
+        raise BadVariant(f"--variant {text!r}: storage must be 'target' or 'fp8'")
+    return name, fields
+
+
+def fp8_copy(source: Path, target: Path) -> None:
+    """``source`` (a bf16 hidden-state file) rewritten with fp8 states and their scales, as the extractor
+    writes them: the same ids, mask and metadata, the states through the production ``quantize_fp8``."""
+    header, _ = read_header(source)
+    metadata = dict(header.get("__metadata__") or {})
+    tensors = load_file(str(source))
+    out: dict[str, RawTensor] = {
+        eagle3.INPUT_IDS: RawTensor.of(tensors[eagle3.INPUT_IDS].numpy()),
+        eagle3.LOSS_MASK: RawTensor.of(tensors[eagle3.LOSS_MASK].numpy()),
+    }
+    for name in (eagle3.AUX_HIDDEN, eagle3.LAST_HIDDEN):
+        scale_name, layers = eagle3.SCALES[name]
+        quantized, scale = quantize_fp8(tensors[name], layers)
+        out[name] = host_tensor(quantized, eagle3.FP8_DTYPE)
+        out[scale_name] = host_tensor(scale, eagle3.SCALE_DTYPE)
+    write_safetensors(target, out, metadata)
+    verify_hidden_file(target)
+
+
+def make_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any]) -> RunSpec:
+    """A run named ``name``: the source's files (linked, or fp8 copies) and its training settings with
+    ``fields`` replaced."""
+    train = {k: v for k, v in fields.items() if k != STORAGE_KEY}
+    spec = source.model_copy(update={"name": name, "train": source.train.model_copy(update=train)})
+    fp8 = fields.get(STORAGE_KEY) == "fp8"
+    paths = RunPaths(data, name)
+    for sample_id, path in list_hidden_files(RunPaths(data, source.name)):
+        target = paths.hidden(sample_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            continue
+        if fp8:
+            fp8_copy(path, target)
+        else:
+            os.link(path, target)
+    spec.save(data)
+    return spec
+
+
+def hidden_bytes(paths: RunPaths) -> int:
+    return sum(path.stat().st_size for _, path in list_hidden_files(paths))
+
+
+def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], model_dir: Path, device: str,
+                target: Any, tokenizer: Any) -> dict[str, Any]:
+    started = time.monotonic()
+    spec = make_variant(data, source, name, fields)
+    prepared = time.monotonic()
+    result = train_drafter(spec, data=data, model_dir=model_dir, device=device)
+    paths = RunPaths(data, name)
+    export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
+                   target_fingerprint=result.target_fingerprint)
+    trained = time.monotonic()
+    last = result.last
+    figures: dict[str, Any] = {
+        "fields": fields, "train": spec.train.model_dump(mode="json"), "files": result.num_files,
+        "hidden_bytes": hidden_bytes(paths), "steps": result.steps, "prepare_s": round(prepared - started, 1),
+        "train_s": round(trained - prepared, 1), "loss": None if last is None else last.loss,
+        "acc": None if last is None else last.acc, "sets": {},
+    }
+    del result
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    drafter = exported_drafter(target, model_dir, paths.export_dir)
+    cfg = source.evaluate.model_copy(update={"baselines": False})
+    source_paths = RunPaths(data, source.name)
+    sets = load_sets(cfg, eval_prompts=source_paths.eval_prompts, train_prompts=source_paths.prompts)
+    report = evaluate_sets(target, tokenizer, drafter, sets, cfg)
+    for set_name, one in report["sets"].items():
+        check = one["greedy_check"]
+        figures["sets"][set_name] = {"prompts": len(one["prompts"]), "curve": one["methods"]["drafter"]["curve"],
+                                     "greedy_checked": check["checked"], "greedy_matched": check["matched"],
+                                     "mismatches": len(check["mismatches"]), "seconds": one["seconds"]}
+    figures["evaluate_s"] = round(time.monotonic() - trained, 1)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--run", required=True, help="a finished run whose hidden-state files are reused")
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME=JSON",
+                        help="training settings to replace (repeatable); 'storage': 'fp8' rewrites the files as fp8")
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        variants = [parse_variant(text) for text in args.variant]
+    except BadVariant as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    data = args.data.resolve()
+    source = RunSpec.load(data, args.run)
+    target, tokenizer = load_target(args.model_dir, torch.device(args.device))
+    stamp = time.strftime("%H%M%S")
+    figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "source_run": source.name,
+                               "source_train": source.train.model_dump(mode="json"),
+                               "source_hidden_bytes": hidden_bytes(RunPaths(data, source.name)),
+                               "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
+    for name, fields in variants:
+        log.info("variant %s: %s", name, json.dumps(fields))
+        figures["variants"][name] = run_variant(data, source, f"sweep-{stamp}-{name}", fields, args.model_dir,
+                                                args.device, target, tokenizer)
+        atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
+        log.info("variant %s: %s", name, json.dumps({s: v["curve"] for s, v in figures["variants"][name]["sets"].items()}))
+    mismatched = {name: v["sets"] for name, v in figures["variants"].items()
+                  if any(s["mismatches"] for s in v["sets"].values())}
+    if mismatched:
+        raise SystemExit(f"speculative output differed from greedy in variants {sorted(mismatched)} (see {args.json})")
+
+
+if __name__ == "__main__":
+    main()
