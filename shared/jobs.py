@@ -79,12 +79,20 @@ def rq_safe(run: str) -> str:
     return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
 
 
-# How long RQ keeps a sample job once it ended. A finished one is kept an hour (about 6.9 KB of Redis a
-# sample): nothing in the pipeline reads its result, but the tests that check which worker did which job
-# (tests/test_remote_host.py, tests/shared/test_redis_acl.py) read finished jobs. A failed one stays a
-# week: failures.py names its samples from it.
-SAMPLE_RESULT_TTL_S = 3600
+# How long RQ keeps a sample job once it ended. Redis is the to-do list and the volume the truth: the
+# outcome of a sample lies in its files and the run's bitmaps, and nothing in the pipeline reads a finished
+# sample job, so the default keeps none (0: RQ deletes the job the moment it succeeds, and records it in no
+# finished registry). A kept one costs about 7.7 KB of Redis a sample (bench/RESULTS.md), held for the TTL,
+# and its finished-registry entry until RQ's maintenance (every 10 minutes) drops it. At 140 samples/s (8
+# GPUs) an hour is 500k jobs, about 3.9 GB; at 1,000 samples/s every second kept is about 7.7 MB, so a run of
+# any length stays under 256 MB only with a TTL of at most about 25 s, the to-do list (about 15 MB at the
+# default feed window and extract backlog) included. Services read it as DRAFTLINE_SAMPLE_RESULT_TTL_S
+# (shared.settings.SampleQueueSettings); a test that inspects finished jobs sets it longer. A failed job
+# stays a week: failures.py names its samples from it, then deletes it.
+DEFAULT_SAMPLE_RESULT_TTL_S = 0
 SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
+# A run's train and evaluate jobs, one of each per run, keep their record a week whichever way they ended.
+RUN_JOB_TTL_S = 7 * 24 * 3600
 
 
 def generate_job_id(run: str, first_sample_id: int) -> str:
