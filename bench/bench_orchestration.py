@@ -58,6 +58,8 @@ from tests.support.tiny_target import cached_tiny_model  # noqa: E402
 
 log = logging.getLogger("bench_orchestration")
 RUN = "orchestration"
+POLL_S = 0.05  # how often the bench reads a stage's counts
+BASELINE_S = 3.0  # how long it measures its own polling before a stage
 REPLY = "a fixed reply of a dozen words from the stand-in target, at once"
 
 
@@ -109,6 +111,15 @@ def counters_delta(before: dict, after: dict, samples: int) -> dict:
             "top_commands_per_sample": {name: round(n / max(1, samples), 2) for name, n in list(calls.items())[:12]}}
 
 
+def key_bytes(conn: redis.Redis) -> tuple[int, int]:
+    """(keys, bytes they hold by MEMORY USAGE): the data, without the server's own overhead (its Lua
+    scripts, client buffers, hash tables sized for the most keys it held) that ``used_memory`` includes."""
+    keys = total = 0
+    for key in conn.scan_iter(count=1000):
+        keys, total = keys + 1, total + (conn.memory_usage(key, samples=0) or 0)
+    return keys, total
+
+
 class MemorySampler:
     """Samples Redis memory, the queues and each worker's RSS every ``interval_s`` on a thread of its own."""
 
@@ -157,17 +168,43 @@ class MemorySampler:
 def settle(stage: str, state: RunState, feeder: ControllerSettings, conn: redis.Redis, workers: list[ServiceProcess],
            deadline: float) -> float:
     """Feed until every sample of ``stage`` is done, failed or dropped; the stage's seconds."""
-    started = time.perf_counter()
+    started = fed = time.perf_counter()
+    feed_run(feeder, conn, RUN)
     while time.perf_counter() < deadline:
-        feed_run(feeder, conn, RUN)  # what the controller's loop does every tick
+        if time.perf_counter() - fed >= feeder.feed_interval_s:  # the controller's loop feeds at this pace
+            feed_run(feeder, conn, RUN)
+            fed = time.perf_counter()
         counts = state.counts(stage)
         if counts.done + counts.failed + counts.dropped >= state.expected():
             return time.perf_counter() - started
         for worker in workers:
             if not worker.alive():
                 raise RuntimeError(f"{worker.name} died:\n{worker.log()}")
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     raise TimeoutError(f"{stage} did not settle: {state.counts(stage)}")
+
+
+def polling_cost(bench: Bench, stage: str) -> dict:
+    """Redis' commands and CPU per second while the bench polls and feeds as ``settle`` does but no worker
+    runs: the share of a stage's figures that is the bench's own, with Redis' idle housekeeping."""
+    before, started = redis_counters(bench.conn), time.perf_counter()
+    with MemorySampler(bench.url, bench.state, stage, [], bench.args.interval_s):
+        while time.perf_counter() - started < BASELINE_S:
+            feed_run(bench.feeder, bench.conn, RUN)
+            for _ in range(round(bench.feeder.feed_interval_s / POLL_S)):
+                bench.state.counts(stage)
+                time.sleep(POLL_S)
+    seconds, after = time.perf_counter() - started, redis_counters(bench.conn)
+    calls = {name: (n - before["calls"].get(name, 0)) / seconds for name, n in after["calls"].items()}
+    return {"calls": calls, "cpu_s": (after["cpu_s"] - before["cpu_s"]) / seconds}
+
+
+def net_of_polling(before: dict, after: dict, polling: dict, seconds: float) -> dict:
+    """``after`` less what polling for ``seconds`` adds to ``before``: the workers' own share."""
+    calls = {name: n - before["calls"].get(name, 0) - polling["calls"].get(name, 0) * seconds
+             for name, n in after["calls"].items()}
+    return {"calls": {name: max(0, round(n)) for name, n in calls.items()},
+            "cpu_s": max(0.0, after["cpu_s"] - before["cpu_s"] - polling["cpu_s"] * seconds)}
 
 
 @dataclass
@@ -188,6 +225,7 @@ class Bench:
 def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]) -> dict:
     """``count`` worker processes of ``service`` until the stage settles: its seconds, the workers' memory
     at the end, the memory series, and Redis' commands and CPU per sample of the stage."""
+    polling = polling_cost(bench, name)
     before = redis_counters(bench.conn)
     workers = [ServiceProcess(service, {**bench.base_env, **env}, bench.logs).start() for _ in range(count)]
     try:
@@ -198,8 +236,13 @@ def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]
     finally:
         for worker in workers:
             worker.stop()
-    return {"seconds": seconds, "rss": rss, "series": sampler.series, **sampler.summary(),
-            "redis": counters_delta(before, redis_counters(bench.conn), bench.state.expected())}
+    after, samples = redis_counters(bench.conn), bench.state.expected()
+    redis_figures = {"with_polling": counters_delta(before, after, samples),
+                     "workers_only": counters_delta({"calls": {}, "cpu_s": 0.0},
+                                                    net_of_polling(before, after, polling, seconds), samples),
+                     "polling_commands_per_s": round(sum(polling["calls"].values()), 1),
+                     "polling_cpu_s_per_s": round(polling["cpu_s"], 4)}
+    return {"seconds": seconds, "rss": rss, "series": sampler.series, **sampler.summary(), "redis": redis_figures}
 
 
 def generate(bench: Bench) -> dict:
@@ -266,6 +309,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         else:
             queue(EXTRACT_QUEUE, conn).empty()  # what extractors that keep nothing would leave: no extract job
         memory_after = conn.info("memory")["used_memory"]
+        keys_after, key_bytes_after = key_bytes(conn)
         gen, ext = state.counts("generate"), state.counts("extract")
         report = {
             "samples": args.samples, "stages": args.stages, "generators": args.generators,
@@ -281,6 +325,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                                   "peak_sampled": max(r["redis_used_memory_peak"] for r in stages.values()),
                                   "peak_reported_by_redis": conn.info("memory")["used_memory_peak"]},
             "redis_bytes_per_sample_after_run": round((memory_after - memory_before) / max(1, gen.done)),
+            "redis_keys_after_run": keys_after, "redis_key_bytes_after_run": key_bytes_after,
+            "redis_key_bytes_per_sample_after_run": round(key_bytes_after / max(1, gen.done)),
             "worker_rss_bytes": {"generator": gen_result["rss"]},
             "redis_commands_and_cpu": {name: result["redis"] for name, result in stages.items()},
             "stage_detail": {name: stage_report(result) for name, result in stages.items()},

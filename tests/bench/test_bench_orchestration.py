@@ -29,7 +29,10 @@ def assert_stage_measured(report: dict, stage: str, workers: int) -> None:
                for start, end, peak in detail["worker_rss_start_end_peak_bytes"])
     assert detail["redis_used_memory_peak"] >= report["redis_used_memory"]["before"]
     redis = report["redis_commands_and_cpu"][stage]
-    assert redis["commands_per_sample"] > 0 and redis["top_commands_per_sample"] and "info" not in redis["top_commands_per_sample"]
+    assert redis["polling_commands_per_s"] > 0
+    for share in ("with_polling", "workers_only"):
+        assert redis[share]["commands_per_sample"] > 0 and "info" not in redis[share]["top_commands_per_sample"]
+    assert redis["workers_only"]["commands"] < redis["with_polling"]["commands"]
 
 
 def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_path, tiny_model_dir):
@@ -54,3 +57,4 @@ def test_the_generate_only_benchmark_leaves_extraction_out_and_empties_its_queue
     assert_stage_measured(report, "generate", workers=1)
     # The queue emptied, what is left is the run's own state and the finished generate jobs (kept 60 s).
     assert report["redis_used_memory"]["after"] < report["redis_used_memory"]["extract_jobs_waiting"]
+    assert report["redis_keys_after_run"] >= 10 + 1  # the finished generate jobs, the run's keys
