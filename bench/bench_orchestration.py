@@ -108,7 +108,7 @@ def counters_delta(before: dict, after: dict, samples: int) -> dict:
     return {"commands": total, "commands_per_sample": round(total / max(1, samples), 1),
             "cpu_s": round(cpu_s, 3), "cpu_us_per_command": round(1e6 * cpu_s / max(1, total), 2),
             "cpu_us_per_sample": round(1e6 * cpu_s / max(1, samples), 1),
-            "top_commands_per_sample": {name: round(n / max(1, samples), 2) for name, n in list(calls.items())[:12]}}
+            "by_command_per_sample": {name: round(n / max(1, samples), 2) for name, n in calls.items()}}
 
 
 def key_bytes(conn: redis.Redis) -> tuple[int, int]:

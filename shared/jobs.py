@@ -79,16 +79,18 @@ def rq_safe(run: str) -> str:
     return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
 
 
-# How long RQ keeps a sample job once it ended. Redis is the to-do list and the volume the truth: the
-# outcome of a sample lies in its files and the run's bitmaps, and nothing in the pipeline reads a finished
-# sample job, so the default keeps none (0: RQ deletes the job the moment it succeeds, and records it in no
-# finished registry). A kept one costs about 7.7 KB of Redis a sample (bench/RESULTS.md), held for the TTL,
-# and its finished-registry entry until RQ's maintenance (every 10 minutes) drops it. At 140 samples/s (8
-# GPUs) an hour is 500k jobs, about 3.9 GB; at 1,000 samples/s every second kept is about 7.7 MB, so a run of
-# any length stays under 256 MB only with a TTL of at most about 25 s, the to-do list (about 15 MB at the
-# default feed window and extract backlog) included. Services read it as DRAFTLINE_SAMPLE_RESULT_TTL_S
-# (shared.settings.SampleQueueSettings); a test that inspects finished jobs sets it longer. A failed job
-# stays a week: failures.py names its samples from it, then deletes it.
+# How long RQ keeps a sample job once it ended. Redis is the to-do list and the volume the truth: a
+# sample's outcome lies in its files and the run's bitmaps, and nothing in the pipeline reads a finished
+# sample job, so by default none is kept (0: RQ deletes the job as it succeeds, and puts it in no finished
+# registry). A kept one costs about 7 KB of Redis per sample (bench/RESULTS.md: 7,671 B after a run that kept
+# them an hour, 860 B without; the waiting to-do list is about 1.9 KB per extract job), plus a finished-
+# registry entry until RQ's maintenance drops it (every 10 minutes). At 140 samples/s (8 GPUs) an hour is
+# 500k samples, about 3.5 GB; at 1,000 samples/s each second kept is about 7 MB, so 256 MB would allow a TTL
+# of about 30 s and no more, and less with long prompts (a generate job holds its prompts). Deleting at once
+# keeps Redis near 10 MB at any rate, for about 8 more Redis commands per job (RQ's delete path). Services
+# read the value as DRAFTLINE_SAMPLE_RESULT_TTL_S (shared.settings.SampleQueueSettings); a test that looks at
+# finished jobs sets it longer. A failed job stays a week: failures.py names its samples on the volume from
+# it, then deletes it.
 DEFAULT_SAMPLE_RESULT_TTL_S = 0
 SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
 # A run's train and evaluate jobs, one of each per run, keep their record a week whichever way they ended.

@@ -55,7 +55,7 @@ class SampleQueueSettings(CommonSettings):
     sample_result_ttl_s: int = Field(
         DEFAULT_SAMPLE_RESULT_TTL_S, ge=0,
         description="Seconds RQ keeps a finished generate or extract job in Redis; 0 deletes it at once. Nothing "
-        "reads it; each second kept costs about 7.7 KB per sample finished in it (shared.jobs). Failed jobs "
+        "reads it; each second kept costs about 7 KB per sample finished in it (shared.jobs). Failed jobs "
         "stay a week regardless.",
     )
 

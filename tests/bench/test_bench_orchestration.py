@@ -31,7 +31,7 @@ def assert_stage_measured(report: dict, stage: str, workers: int) -> None:
     redis = report["redis_commands_and_cpu"][stage]
     assert redis["polling_commands_per_s"] > 0
     for share in ("with_polling", "workers_only"):
-        assert redis[share]["commands_per_sample"] > 0 and "info" not in redis[share]["top_commands_per_sample"]
+        assert redis[share]["commands_per_sample"] > 0 and "info" not in redis[share]["by_command_per_sample"]
     assert redis["workers_only"]["commands"] < redis["with_polling"]["commands"]
 
 
