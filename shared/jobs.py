@@ -79,12 +79,22 @@ def rq_safe(run: str) -> str:
     return f"{_RQ_ID_BAD.sub('_', run)}_{digest}"
 
 
-# How long RQ keeps a sample job once it ended. A finished one is kept an hour (about 6.9 KB of Redis a
-# sample): nothing in the pipeline reads its result, but the tests that check which worker did which job
-# (tests/test_remote_host.py, tests/shared/test_redis_acl.py) read finished jobs. A failed one stays a
-# week: failures.py names its samples from it.
-SAMPLE_RESULT_TTL_S = 3600
+# How long RQ keeps a sample job once it ended. Redis is the to-do list and the volume the truth: a
+# sample's outcome lies in its files and the run's bitmaps, and nothing in the pipeline reads a finished
+# sample job, so by default none is kept (0: RQ deletes the job as it succeeds, and puts it in no finished
+# registry). A kept one costs about 7 KB of Redis per sample (bench/RESULTS.md: 7,671 B after a run that kept
+# them an hour, 860 B without; the waiting to-do list is about 1.9 KB per extract job), plus a finished-
+# registry entry until RQ's maintenance drops it (every 10 minutes). At 140 samples/s (8 GPUs) an hour is
+# 500k samples, about 3.5 GB; at 1,000 samples/s each second kept is about 7 MB, so 256 MB would allow a TTL
+# of about 30 s and no more, and less with long prompts (a generate job holds its prompts). Deleting at once
+# keeps Redis near 10 MB at any rate, for about 8 more Redis commands per job (RQ's delete path). Services
+# read the value as DRAFTLINE_SAMPLE_RESULT_TTL_S (shared.settings.SampleQueueSettings); a test that looks at
+# finished jobs sets it longer. A failed job stays a week: failures.py names its samples on the volume from
+# it, then deletes it.
+DEFAULT_SAMPLE_RESULT_TTL_S = 0
 SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
+# A run's train and evaluate jobs, one of each per run, keep their record a week whichever way they ended.
+RUN_JOB_TTL_S = 7 * 24 * 3600
 
 
 def generate_job_id(run: str, first_sample_id: int) -> str:

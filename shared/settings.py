@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.endpoints import EndpointList
 from shared.errors import SettingsError
+from shared.jobs import DEFAULT_SAMPLE_RESULT_TTL_S
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_INFERENCE_URL = "http://127.0.0.1:8000"
@@ -47,6 +48,18 @@ class CommonSettings(ServiceSettings):
     )
 
 
+class SampleQueueSettings(CommonSettings):
+    """A service that queues sample jobs: the controller (generate jobs, missing extractions) and the
+    generator (each reply's extraction)."""
+
+    sample_result_ttl_s: int = Field(
+        DEFAULT_SAMPLE_RESULT_TTL_S, ge=0,
+        description="Seconds RQ keeps a finished generate or extract job in Redis; 0 deletes it at once. Nothing "
+        "reads it; each second kept costs about 7 KB per sample finished in it (shared.jobs). Failed jobs "
+        "stay a week regardless.",
+    )
+
+
 class InferenceSettings(ServiceSettings):
     """The built-in model server: chat completions and hidden-state extraction. It uses no Redis."""
 
@@ -63,7 +76,7 @@ class InferenceSettings(ServiceSettings):
     writer_threads: int = Field(4, ge=1, description="Threads writing hidden-state files while the GPU works.")
 
 
-class ControllerSettings(CommonSettings):
+class ControllerSettings(SampleQueueSettings):
     """HTTP API, run submission, the queue feeder and the status page."""
 
     host: str = Field(LOOPBACK, description="Listen address; any other than loopback needs api_token.")
@@ -143,7 +156,7 @@ class RetrySettings(CommonSettings):
     )
 
 
-class GeneratorSettings(RetrySettings):
+class GeneratorSettings(RetrySettings, SampleQueueSettings):
     """RQ worker that asks the inference server (built-in, vLLM or SGLang) for the target's replies."""
 
     inference_url: EndpointList = Field(

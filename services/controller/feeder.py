@@ -13,7 +13,7 @@ When a cursor reaches the end while its stage still has unsettled ids, it starts
 every ``REPASS_INTERVAL_S``; the generate cursor only once none of the run's generate jobs waits or
 runs). No pass duplicates work: generate skips the ids of the run's waiting and running jobs, and extract
 job ids are deterministic and enqueued with ``unique=True``. A job id that still names a *finished*
-job (RQ keeps them for a while) is replaced, since its samples are evidently not settled.
+job (kept ``sample_result_ttl_s``, 0 by default) is replaced, since its samples are evidently not settled.
 
 A run of millions of rows costs Redis a few kilobytes of queue; the volume holds the rest.
 """
@@ -39,8 +39,8 @@ from shared.jobs import (
     GENERATE_QUEUE,
     ExtractJob,
     GenerateJob,
+    DEFAULT_SAMPLE_RESULT_TTL_S,
     SAMPLE_FAILURE_TTL_S,
-    SAMPLE_RESULT_TTL_S,
     PromptItem,
     extract_job_id,
     generate_job_id,
@@ -69,13 +69,15 @@ _ID_PREFIX = re.compile(rb'^\{"sample_id": (\d+)[,}]')
 # ---- queues --------------------------------------------------------------------------------------
 
 
-def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, job_id: str, timeout: int) -> bool:
-    """Enqueue under a deterministic id; False while a job of that id waits or runs."""
+def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, job_id: str, timeout: int, *,
+                 result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S, failure_ttl: int = SAMPLE_FAILURE_TTL_S) -> bool:
+    """Enqueue under a deterministic id, kept ``result_ttl`` seconds once finished and ``failure_ttl`` once
+    failed; False while a job of that id waits or runs."""
     q = queue(queue_name, conn)
     for _ in range(2):
         try:
-            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=SAMPLE_RESULT_TTL_S,
-                           failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True)
+            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=result_ttl,
+                           failure_ttl=failure_ttl, unique=True)
             return True
         except DuplicateJobError:
             if not _drop_finished(conn, job_id):
@@ -172,10 +174,10 @@ def scan_prompts(paths: RunPaths, offset: int, size: int, *, skip: Callable[[int
     return Scan(items, offset, lines, at_end)
 
 
-def enqueue_generate(conn: redis.Redis, job: GenerateJob) -> bool:
+def enqueue_generate(conn: redis.Redis, job: GenerateJob, *, result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> bool:
     """Enqueue once per deterministic id; False when that job already waits or runs."""
     return enqueue_once(conn, GENERATE_QUEUE, GENERATE_FUNC, job.model_dump(mode="json"),
-                        generate_job_id(job.run, job.items[0].sample_id), GENERATE_JOB_TIMEOUT_S)
+                        generate_job_id(job.run, job.items[0].sample_id), GENERATE_JOB_TIMEOUT_S, result_ttl=result_ttl)
 
 
 def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
@@ -198,7 +200,8 @@ def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
     enqueued, budget = 0, SCAN_LINES_PER_TICK
     while room > 0 and budget > 0 and offset != end and extract_room(settings, conn) > 0:
         scan = scan_prompts(state.paths, offset, settings.generate_batch, skip=skip, max_lines=budget)
-        if scan.items and enqueue_generate(conn, GenerateJob(run=run, items=scan.items)):
+        job = GenerateJob(run=run, items=scan.items) if scan.items else None
+        if job and enqueue_generate(conn, job, result_ttl=settings.sample_result_ttl_s):
             enqueued, room = enqueued + 1, room - 1
         offset, budget = (end if scan.at_end else scan.offset), budget - scan.lines
         state.set_meta(feed_offset=offset, fed_until=_fed_until(scan, meta))
@@ -240,9 +243,10 @@ def feed_finished(meta: dict[str, str]) -> bool:
 # ---- extract backfill ----------------------------------------------------------------------------
 
 
-def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
+def enqueue_extract(conn: redis.Redis, run: str, sample_id: int, *, result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> bool:
     payload = ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json")
-    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, payload, extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S)
+    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, payload, extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S,
+                        result_ttl=result_ttl)
 
 
 def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
@@ -255,7 +259,7 @@ def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) 
     enqueued, stop = 0, min(limit, cursor + SCAN_IDS_PER_TICK)
     while cursor < stop and enqueued < room:
         chunk_end = min(stop, cursor + BITMAP_CHUNK)
-        cursor, added = _backfill_chunk(state, cursor, chunk_end, room - enqueued)
+        cursor, added = _backfill_chunk(state, cursor, chunk_end, room - enqueued, settings.sample_result_ttl_s)
         enqueued += added
         state.set_meta(extract_cursor=cursor)
     if enqueued:
@@ -263,7 +267,7 @@ def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) 
     return enqueued
 
 
-def _backfill_chunk(state: RunState, start: int, stop: int, room: int) -> tuple[int, int]:
+def _backfill_chunk(state: RunState, start: int, stop: int, room: int, result_ttl: int) -> tuple[int, int]:
     """Enqueue for ids ``start..stop-1`` until ``room`` runs out; (next cursor, jobs enqueued)."""
     gen, ext = state.outcomes("generate", start, stop), state.outcomes("extract", start, stop)
     wanted = gen["done"] & ~(ext["done"] | ext["failed"] | ext["dropped"])
@@ -271,7 +275,7 @@ def _backfill_chunk(state: RunState, start: int, stop: int, room: int) -> tuple[
     for index in np.flatnonzero(wanted).tolist():
         if enqueued >= room:
             return start + index, enqueued
-        enqueued += enqueue_extract(state.conn, state.run, start + index)
+        enqueued += enqueue_extract(state.conn, state.run, start + index, result_ttl=result_ttl)
     return stop, enqueued
 
 

@@ -41,7 +41,7 @@ from services.controller.reconcile import (
 from services.controller.status import derive_state
 from shared.atomic import temp_files
 from shared.disk import supervise_disk
-from shared.jobs import SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
+from shared.jobs import RUN_JOB_TTL_S, SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.outage import REDIS_DOWN, RedisOutage
 from shared.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
@@ -75,7 +75,7 @@ def unverified(state: RunState) -> int:
 def enqueue_train(conn: redis.Redis, run: str) -> bool:
     """Enqueue the run's train job; False while a job with its id waits or runs."""
     return enqueue_once(conn, TRAIN_QUEUE, TRAIN_FUNC, TrainJob(run=run).model_dump(mode="json"), train_job_id(run),
-                        TRAIN_JOB_TIMEOUT)
+                        TRAIN_JOB_TIMEOUT, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S)
 
 
 def advance(state: RunState, meta: dict[str, str]) -> None:

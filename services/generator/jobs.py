@@ -35,9 +35,9 @@ from shared.jobs import (
     EXTRACT_FUNC,
     EXTRACT_QUEUE,
     ExtractJob,
+    DEFAULT_SAMPLE_RESULT_TTL_S,
     GenerateJob,
     SAMPLE_FAILURE_TTL_S,
-    SAMPLE_RESULT_TTL_S,
     PromptItem,
     extract_job_id,
 )
@@ -85,13 +85,15 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
     async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
                           max_connections=settings.concurrency, retry_delays_s=retry_delays_s,
                           policy=policy, start=job.items[0].sample_id) as client:
-        return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
+        return await asyncio.gather(*(_one(item, spec, state, client, limit, result_ttl=settings.sample_result_ttl_s)
+                                      for item in job.items))
 
 
-async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore) -> str:
+async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore, *,
+               result_ttl: int) -> str:
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():
-        await asyncio.to_thread(publish, state, sample_id)
+        await asyncio.to_thread(publish, state, sample_id, result_ttl=result_ttl)
         return "skipped"
     seed = spec.generation.seed + sample_id
     try:
@@ -107,7 +109,7 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
         log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
         return await asyncio.to_thread(record_failure, state, sample_id, exc)
     await asyncio.to_thread(save_reply, state, item, completion)
-    await asyncio.to_thread(publish, state, sample_id)
+    await asyncio.to_thread(publish, state, sample_id, result_ttl=result_ttl)
     return "done"
 
 
@@ -148,19 +150,21 @@ def save_reply(state: RunState, item: PromptItem, completion: Completion) -> Non
     state.incr("generated_bytes", path.stat().st_size)
 
 
-def publish(state: RunState, sample_id: int) -> None:
+def publish(state: RunState, sample_id: int, *, result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> None:
     """Mark a sample's reply done and make sure its extraction is queued (both idempotent)."""
     state.mark_done("generate", sample_id)
     if not state.is_done("extract", sample_id):
-        enqueue_extract(state.conn, state.run, sample_id)
+        enqueue_extract(state.conn, state.run, sample_id, result_ttl=result_ttl)
 
 
-def enqueue_extract(conn: redis.Redis, run: str, sample_id: int) -> bool:
+def enqueue_extract(conn: redis.Redis, run: str, sample_id: int, *,
+                    result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> bool:
+    """Queue ``sample_id``'s extraction, kept ``result_ttl`` seconds once finished; False when it already waits."""
     try:
         queue(EXTRACT_QUEUE, conn).enqueue_call(
             EXTRACT_FUNC, args=(ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),),
             job_id=extract_job_id(run, sample_id), timeout=EXTRACT_JOB_TIMEOUT_S,
-            result_ttl=SAMPLE_RESULT_TTL_S, failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True,
+            result_ttl=result_ttl, failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True,
         )
     except DuplicateJobError:
         return False

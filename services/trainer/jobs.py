@@ -21,7 +21,7 @@ import torch
 from shared.atomic import atomic_write_json
 from shared.drafter_format import layer_ids_of, read_config
 from shared.errors import error_class
-from shared.jobs import EVALUATE_FUNC, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
+from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
 from shared.queues import connect, queue
 from shared.runspec import RunSpec
@@ -48,7 +48,6 @@ from services.trainer.train import (
 log = logging.getLogger(__name__)
 
 EVALUATE_TIMEOUT_S = 6 * 3600
-RESULT_TTL_S = 7 * 24 * 3600
 ACCEPTANCE_CURVE_FIELD = "evaluate_accept"  # run meta prefix the exporter reads (META_ACCEPTANCE_CURVE_PREFIX)
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -105,7 +104,7 @@ def train(payload: dict) -> dict:
                    train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
     queue(TRAIN_QUEUE, conn).enqueue_call(
         EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
-        timeout=EVALUATE_TIMEOUT_S, result_ttl=RESULT_TTL_S, failure_ttl=RESULT_TTL_S,
+        timeout=EVALUATE_TIMEOUT_S, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S,
     )
     log.info("run %s: trained %d steps (draft vocabulary from the %s), exported to %s, evaluation queued", job.run,
              result.steps, result.draft_vocab, paths.export_dir)

@@ -11,17 +11,50 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_path, tiny_model_dir):
+def bench(tmp_path: Path, *options: str) -> dict:
     out = tmp_path / "out.json"
-    command = [sys.executable, str(REPO / "bench" / "bench_orchestration.py"), "--samples", "12", "--generators", "1",
-               "--extractors", "1", "--generate-batch", "4", "--work", str(tmp_path / "work"), "--json", str(out),
-               "--timeout-s", "300"]
+    command = [sys.executable, str(REPO / "bench" / "bench_orchestration.py"), *options, "--generators", "1",
+               "--work", str(tmp_path / "work"), "--json", str(out), "--timeout-s", "300", "--interval-s", "0.2"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=400,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def assert_stage_measured(report: dict, stage: str, workers: int) -> None:
+    detail = report["stage_detail"][stage]
+    assert detail["series"] and detail["series"][-1]["settled"] == report["samples"]
+    assert all(len(point["worker_rss_bytes"]) == workers for point in detail["series"])
+    assert all(start > 0 and end > 0 and peak >= max(start, end)
+               for start, end, peak in detail["worker_rss_start_end_peak_bytes"])
+    assert detail["redis_used_memory_peak"] >= report["redis_used_memory"]["before"]
+    redis = report["redis_commands_and_cpu"][stage]
+    assert redis["polling_commands_per_s"] > 0
+    for share in ("with_polling", "workers_only"):
+        assert redis[share]["commands_per_sample"] > 0 and "info" not in redis[share]["by_command_per_sample"]
+    assert redis["workers_only"]["commands"] < redis["with_polling"]["commands"]
+
+
+def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_path, tiny_model_dir):
+    report = bench(tmp_path, "--samples", "12", "--extractors", "1", "--generate-batch", "4")
     assert (report["generated"], report["extracted"]) == (12, 12)
     assert report["extract_jobs_waiting"] == 12  # generation queued one extract job per sample, none ran yet
     assert report["generate_samples_per_s_stub"] > 0 and report["extract_samples_per_s_stub"] > 0
     assert report["redis_bytes_per_inflight_sample"] > 0
     assert all(rss > 0 for rss in report["worker_rss_bytes"]["generator"] + report["worker_rss_bytes"]["extractor"])
+    assert report["sample_result_ttl_s"] == 0  # the setting's default reaches the feeder and the workers
+    assert report["redis_bytes_per_sample_in_generate_jobs"] > 0
+    for stage in ("generate", "extract"):
+        assert_stage_measured(report, stage, workers=1)
+
+
+def test_the_generate_only_benchmark_leaves_extraction_out_and_empties_its_queue_afterwards(tmp_path):
+    report = bench(tmp_path, "--stages", "generate", "--samples", "40", "--generate-batch", "4",
+                   "--sample-result-ttl-s", "60")
+    assert (report["generated"], report["extracted"], report["extractors"]) == (40, 0, 0)
+    assert report["extract_jobs_waiting"] == 40  # nothing paused generation, nothing extracted
+    assert report["sample_result_ttl_s"] == 60 and list(report["stage_detail"]) == ["generate"]
+    assert_stage_measured(report, "generate", workers=1)
+    # The queue emptied, what is left is the run's own state and the finished generate jobs (kept 60 s).
+    assert report["redis_used_memory"]["after"] < report["redis_used_memory"]["extract_jobs_waiting"]
+    assert report["redis_keys_after_run"] >= 10 + 1  # the finished generate jobs, the run's keys

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rq.job import JobStatus
+from rq.job import Job
 
 import redis
 from services.controller.feeder import feed_run
@@ -28,9 +28,10 @@ from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.services.exporter.scrape import value
 from tests.services.exporter.test_collector import scrape
-from tests.shared.test_worker import job_status, wait_for
+from tests.shared.test_worker import wait_for
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import REPO, RedisServer, ServiceProcess
+from tests.support.workers import successful_jobs
 
 ADMIN_PASSWORD = "admin-pw-0123"
 PASSWORDS = {"controller": "controller-pw-0123", "worker": "worker-pw-0123", "exporter": "exporter-pw-0123"}
@@ -142,15 +143,15 @@ def test_controller_feeds_a_worker_generates_and_the_exporter_reports_each_as_it
         env = {"REDIS_URL": acl.url_for("worker", PASSWORDS["worker"]), "DRAFTLINE_DATA": str(data_dir),
                "DRAFTLINE_INFERENCE_URL": server.url}
         worker = ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start()
+        admin = redis.Redis.from_url(acl.url)
         try:
-            jobs = (generate_job_id("acl", 0), generate_job_id("acl", 2))
             wait_for(lambda: state.counts("generate").done == 4, "4 generated samples", 120, worker)
-            # A job's samples land before RQ marks the job finished and the worker idle: wait for both.
-            wait_for(lambda: all(job_status(controller, job_id) == JobStatus.FINISHED for job_id in jobs),
-                     "both generate jobs finished", 60, worker)
+            # A job's samples land before the worker settles the job in RQ (a finished sample job is deleted
+            # at once, and the worker counts it in its own hash): wait for both jobs to be settled.
+            wait_for(lambda: list(successful_jobs(admin).values()) == [2], "both generate jobs settled", 60, worker)
+            assert not any(controller.exists(Job.key_for(generate_job_id("acl", i))) for i in (0, 2))
             # A registration whose worker hash expired: RQ's Worker.all() would SREM it, which the
             # exporter may not; the exporter skips it and leaves it to the workers.
-            admin = redis.Redis.from_url(acl.url)
             admin.sadd(f"rq:workers:{GENERATE_QUEUE}", "rq:worker:gone")
             exporter_url = acl.url_for("exporter", PASSWORDS["exporter"])
             # The worker turns idle after its last job is marked finished.

@@ -1,20 +1,26 @@
-"""A real ``draftline serve generator`` worker process drains the generate queue the controller fills."""
+"""A real ``draftline serve generator`` worker process drains the generate queue the controller fills, and\nRedis keeps the sample jobs it ran only as long as ``sample_result_ttl_s`` says."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from services.controller.feeder import feed_run
+from rq.job import Job, JobStatus
+from rq.registry import FinishedJobRegistry
+
+from services.controller.failures import name_failed_jobs
+from services.controller.feeder import enqueue_once, feed_run
 from services.controller.submit import submit_run
-from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, extract_job_id
-from shared.queues import queue
+from shared.jobs import EXTRACT_QUEUE, GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
+from shared.queues import SERIALIZER, queue
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
+from tests.shared.test_worker import wait_for
 from tests.support.processes import ServiceProcess
+from tests.support.workers import successful_jobs
 
 RUN = "worker"
 
@@ -48,3 +54,68 @@ def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, red
     assert sorted(queue(EXTRACT_QUEUE, redis_conn).get_job_ids()) == [extract_job_id(RUN, i) for i in range(10) if i != 4]
     reply = json.loads(state.paths.generated(9).read_text())["reply"]
     assert reply == {"content": "a perfectly ordinary answer", "reasoning_content": "some thoughts first"}
+
+
+# ---- how long Redis keeps a sample job once it ended -----------------------------------------------
+
+TTL_RUN = "kept"
+WEEK_S = 7 * 24 * 3600
+
+
+def generate_one_good_and_one_broken_job(data_dir, redis_url, redis_conn, tmp_path, ttl_env: dict[str, str],
+                                         feeder: ControllerSettings) -> tuple[RunState, str, str]:
+    """One generate job of samples 0-2 that succeeds and one of sample 3 that fails (its payload has a field
+    no GenerateJob has), run by a real generator worker; (state, good job id, broken job id) once the worker
+    has settled both in RQ."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"k{i}"} for i in range(5)])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name=TTL_RUN, model="m",
+               generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=1))
+    state = RunState(redis_conn, data_dir, TTL_RUN)
+    good, broken = generate_job_id(TTL_RUN, 0), generate_job_id(TTL_RUN, 3)
+    payload = {"run": TTL_RUN, "items": [{"sample_id": 3, "messages": []}], "unknown_field": 1}
+    assert enqueue_once(redis_conn, GENERATE_QUEUE, GENERATE_FUNC, payload, broken, 60,
+                        result_ttl=feeder.sample_result_ttl_s)
+    assert feed_run(feeder, redis_conn, TTL_RUN) == 1  # samples 0-2; sample 3 is the broken job's
+    failed = queue(GENERATE_QUEUE, redis_conn).failed_job_registry
+    with OpenAIServer() as server:
+        server.set_default(Reply("an answer"))
+        env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": server.url,
+               **ttl_env}
+        with ServiceProcess("generator", env=env, log_dir=tmp_path / "logs") as worker:
+            wait_for(lambda: broken in failed.get_job_ids() and state.counts("generate").done == 3
+                     and sum(successful_jobs(redis_conn).values()) == 1, "one job finished, one failed", 60, worker)
+    return state, good, broken
+
+
+def test_a_finished_sample_job_leaves_redis_at_once_and_a_failed_one_stays_until_its_samples_are_named(
+        data_dir, redis_url, redis_conn, tmp_path):
+    feeder = ControllerSettings(data=data_dir, generate_batch=3)
+    assert feeder.sample_result_ttl_s == 0  # the default
+    state, good, broken = generate_one_good_and_one_broken_job(data_dir, redis_url, redis_conn, tmp_path, {}, feeder)
+    assert not redis_conn.exists(Job.key_for(good))
+    assert FinishedJobRegistry(GENERATE_QUEUE, connection=redis_conn).count == 0
+    extractions = [extract_job_id(TTL_RUN, i) for i in range(3)]
+    assert sorted(queue(EXTRACT_QUEUE, redis_conn).get_job_ids()) == extractions
+    assert {redis_conn.hget(Job.key_for(job_id), "result_ttl") for job_id in extractions} == {b"0"}
+    # The failed job stays a week, long enough for the controller to name its sample on the volume.
+    assert Job.fetch(broken, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FAILED
+    assert WEEK_S - 60 < redis_conn.ttl(Job.key_for(broken)) <= WEEK_S
+    assert name_failed_jobs(data_dir, redis_conn) == 1
+    record = json.loads(state.paths.failure("generate", 3).read_text())
+    assert record["error_class"] == "JobFailed" and broken in record["message"]
+    assert not redis_conn.exists(Job.key_for(broken))
+
+
+def test_a_finished_sample_job_is_kept_for_the_set_ttl_then_is_gone(data_dir, redis_url, redis_conn, tmp_path):
+    ttl = 3
+    feeder = ControllerSettings(data=data_dir, generate_batch=3, sample_result_ttl_s=ttl)
+    _, good, broken = generate_one_good_and_one_broken_job(
+        data_dir, redis_url, redis_conn, tmp_path, {"DRAFTLINE_SAMPLE_RESULT_TTL_S": str(ttl)}, feeder)
+    finished = FinishedJobRegistry(GENERATE_QUEUE, connection=redis_conn, serializer=SERIALIZER)
+    assert Job.fetch(good, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FINISHED
+    assert 0 < redis_conn.ttl(Job.key_for(good)) <= ttl and finished.get_job_ids() == [good]
+    # The generator read the same setting for the extractions it queued.
+    assert {redis_conn.hget(Job.key_for(extract_job_id(TTL_RUN, i)), "result_ttl") for i in range(3)} == {b"3"}
+    time.sleep(ttl + 1)
+    assert not redis_conn.exists(Job.key_for(good)) and finished.get_job_ids() == []
+    assert Job.fetch(broken, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FAILED
