@@ -2,7 +2,8 @@
 
     submit() ─▶ queue ─▶ forward thread: take what is queued (a window), sort it by length, cut it
                          into groups of up to ``batch_tokens`` (padded), forward each under
-                         inference_mode, copy each row's states to host (CUDA: pinned buffers,
+                         inference_mode, turn the states into what the files store (fp8 quantized
+                         there, on the device), copy each row to host (CUDA: pinned buffers,
                          non_blocking, then a recorded event)
                       ─▶ writer pool: wait for the event, write header and tensor memory atomically, resolve the future
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from services.inference.hidden import HiddenJob, WrittenSample, forward_hidden, write_sample
+from services.inference.hidden import HiddenJob, WrittenSample, forward_hidden, stored_states, write_stored
 from services.inference.model import LoadedModel
 from shared.disk import format_bytes, volume_usage
 from shared.errors import DraftlineError
@@ -100,8 +101,7 @@ class HostGroup:
     """One group's per-row states on the host, waiting for the writers."""
 
     items: list[Item]
-    aux_rows: list[torch.Tensor]  # (L_i, 3H) each
-    last_rows: list[torch.Tensor]  # (L_i, H) each
+    rows: list[dict[str, torch.Tensor]]  # per row, its file's state tensors (stored_states), (L_i, ·) each
     ready: torch.cuda.Event | None  # recorded after the copies; None when the states already live on the host
     on_done: Callable[[], None]
     _remaining: int = field(init=False)
@@ -227,33 +227,42 @@ class HiddenStatePipeline:
         jobs = [job for job, _ in group]
         with torch.inference_mode():
             aux, last = forward_hidden(self.loaded, jobs)  # (B, T, 3H), (B, T, H)
+            # Once per storage the group's runs ask for (one, nearly always), over the whole padded batch.
+            stored = {storage: stored_states(aux, last, storage) for storage in dict.fromkeys(j.storage for j in jobs)}
             if self._pinned is None:
-                return HostGroup(group, [aux[i, : j.num_tokens] for i, j in enumerate(jobs)],
-                                 [last[i, : j.num_tokens] for i, j in enumerate(jobs)], None, self._slots.release)
-            return self._copy_to_pinned(group, aux, last)
+                rows = [{name: t[i, : j.num_tokens] for name, t in stored[j.storage].items()} for i, j in enumerate(jobs)]
+                return HostGroup(group, rows, None, self._slots.release)
+            return self._copy_to_pinned(group, stored)
 
-    def _copy_to_pinned(self, group: list[Item], aux: torch.Tensor, last: torch.Tensor) -> HostGroup:
-        """Pack the rows without their padding into two pinned buffers, asynchronously."""
-        lengths = [job.num_tokens for job, _ in group]
-        total = sum(lengths)
-        aux_flat, aux_host = self._pinned.take((total, aux.shape[-1]), aux.dtype)  # (ΣL, 3H)
-        last_flat, last_host = self._pinned.take((total, last.shape[-1]), last.dtype)  # (ΣL, H)
-        aux_rows, last_rows, offset = [], [], 0
-        for row, length in enumerate(lengths):
-            aux_rows.append(aux_host[offset: offset + length])
-            last_rows.append(last_host[offset: offset + length])
-            aux_rows[-1].copy_(aux[row, :length], non_blocking=True)
-            last_rows[-1].copy_(last[row, :length], non_blocking=True)
-            offset += length
+    def _copy_to_pinned(self, group: list[Item], stored: dict[str, dict[str, torch.Tensor]]) -> HostGroup:
+        """Pack the rows without their padding into pinned buffers, one per stored tensor, asynchronously."""
+        jobs = [job for job, _ in group]
+        totals: dict[tuple[str, str], int] = {}
+        for job in jobs:
+            for name in stored[job.storage]:
+                totals[job.storage, name] = totals.get((job.storage, name), 0) + job.num_tokens
+        buffers = {key: self._pinned.take((total, stored[key[0]][key[1]].shape[-1]), stored[key[0]][key[1]].dtype)
+                   for key, total in totals.items()}  # key -> (flat, (ΣL, width) view)
+        offsets = dict.fromkeys(buffers, 0)
+        rows = []
+        for row, job in enumerate(jobs):
+            one = {}
+            for name, states in stored[job.storage].items():
+                key, length = (job.storage, name), job.num_tokens
+                host = buffers[key][1][offsets[key]: offsets[key] + length]
+                host.copy_(states[row, :length], non_blocking=True)
+                offsets[key] += length
+                one[name] = host
+            rows.append(one)
         ready = torch.cuda.Event()
         ready.record()  # the device tensors stay valid: later kernels on this stream run after the copies
 
         def release() -> None:
-            self._pinned.give(aux_flat)
-            self._pinned.give(last_flat)
+            for flat, _ in buffers.values():
+                self._pinned.give(flat)
             self._slots.release()
 
-        return HostGroup(group, aux_rows, last_rows, ready, release)
+        return HostGroup(group, rows, ready, release)
 
     @staticmethod
     def _fail(group: list[Item], exc: BaseException) -> None:
@@ -267,7 +276,7 @@ class HiddenStatePipeline:
         try:
             if host.ready is not None:
                 host.ready.synchronize()
-            written = write_sample(self.loaded, job, host.aux_rows[row], host.last_rows[row])
+            written = write_stored(self.loaded, job, host.rows[row])
             if self._on_written is not None:
                 self._on_written(written.bytes)
             fut.set_result(written)

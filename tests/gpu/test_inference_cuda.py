@@ -67,6 +67,28 @@ def test_pipeline_on_cuda_writes_through_pinned_buffers_what_a_cpu_fp32_forward_
     assert temp_files(tmp_path) == []
 
 
+def test_fp8_files_quantized_on_cuda_equal_the_cpu_quantization_of_the_same_bf16_states(loaded_cuda, tmp_path):
+    """The pipeline quantizes on the device before the pinned copy; the bytes must be those the CPU's
+    ``quantize_fp8`` makes of the same bf16 states (here: a bf16 file of the same tokens in the same group)."""
+    from services.inference.hidden import quantize_fp8
+    from tests.services.inference.test_hidden import fp8_job
+
+    jobs = []
+    for i, n in enumerate(LENGTHS):
+        exact = make_job(loaded_cuda, tmp_path / "shard", f"{i:08d}", n, seed=i)
+        jobs += [exact, fp8_job(exact, f"{i:08d}-fp8")]
+    results, sizes, _ = run_pipeline_kept(loaded_cuda, jobs, batch_tokens=1024, writer_threads=2)
+    assert max(sizes) > 2  # padded groups mixing lengths and storages
+    for exact, fp8, result in zip(jobs[::2], jobs[1::2], results[1::2]):
+        verify_hidden_file(fp8.path, dtype="F8_E4M3", hidden_size=64, sha256=result.sha256)
+        states, quantized = load_file(exact.path), load_file(fp8.path)
+        for name, layers in (("aux_hidden_states", 3), ("hidden_states", 1)):
+            q, scale = quantize_fp8(states[name], layers)
+            assert torch.equal(q.view(torch.uint8), quantized[name].view(torch.uint8)), name
+            assert torch.equal(scale, quantized[f"{name}_scale"]), name
+    assert temp_files(tmp_path) == []
+
+
 def run_pipeline_kept(loaded, jobs: list[HiddenJob], **kwargs) -> tuple[list, list[int], HiddenStatePipeline]:
     """Every job queued before the forward thread starts (a deterministic grouping); the pipeline is
     returned too, so its host buffers can be inspected."""

@@ -20,7 +20,8 @@ def test_both_sources_store_the_same_states_as_the_same_fp8_bytes(dtype):
     states[2] = 0.0  # a row of zeros keeps a positive scale in both
     name = "BF16" if dtype == torch.bfloat16 else "F32"
     ours = vllm_source.state_tensors(eagle3.AUX_HIDDEN, states, "fp8", name)
-    theirs = hidden.state_tensors(eagle3.AUX_HIDDEN, states, "fp8", name)
+    stored = hidden.stored_states(states, states[:, :16], "fp8")
+    theirs = {k: v for k, v in hidden.raw_states(stored, "fp8", name).items() if k in (eagle3.AUX_HIDDEN, eagle3.AUX_SCALE)}
     assert sorted(ours) == sorted(theirs) == [eagle3.AUX_HIDDEN, eagle3.AUX_SCALE]
     for key in ours:
         assert (ours[key].dtype, ours[key].shape) == (theirs[key].dtype, theirs[key].shape)

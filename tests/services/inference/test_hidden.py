@@ -211,6 +211,26 @@ def test_an_fp8_group_writes_e4m3_states_with_a_scale_per_token_and_layer_beside
     assert fp8_result.bytes < exact_result.bytes / 3
 
 
+def test_fp8_rows_of_a_padded_group_hold_exactly_their_own_states_quantized(loaded_tiny, tmp_path):
+    """The pipeline quantizes the padded batch at once (on the device where there is one): each fp8 file holds
+    what quantizing its own row alone gives, and the padding of a longer row changes nothing."""
+    from services.inference.hidden import quantize_fp8
+
+    jobs = []
+    for name, length, seed in (("long", 40, 1), ("short", 23, 2)):
+        exact = make_job(loaded_tiny, tmp_path, name, length, seed=seed)
+        jobs += [exact, fp8_job(exact, f"{name}-fp8")]
+    _, sizes = run_pipeline(loaded_tiny, jobs, batch_tokens=160, writer_threads=2)
+    assert sizes == [4]  # one padded group of both lengths and both storages
+    for exact, fp8 in (jobs[:2], jobs[2:]):
+        states, quantized = load_file(exact.path), load_file(fp8.path)
+        for name, layers in (("aux_hidden_states", 3), ("hidden_states", 1)):
+            q, scale = quantize_fp8(states[name], layers)
+            assert q.shape == quantized[name].shape == (exact.num_tokens, 64 * layers)
+            assert torch.equal(q.view(torch.uint8), quantized[name].view(torch.uint8))
+            assert torch.equal(scale, quantized[f"{name}_scale"])
+
+
 def test_fp8_keeps_a_row_of_zeros_zero_and_names_non_finite_states(loaded_tiny, tmp_path):
     from services.inference.hidden import quantize_fp8
 
