@@ -204,6 +204,22 @@ class TTTObjective(nn.Module):
 
 # ---- schedule, logging --------------------------------------------------------------------------
 
+# On SmolLM2-135M (bench/RESULTS.md, 2026-12-02) 6 passes over 1.19M positions beat 4: the acceptance still
+# rose with more training there, so an unset ``train.epochs`` trains about that many positions in all. A
+# larger dataset gets fewer passes (one once it holds that many), a smaller one more, up to a cap that is a
+# guard, not a measurement: a dataset that small trains a weak drafter however often it is seen, and the
+# run says so (services.trainer.jobs.too_small_warning).
+AUTO_EPOCH_POSITIONS = 7_000_000
+MAX_AUTO_EPOCHS = 10
+
+
+def auto_epochs(configured: int | None, positions_per_epoch: int) -> int:
+    """``train.epochs`` when set; otherwise the passes that train about AUTO_EPOCH_POSITIONS positions."""
+    if configured is not None:
+        return configured
+    return max(1, min(MAX_AUTO_EPOCHS, math.ceil(AUTO_EPOCH_POSITIONS / max(1, positions_per_epoch))))
+
+
 def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
     """LR factor: linear warmup to 1, then cosine decay to 0 at ``total``."""
     if step < warmup:
@@ -409,8 +425,9 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0, fused=dev.type == "cuda")
     lengths = [min(info.num_tokens, max_length) for info in infos]
     batching = checkpoint_batching(paths, cfg)
+    epochs = auto_epochs(cfg.epochs, sum(lengths))
     plans = [plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
-                        max_tokens=cfg.max_tokens, batching=batching) for epoch in range(cfg.epochs)]
+                        max_tokens=cfg.max_tokens, batching=batching) for epoch in range(epochs)]
     total = sum(len(plan) for plan in plans)
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -420,8 +437,10 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
-    log.info("training %s: %d files of up to %d tokens, %s batches, %d steps, starting at step %d, %s TTT attention",
-             spec.name, len(files), max_length, batching, total, session.position.step, attention)
+    log.info("training %s: %d files of up to %d tokens, %d epochs%s, %s batches, %d steps, starting at step %d, %s TTT "
+             "attention", spec.name, len(files), max_length, epochs,
+             "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over {sum(lengths):,} a pass)",
+             batching, total, session.position.step, attention)
     return session
 
 
@@ -493,7 +512,7 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     tokens, session_start = 0, time.monotonic()
-    for epoch in range(s.position.epoch, s.cfg.epochs):
+    for epoch in range(s.position.epoch, len(s.plans)):
         plan, padding = s.plans[epoch], plan_padding(s.plans[epoch], s.lengths, s.world)
         if s.rank == 0:
             log.info("epoch %d: %d batches, %d real of %d computed tokens (padding %.1f%%)",

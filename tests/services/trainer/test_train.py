@@ -224,3 +224,28 @@ def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run
     assert [p.padding for p in seen] == [plan_padding(s.plans[p.epoch], s.lengths, 1).fraction for p in seen]
     shuffled = plan_padding(plan_epoch(s.lengths, seed=0, epoch=0, batch_size=3, world=1, batching="shuffle"), s.lengths, 1)
     assert seen[0].padding < shuffled.fraction
+
+
+def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
+    from services.trainer.train import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, auto_epochs
+
+    assert auto_epochs(3, 10) == 3 and auto_epochs(1, 10**9) == 1  # a set value wins, whatever the data
+    assert auto_epochs(None, 1_186_981) == 6  # the 5,000-prompt SmolLM2 run the default was measured on
+    assert auto_epochs(None, AUTO_EPOCH_POSITIONS) == 1 and auto_epochs(None, 10 * AUTO_EPOCH_POSITIONS) == 1
+    assert auto_epochs(None, AUTO_EPOCH_POSITIONS // 2) == 2 and auto_epochs(None, AUTO_EPOCH_POSITIONS // 2 + 1) == 2
+    assert auto_epochs(None, AUTO_EPOCH_POSITIONS // 3 - 1) == 4
+    assert auto_epochs(None, 1) == auto_epochs(None, 0) == MAX_AUTO_EPOCHS
+
+
+def test_a_run_with_epochs_unset_trains_the_passes_its_data_calls_for(make_run, tiny_model_dir, tiny_samples, monkeypatch):
+    from services.trainer import train as train_module
+
+    positions = sum(int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples)
+    monkeypatch.setattr(train_module, "AUTO_EPOCH_POSITIONS", 3 * positions - 1)  # three passes' worth
+    paths = make_run(train={"epochs": None, "save_every": 1000})
+    assert RunSpec.load(paths.data, paths.run).train.epochs is None
+    s = prepared(paths, tiny_model_dir)
+    assert len(s.plans) == 3 and s.total == sum(len(plan) for plan in s.plans)
+    result = train(paths, tiny_model_dir)
+    records = log_records(paths)
+    assert result.steps == s.total == len(records) and {r["epoch"] for r in records} == {0, 1, 2}
