@@ -366,10 +366,11 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def post_json(url: str, body: dict, timeout: httpx.Timeout | float) -> httpx.Response | Failed:
+def post_json(url: str, body: dict, timeout: httpx.Timeout | float,
+              headers: dict[str, str] | None = None) -> httpx.Response | Failed:
     """One attempt: POST ``body``; the 2xx answer, or the attempt's trouble (no answer, or an error status)."""
     try:
-        response = httpx.post(url, json=body, timeout=timeout, verify=tls_context())
+        response = httpx.post(url, json=body, timeout=timeout, verify=tls_context(), headers=headers)
     except httpx.TransportError as exc:
         return transport_trouble(exc, url)
     return answer_trouble(response, url) or response

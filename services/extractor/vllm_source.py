@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import uuid
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -148,16 +149,39 @@ class VllmHiddenStates:
         # save_hidden_states: what draftline's selective connector saves for (the stock one saves every request).
         body = {"model": self.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
                 "return_token_ids": True, "kv_transfer_params": {"save_hidden_states": True}}
-        engine_file = self._dispatch.send(lambda root: self._once(root, body), on_retry=on_retry)
+        attempts: list[str] = []
+
+        def attempt(root: str) -> Path | Failed:
+            attempts.append(f"draftline-{uuid.uuid4().hex}")
+            return self._once(root, body, attempts[-1])
+
+        answered = False
         try:
-            states = self._read(engine_file, input_ids, len(saved))  # (T, len(saved), H)
+            engine_file = self._dispatch.send(attempt, on_retry=on_retry)
+            answered = True
+            try:
+                states = self._read(engine_file, input_ids, len(saved))  # (T, len(saved), H)
+            finally:
+                engine_file.unlink(missing_ok=True)
+                engine_file.with_name(engine_file.name + ".lock").unlink(missing_ok=True)
         finally:
-            engine_file.unlink(missing_ok=True)
-            engine_file.with_name(engine_file.name + ".lock").unlink(missing_ok=True)
+            self._drop_unanswered(attempts[:-1] if answered else attempts)
         return self._write(states, saved, layers, input_ids, loss_mask, path, metadata, storage)
 
-    def _once(self, root: str, body: dict) -> Path | Failed:
-        response = post_json(f"{server_root(root)}/v1/completions", body, self.timeout)
+    def _drop_unanswered(self, attempts: list[str]) -> None:
+        """Delete what the engine wrote for attempts that got no answer. An engine killed after it scheduled a
+        request leaves that request's ``.lock`` and maybe its file, named after the request id, which carries
+        the attempt's ``X-Request-Id``; nobody else knows those names, so without this they stay on the volume
+        forever. (An attempt given up on while a live engine still runs it can still write after this.)"""
+        for tag in attempts:  # none in the usual case: one attempt, answered, its file read and deleted above
+            for leftover in self.storage.glob(f"*{tag}*"):
+                leftover.unlink(missing_ok=True)
+                log.info("removed %s, left by a hidden-state request the engine never answered", leftover.name)
+
+    def _once(self, root: str, body: dict, request_id: str) -> Path | Failed:
+        # vLLM names the request, and so its file, after this header: what _drop_unanswered looks for.
+        response = post_json(f"{server_root(root)}/v1/completions", body, self.timeout,
+                             headers={"X-Request-Id": request_id})
         if isinstance(response, Failed):
             return response
         try:

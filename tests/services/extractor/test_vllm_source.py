@@ -101,3 +101,73 @@ def test_two_tensors_that_could_each_be_the_final_norm_fail_by_name(tmp_path):
     tensors = {"text_model.model.norm.weight": torch.ones(4), "vision_model.norm.weight": torch.ones(4)}
     with pytest.raises(vllm_source.FinalNormNotFound, match="several end in"):
         vllm_source.final_norm(str(write_target(tmp_path / "target", tensors)))
+
+
+class DiesOnce:
+    """A stand-in vLLM server on loopback: its first completion request schedules (writes the request's
+    ``.lock`` and a partial file, named after the request id as vLLM names them) and then the engine "dies"
+    (the connection closes unanswered); the next one answers as vLLM does, with its file's path."""
+
+    def __init__(self, storage, hidden: int, layers: int) -> None:
+        import http.server
+        import json
+        import threading
+
+        from safetensors.torch import save_file
+
+        self.request_ids: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:  # health, for the dispatcher's wait for a server that went down
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                request_id = f"cmpl-{self.headers['X-Request-Id']}-0"
+                outer.request_ids.append(request_id)
+                engine_file = storage / f"{request_id}.safetensors"
+                (storage / f"{request_id}.safetensors.lock").touch()
+                if len(outer.request_ids) == 1:
+                    engine_file.write_bytes(b"half a file")
+                    self.close_connection = True
+                    return  # no answer: the client sees the server disconnect
+                ids = torch.tensor(body["prompt"], dtype=torch.long)
+                save_file({"hidden_states": torch.randn(len(ids), layers, hidden), "token_ids": ids}, str(engine_file))
+                answer = json.dumps({"kv_transfer_params": {"hidden_states_path": str(engine_file)}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_files_of_a_request_the_engine_died_on_are_removed_once_a_retry_succeeds(tmp_path, tiny_model_dir):
+    from shared.retry import RetryPolicy
+
+    storage = tmp_path / "engine"
+    storage.mkdir()
+    layers = eagle3.default_layer_ids(NUM_LAYERS)
+    saved = eagle3.engine_saved_layers(layers, NUM_LAYERS)
+    engine = DiesOnce(storage, hidden=64, layers=len(saved))
+    try:
+        source = VllmHiddenStates(engine.url, model="tiny", model_dir=tiny_model_dir, data=tmp_path, storage=storage,
+                                  saved_layers=saved, timeout_s=10,
+                                  policy=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01, jitter=False,
+                                                     wait_max_s=5))
+        result = source.extract(input_ids=list(range(7)), loss_mask=[0] * 3 + [1] * 4, path="s.safetensors",
+                                layer_ids=layers, metadata={"run": "r"})
+    finally:
+        engine.server.shutdown()
+    assert len(engine.request_ids) == 2 and len(set(engine.request_ids)) == 2  # each attempt names its own request
+    verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, hidden_size=64, sha256=result.sha256)
+    assert sorted(p.name for p in storage.iterdir()) == []  # the dead attempt's lock and half file went too
