@@ -90,8 +90,10 @@ class ControllerSettings(SampleQueueSettings):
         "name when a run names none, and checked by preflight (every one must serve the same model)."
     )
     feed_window: int = Field(64, ge=1, description="Most generate jobs waiting in Redis per run.")
+    # 512 jobs of 16 samples hold about 8 MB of Redis (bench/RESULTS.md: 15.5 KB a waiting job), what 4,096
+    # jobs of one sample held, and twice as many samples.
     extract_backlog: int = Field(
-        4096, ge=1, description="Generation pauses while this many extract jobs wait (each holds up to extract_batch "
+        512, ge=1, description="Generation pauses while this many extract jobs wait (each holds up to extract_batch "
         "samples).")
     feed_interval_s: float = Field(1.0, gt=0)
     generate_batch: int = Field(8, ge=1, description="Samples per generate job.")
