@@ -47,7 +47,7 @@ import redis  # noqa: E402
 
 from services.controller.feeder import feed_run  # noqa: E402
 from services.controller.submit import submit_run  # noqa: E402
-from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE  # noqa: E402
+from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids  # noqa: E402
 from shared.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
 from shared.runstate import RunState  # noqa: E402
@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--extractors", type=int, default=2)
     parser.add_argument("--generate-batch", type=int, default=16, help="samples per generate job (the controller's)")
+    parser.add_argument("--extract-batch", type=int, default=None,
+                        help="DRAFTLINE_EXTRACT_BATCH, most samples per extract job, for the feeder and the generators "
+                        "(default: the setting's)")
     parser.add_argument("--sample-result-ttl-s", type=int, default=None,
                         help="DRAFTLINE_SAMPLE_RESULT_TTL_S for the feeder and the workers (default: the setting's)")
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between two memory samples")
@@ -292,16 +295,19 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                    generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=0))
         state = RunState(conn, data, RUN)
         ttl = {} if args.sample_result_ttl_s is None else {"sample_result_ttl_s": args.sample_result_ttl_s}
+        ttl |= {} if args.extract_batch is None else {"extract_batch": args.extract_batch}
         # Generation alone never waits for extraction: the backlog holds the whole run.
         backlog = {"extract_backlog": args.samples + 1} if args.stages == "generate" else {}
         feeder = ControllerSettings(data=data, generate_batch=args.generate_batch, **ttl, **backlog)
         base = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_LOG_LEVEL": "WARNING",
-                "DRAFTLINE_SAMPLE_RESULT_TTL_S": str(feeder.sample_result_ttl_s)}
+                "DRAFTLINE_SAMPLE_RESULT_TTL_S": str(feeder.sample_result_ttl_s),
+                "DRAFTLINE_EXTRACT_BATCH": str(feeder.extract_batch)}
         bench = Bench(args, base, logs, state, feeder, conn, redis_server.url, model_dir,
                       deadline=time.perf_counter() + args.timeout_s)
         memory_before = conn.info("memory")["used_memory"]
         gen_result = generate(bench)
         waiting = queue(EXTRACT_QUEUE, conn).count
+        waiting_samples = sum(len(payload_sample_ids(job.args[0])) for job in queue(EXTRACT_QUEUE, conn).get_jobs())
         memory_waiting = conn.info("memory")["used_memory"]
         stages = {"generate": gen_result}
         if args.stages == "both":
@@ -314,13 +320,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         report = {
             "samples": args.samples, "stages": args.stages, "generators": args.generators,
             "extractors": args.extractors if args.stages == "both" else 0, "generate_batch": args.generate_batch,
-            "sample_result_ttl_s": feeder.sample_result_ttl_s, "cpus": os.cpu_count(),
+            "extract_batch": feeder.extract_batch, "sample_result_ttl_s": feeder.sample_result_ttl_s,
+            "cpus": os.cpu_count(),
             "generated": gen.done, "generate_failed": gen.failed, "extracted": ext.done, "extract_failed": ext.failed,
             "generate_s": round(gen_result["seconds"], 2),
             "generate_samples_per_s_stub": round(gen.done / gen_result["seconds"], 1),
-            "extract_jobs_waiting": waiting,
+            "extract_jobs_waiting": waiting, "extract_samples_waiting": waiting_samples,
             "redis_bytes_per_sample_in_generate_jobs": gen_result["redis_bytes_per_sample_in_generate_jobs"],
-            "redis_bytes_per_inflight_sample": round((memory_waiting - memory_before) / max(1, waiting)),
+            "redis_bytes_per_inflight_sample": round((memory_waiting - memory_before) / max(1, waiting_samples)),
+            "redis_bytes_per_waiting_extract_job": round((memory_waiting - memory_before) / max(1, waiting)),
             "redis_used_memory": {"before": memory_before, "extract_jobs_waiting": memory_waiting, "after": memory_after,
                                   "peak_sampled": max(r["redis_used_memory_peak"] for r in stages.values()),
                                   "peak_reported_by_redis": conn.info("memory")["used_memory_peak"]},

@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import re
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import SCHEMA_VERSION
 
@@ -56,8 +58,33 @@ class GenerateJob(_Payload):
     items: list[PromptItem] = Field(..., min_length=1)
 
 
+# Samples per extract job. RQ forks a work horse (~340 MB) and issues ~91 Redis commands of bookkeeping per
+# job (bench/RESULTS.md), so one sample a job caps an extractor near 15 samples/s and one Redis near 250
+# samples/s. 16, the generate batch the bench measures, brings the bookkeeping to ~6 commands a sample; a
+# larger batch saves at most that much more, while a run's last jobs give more samples to fewer workers and
+# a job's hour (EXTRACT_JOB_TIMEOUT_S) must cover every sample of it.
+DEFAULT_EXTRACT_BATCH = 16
+MAX_EXTRACT_BATCH = 256
+
+
 class ExtractJob(_Payload):
-    sample_id: int = Field(..., ge=0)
+    sample_ids: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1, max_length=MAX_EXTRACT_BATCH)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_sample(cls, data: object) -> object:
+        # A payload naming one ``sample_id`` (what a queue filled before batches holds) is a batch of one.
+        if isinstance(data, dict) and "sample_id" in data and "sample_ids" not in data:
+            data = {**{k: v for k, v in data.items() if k != "sample_id"}, "sample_ids": [data["sample_id"]]}
+        return data
+
+    @field_validator("sample_ids")
+    @classmethod
+    def _increasing(cls, ids: list[int]) -> list[int]:
+        # Sorted and without repeats: a sample is extracted once per job, and the job id names the first.
+        if any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError("sample_ids must be strictly increasing")
+        return ids
 
 
 class TrainJob(_Payload):
@@ -66,6 +93,15 @@ class TrainJob(_Payload):
 
 class EvaluateJob(_Payload):
     pass
+
+
+def payload_sample_ids(payload: dict) -> list[int]:
+    """The sample ids a generate or extract payload holds, read without validating it: the payload of a
+    failed job, or of one queued by another version, may not validate."""
+    ids = [item["sample_id"] for item in payload.get("items") or () if isinstance(item, dict) and "sample_id" in item]
+    ids += list(payload.get("sample_ids") or ())
+    ids += [payload["sample_id"]] if "sample_id" in payload else []
+    return [int(i) for i in ids]
 
 
 def rq_safe(run: str) -> str:
@@ -101,8 +137,9 @@ def generate_job_id(run: str, first_sample_id: int) -> str:
     return f"generate_{rq_safe(run)}_{first_sample_id:08d}"
 
 
-def extract_job_id(run: str, sample_id: int) -> str:
-    return f"extract_{rq_safe(run)}_{sample_id:08d}"
+def extract_job_id(run: str, first_sample_id: int) -> str:
+    """The id of the extract job whose batch starts at ``first_sample_id`` (a batch of one: that sample's)."""
+    return f"extract_{rq_safe(run)}_{first_sample_id:08d}"
 
 
 def train_job_id(run: str) -> str:

@@ -20,7 +20,7 @@ from rq.job import Job
 from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 
-from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC
+from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC, payload_sample_ids
 from shared.runstate import RunState
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def note_retries(conn: redis.Redis, job: Job) -> None:
         return
     if not isinstance(payload, dict) or not isinstance(payload.get("run"), str):
         return
-    samples = len(payload.get("items") or ()) if stage == "generate" else 1
+    samples = len(payload_sample_ids(payload))
     state = RunState(conn, Path(), payload["run"])  # the counter lives in Redis: no volume path is read
     for _ in range(samples):
         state.note_retry(stage)

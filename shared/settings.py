@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.endpoints import EndpointList
 from shared.errors import SettingsError
-from shared.jobs import DEFAULT_SAMPLE_RESULT_TTL_S
+from shared.jobs import DEFAULT_EXTRACT_BATCH, DEFAULT_SAMPLE_RESULT_TTL_S, MAX_EXTRACT_BATCH
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_INFERENCE_URL = "http://127.0.0.1:8000"
@@ -50,13 +50,17 @@ class CommonSettings(ServiceSettings):
 
 class SampleQueueSettings(CommonSettings):
     """A service that queues sample jobs: the controller (generate jobs, missing extractions) and the
-    generator (each reply's extraction)."""
+    generator (its replies' extraction)."""
 
     sample_result_ttl_s: int = Field(
         DEFAULT_SAMPLE_RESULT_TTL_S, ge=0,
         description="Seconds RQ keeps a finished generate or extract job in Redis; 0 deletes it at once. Nothing "
         "reads it; each second kept costs about 7 KB per sample finished in it (shared.jobs). Failed jobs "
         "stay a week regardless.",
+    )
+    extract_batch: int = Field(
+        DEFAULT_EXTRACT_BATCH, ge=1, le=MAX_EXTRACT_BATCH,
+        description="Most samples per extract job; RQ's fork and bookkeeping are paid once per job (shared.jobs).",
     )
 
 
@@ -86,7 +90,11 @@ class ControllerSettings(SampleQueueSettings):
         "name when a run names none, and checked by preflight (every one must serve the same model)."
     )
     feed_window: int = Field(64, ge=1, description="Most generate jobs waiting in Redis per run.")
-    extract_backlog: int = Field(4096, ge=1, description="Generation pauses while this many extractions wait.")
+    # 512 jobs of 16 samples hold about 8 MB of Redis (bench/RESULTS.md: 15.5 KB a waiting job), what 4,096
+    # jobs of one sample held, and twice as many samples.
+    extract_backlog: int = Field(
+        512, ge=1, description="Generation pauses while this many extract jobs wait (each holds up to extract_batch "
+        "samples).")
     feed_interval_s: float = Field(1.0, gt=0)
     generate_batch: int = Field(8, ge=1, description="Samples per generate job.")
     model_dir: Path | None = Field(

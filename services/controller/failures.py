@@ -42,7 +42,7 @@ from services.controller.reconcile import (
 )
 from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
-from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES
+from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES, payload_sample_ids
 from shared.layout import RunPaths
 from shared.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
@@ -194,8 +194,7 @@ def _name_job(data: Path, conn: redis.Redis, registry: FailedJobRegistry, job_id
         return 0
     payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
     run = payload.get("run")
-    ids = [int(item["sample_id"]) for item in payload.get("items", [])]
-    ids += [int(payload["sample_id"])] if "sample_id" in payload else []
+    ids = payload_sample_ids(payload)
     named = 0
     if run and RunPaths(data, run).spec.is_file():
         state = RunState(conn, data, run)

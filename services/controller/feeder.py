@@ -5,15 +5,18 @@ Two cursors per run live in the run's meta, and a resume resets both, so the fee
 - **generate**: a byte offset into ``prompts.jsonl``. Ids already settled in generate (done, failed or
   dropped) are passed over; the rest go out in batches of ``generate_batch``, while fewer than
   ``feed_window`` of the run's generate jobs wait and fewer than ``extract_backlog`` extractions wait.
-- **extract backfill**: a sample id. Ids whose reply is done but whose extraction is not settled get an
-  extract job while fewer than ``extract_backlog`` extractions wait. The generator queues extractions
-  itself; the backfill catches those lost with Redis or with a crash between the two steps.
+- **extract backfill**: a sample id. Ids whose reply is done but whose extraction is not settled get
+  extract jobs of up to ``extract_batch`` samples while fewer than ``extract_backlog`` extract jobs wait.
+  The generator queues its job's extractions itself when the job ends; the backfill catches those lost
+  with Redis or with a crash between the two steps.
 
 When a cursor reaches the end while its stage still has unsettled ids, it starts another pass (at most
 every ``REPASS_INTERVAL_S``; the generate cursor only once none of the run's generate jobs waits or
-runs). No pass duplicates work: generate skips the ids of the run's waiting and running jobs, and extract
-job ids are deterministic and enqueued with ``unique=True``. A job id that still names a *finished*
-job (kept ``sample_result_ttl_s``, 0 by default) is replaced, since its samples are evidently not settled.
+runs). No pass duplicates work: generate skips the ids of the run's waiting and running generate jobs;
+the backfill skips the ids that the run's waiting, taken or running extract jobs hold, and those of its
+generate jobs in flight (their generator queues them as they end); job ids are deterministic and
+enqueued with ``unique=True`` (``shared.sample_queue``). A job id that still names a *finished* job
+(kept ``sample_result_ttl_s``, 0 by default) is replaced, since its samples are evidently not settled.
 
 A run of millions of rows costs Redis a few kilobytes of queue; the volume holds the rest.
 """
@@ -29,38 +32,31 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis
-from rq.exceptions import DuplicateJobError, NoSuchJobError
-from rq.job import Job, JobStatus
 
 from shared.jobs import (
-    EXTRACT_FUNC,
+    DEFAULT_SAMPLE_RESULT_TTL_S,
     EXTRACT_QUEUE,
     GENERATE_FUNC,
     GENERATE_QUEUE,
-    ExtractJob,
     GenerateJob,
-    DEFAULT_SAMPLE_RESULT_TTL_S,
-    SAMPLE_FAILURE_TTL_S,
     PromptItem,
     extract_job_id,
     generate_job_id,
 )
 from shared.layout import RunPaths
-from shared.queues import SERIALIZER, queue
+from shared.queues import queue
 from shared.runstate import RunState
+from shared.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
 
 # A generate job holds several samples, each up to a long reply with retries; RQ's 180 s default is far too short.
 GENERATE_JOB_TIMEOUT_S = 6 * 3600
-EXTRACT_JOB_TIMEOUT_S = 3600
 SCAN_LINES_PER_TICK = 50_000  # prompt lines one tick reads at most, so a tick stays short on huge runs
 SCAN_IDS_PER_TICK = 262_144  # sample ids the backfill checks per tick at most (32 KiB of each bitmap)
 BITMAP_CHUNK = 8192
 REPASS_INTERVAL_S = 60.0
-# A failed job is not replaced: its samples are named first (failures.name_failed_jobs), then it is gone.
-REPLACEABLE = {JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED}
 
 # prompts.jsonl lines start with the id (submit.prompt_line), so passing over a settled row parses no JSON.
 _ID_PREFIX = re.compile(rb'^\{"sample_id": (\d+)[,}]')
@@ -69,52 +65,23 @@ _ID_PREFIX = re.compile(rb'^\{"sample_id": (\d+)[,}]')
 # ---- queues --------------------------------------------------------------------------------------
 
 
-def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, job_id: str, timeout: int, *,
-                 result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S, failure_ttl: int = SAMPLE_FAILURE_TTL_S) -> bool:
-    """Enqueue under a deterministic id, kept ``result_ttl`` seconds once finished and ``failure_ttl`` once
-    failed; False while a job of that id waits or runs."""
-    q = queue(queue_name, conn)
-    for _ in range(2):
-        try:
-            q.enqueue_call(func, args=(payload,), job_id=job_id, timeout=timeout, result_ttl=result_ttl,
-                           failure_ttl=failure_ttl, unique=True)
-            return True
-        except DuplicateJobError:
-            if not _drop_finished(conn, job_id):
-                return False
-    return False
-
-
-def _drop_finished(conn: redis.Redis, job_id: str) -> bool:
-    """Delete the job ``job_id`` if it already ended; True when the id is free again."""
-    try:
-        job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
-    except NoSuchJobError:
-        return True
-    if job.get_status(refresh=False) not in REPLACEABLE:
-        return False
-    job.delete()
-    return True
-
-
-def _is_runs(job_id: str, stem: str) -> bool:
-    # Ids end in "_<first sample id>"; comparing everything before that keeps run "a" from counting run "a_b".
-    return job_id.rsplit("_", 1)[0] == stem
-
-
 def inflight_generate(conn: redis.Redis, run: str) -> tuple[int, set[int]]:
     """(waiting jobs of ``run``, sample ids in its waiting or running generate jobs); both are bounded by
     the feed window and the number of workers, so listing them is cheap."""
-    stem = generate_job_id(run, 0).rsplit("_", 1)[0]
-    q = queue(GENERATE_QUEUE, conn)
-    waiting = [j for j in q.get_job_ids() if _is_runs(j, stem)]
-    # Without cleanup: RQ's cleanup would fail jobs whose worker looks lost, which is the reaper's call.
-    running = [j for j in q.started_job_registry.get_job_ids(cleanup=False) if _is_runs(j, stem)]
-    ids: set[int] = set()
-    for job in Job.fetch_many(waiting + running, connection=conn, serializer=SERIALIZER):
-        if job is not None and job.args:
-            ids.update(int(item["sample_id"]) for item in job.args[0].get("items", []))
-    return len(waiting), ids
+    return held_sample_ids(conn, GENERATE_QUEUE, _stem(generate_job_id(run, 0)))
+
+
+def held_extract(conn: redis.Redis, run: str) -> set[int]:
+    """Sample ids the backfill leaves alone: those of ``run``'s generate jobs in flight (their generator
+    queues them as they end), then those its extract jobs hold, read in that order so that a generate job
+    that ends meanwhile has its extract job seen."""
+    _, generating = inflight_generate(conn, run)
+    _, extracting = held_sample_ids(conn, EXTRACT_QUEUE, _stem(extract_job_id(run, 0)))
+    return generating | extracting
+
+
+def _stem(job_id: str) -> str:
+    return job_id.rsplit("_", 1)[0]
 
 
 def extract_room(settings: ControllerSettings, conn: redis.Redis) -> int:
@@ -243,40 +210,42 @@ def feed_finished(meta: dict[str, str]) -> bool:
 # ---- extract backfill ----------------------------------------------------------------------------
 
 
-def enqueue_extract(conn: redis.Redis, run: str, sample_id: int, *, result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> bool:
-    payload = ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json")
-    return enqueue_once(conn, EXTRACT_QUEUE, EXTRACT_FUNC, payload, extract_job_id(run, sample_id), EXTRACT_JOB_TIMEOUT_S,
-                        result_ttl=result_ttl)
-
-
 def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
-    """Queue extractions for replies that have none, within the extract backlog; returns how many."""
+    """Queue extractions for replies that have none, within the extract backlog; returns how many samples."""
     state = RunState(conn, settings.data, run)
     meta = state.meta()
     limit = int(meta.get("train_ids", 0))
     cursor = _extract_cursor(state, meta, limit)
     room = extract_room(settings, conn)
-    enqueued, stop = 0, min(limit, cursor + SCAN_IDS_PER_TICK)
-    while cursor < stop and enqueued < room:
+    if cursor >= limit or room <= 0:
+        return 0
+    # Read before the bitmaps: a job that ends after this has its samples settled in what is read next.
+    held = held_extract(conn, run)
+    jobs, samples, stop = 0, 0, min(limit, cursor + SCAN_IDS_PER_TICK)
+    while cursor < stop and jobs < room:
         chunk_end = min(stop, cursor + BITMAP_CHUNK)
-        cursor, added = _backfill_chunk(state, cursor, chunk_end, room - enqueued, settings.sample_result_ttl_s)
-        enqueued += added
+        cursor, batches = _backfill_chunk(state, cursor, chunk_end, held, room - jobs, settings)
+        jobs, samples = jobs + len(batches), samples + sum(map(len, batches))
         state.set_meta(extract_cursor=cursor)
-    if enqueued:
-        log.info("run %s: queued %d extractions whose job was missing (cursor at sample %d)", run, enqueued, cursor)
-    return enqueued
+    if samples:
+        log.info("run %s: queued %d extractions whose job was missing, in %d jobs (cursor at sample %d)",
+                 run, samples, jobs, cursor)
+    return samples
 
 
-def _backfill_chunk(state: RunState, start: int, stop: int, room: int, result_ttl: int) -> tuple[int, int]:
-    """Enqueue for ids ``start..stop-1`` until ``room`` runs out; (next cursor, jobs enqueued)."""
+def _backfill_chunk(state: RunState, start: int, stop: int, held: set[int], room: int,
+                    settings: ControllerSettings) -> tuple[int, list[list[int]]]:
+    """Enqueue jobs for ids ``start..stop-1`` until ``room`` jobs are queued; (next cursor, batches queued)."""
     gen, ext = state.outcomes("generate", start, stop), state.outcomes("extract", start, stop)
     wanted = gen["done"] & ~(ext["done"] | ext["failed"] | ext["dropped"])
-    enqueued = 0
-    for index in np.flatnonzero(wanted).tolist():
-        if enqueued >= room:
-            return start + index, enqueued
-        enqueued += enqueue_extract(state.conn, state.run, start + index, result_ttl=result_ttl)
-    return stop, enqueued
+    ids = [start + index for index in np.flatnonzero(wanted).tolist() if start + index not in held]
+    queued: list[list[int]] = []
+    for first in range(0, len(ids), settings.extract_batch):
+        if len(queued) >= room:
+            return ids[first], queued
+        queued += enqueue_extract(state.conn, state.run, ids[first:first + settings.extract_batch],
+                                  batch=settings.extract_batch, result_ttl=settings.sample_result_ttl_s)
+    return stop, queued
 
 
 def _extract_cursor(state: RunState, meta: dict[str, str], limit: int) -> int:

@@ -9,12 +9,17 @@ match the tokens we sent, the layer ids are the run's, the states are stored as 
 The verified file is then recorded in its shard's ``manifest.jsonl`` (what a resume checks files
 against) before the sample is marked done. The run's layer ids are fixed by its first verified sample,
 so a server restarted with other defaults cannot mix layers within one run.
+
+A job holds a batch of samples (``ExtractJob.sample_ids``), each settled on its own: a sample already
+extracted is skipped, so a job run again after its work horse was killed redoes only the samples it had
+not finished, and a sample that fails is named without costing the others of the batch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -79,48 +84,57 @@ def generation_eos(model_dir: Path) -> int | list[int] | None:
         return None
 
 
-def extract(payload: dict) -> str:
-    """RQ entry point (``shared.jobs.EXTRACT_FUNC``)."""
+def extract(payload: dict) -> dict:
+    """RQ entry point (``shared.jobs.EXTRACT_FUNC``); returns how many samples ended done, skipped or failed."""
     job = ExtractJob.model_validate(payload)
     settings = worker_settings()
-    # Starting at the sample id sends consecutive samples to consecutive endpoints.
-    source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_id)
+    # Starting at the first sample id sends consecutive samples to consecutive endpoints.
+    source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
     tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
-    return run_extract(job, settings, connect(settings.redis_url), tokenizer, source)
+    summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+    log.info("run %s: extract batch from %d: %s", job.run, job.sample_ids[0], summary)
+    return summary
 
 
 def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis, tokenizer,
-                client: HiddenStateSource) -> str:
-    """Extract one sample; returns ``done``, ``skipped`` or ``failed`` (failures are recorded, not raised)."""
+                client: HiddenStateSource) -> list[str]:
+    """Extract each sample of ``job`` in turn; returns each one's ``done``, ``skipped`` or ``failed``
+    (failures are recorded, not raised)."""
     state = RunState(conn, settings.data, job.run)
-    if state.is_done("extract", job.sample_id):
+    return [extract_one(state, sample_id, settings, tokenizer, client) for sample_id in job.sample_ids]
+
+
+def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, tokenizer,
+                client: HiddenStateSource) -> str:
+    """Settle one sample: ``done``, ``skipped`` (already extracted) or ``failed`` (named on the volume)."""
+    if state.is_done("extract", sample_id):
         return "skipped"
-    wait_for_headroom(conn, settings.data, job.run)  # a paused run's samples wait here instead of failing
-    spec = cached_spec(settings.data, job.run)
+    wait_for_headroom(state.conn, settings.data, state.run)  # a paused run's samples wait here instead of failing
+    spec = cached_spec(settings.data, state.run)
     try:
-        result, info = _extract(job, spec, state, tokenizer, str(settings.model_dir), client)
-        _record_manifest(state, job.sample_id, info)
+        result, info = _extract(sample_id, spec, state, tokenizer, str(settings.model_dir), client)
+        _record_manifest(state, sample_id, info)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
         if not isinstance(exc, DraftlineError):
-            log.exception("run %s: sample %d: unexpected error", job.run, job.sample_id)
-        state.mark_failed(Failure(run=job.run, stage="extract", sample_id=job.sample_id,
+            log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
+        state.mark_failed(Failure(run=state.run, stage="extract", sample_id=sample_id,
                                   error_class=error_class(exc), message=str(exc)))
-        log.warning("run %s: sample %d extract failed: %s: %s", job.run, job.sample_id, error_class(exc), exc)
+        log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
         return "failed"
-    if state.mark_done("extract", job.sample_id):
+    if state.mark_done("extract", sample_id):
         record_landed(state, info.nbytes, info.num_tokens)
-    _record_layers(conn, job.run, result)
+    _record_layers(state.conn, state.run, result)
     return "done"
 
 
-def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
+def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
              client: HiddenStateSource) -> tuple[HiddenStatesResult, HiddenFileInfo]:
-    record = _read_reply(state, job.sample_id)  # a missing or torn reply fails the sample before any tokenizing
+    record = _read_reply(state, sample_id)  # a missing or torn reply fails the sample before any tokenizing
     turn_end = turn_end_of(tokenizer, model_dir)
     reply = record.get("reply") or {}
-    engine = engine_ids(record, state.paths.generated(job.sample_id))
+    engine = engine_ids(record, state.paths.generated(sample_id))
     if engine is not None:  # the ids the engine ran: nothing to render or re-tokenize
         input_ids, loss_mask = engine_sample(*engine, spec.extraction.max_length)
     else:
@@ -128,11 +142,11 @@ def _extract(job: ExtractJob, spec: RunSpec, state: RunState, tokenizer, model_d
                                             reply.get("reasoning_content"), spec.extraction.max_length,
                                             turn_end=turn_end, finished=record.get("finish_reason") != "length")
     result = client.extract(
-        input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(job.sample_id),
-        layer_ids=spec.extraction.layer_ids, metadata={"run": job.run, "sample_id": str(job.sample_id)},
+        input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
+        layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
         storage=spec.extraction.storage, on_retry=lambda: state.note_retry("extract"),
     )
-    path = state.paths.hidden(job.sample_id)
+    path = state.paths.hidden(sample_id)
     try:
         info = verify_hidden_file(path, layer_ids=_run_layers(state, spec, result), sha256=result.sha256)
         if info.num_tokens != len(input_ids):

@@ -2,6 +2,8 @@
 
 Each sample ends in exactly one of: a reply file plus its queued extraction, a dropped reply
 (``ReplyTooShort``), or a named failure. One sample's trouble never costs the others their replies.
+A reply counts as generated once saved; the job's replies are queued for extraction together when the
+job ends, in jobs of ``extract_batch`` samples, so an extract job's fork and bookkeeping serve many samples.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import redis
-from rq.exceptions import DuplicateJobError
 
 from services.generator.client import (
     RETRY_DELAYS_S,
@@ -31,25 +32,16 @@ from shared.errors import (
     ReplyTooShort,
     error_class,
 )
-from shared.jobs import (
-    EXTRACT_FUNC,
-    EXTRACT_QUEUE,
-    ExtractJob,
-    DEFAULT_SAMPLE_RESULT_TTL_S,
-    GenerateJob,
-    SAMPLE_FAILURE_TTL_S,
-    PromptItem,
-    extract_job_id,
-)
-from shared.queues import connect, queue
+from shared.jobs import GenerateJob, PromptItem
+from shared.queues import connect
 from shared.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
 from shared.runstate import DROPPED, ERROR, Failure, RunState
+from shared.sample_queue import enqueue_extract
 from shared.settings import GeneratorSettings, load_settings
 
 log = logging.getLogger(__name__)
 
-EXTRACT_JOB_TIMEOUT_S = 3600
 EXPECTED_ERRORS = (InferenceRejected, InferenceUnavailable, MalformedCompletion, PromptTooLong, ReplyTooShort)
 
 
@@ -71,6 +63,8 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     spec = cached_spec(settings.data, job.run)
     state = RunState(conn, settings.data, job.run)
     outcomes = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
+    replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in ("done", "skipped")]
+    queue_extractions(state, replies, settings)
     summary = dict(Counter(outcomes))
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
     return summary
@@ -85,15 +79,13 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
     async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
                           max_connections=settings.concurrency, retry_delays_s=retry_delays_s,
                           policy=policy, start=job.items[0].sample_id) as client:
-        return await asyncio.gather(*(_one(item, spec, state, client, limit, result_ttl=settings.sample_result_ttl_s)
-                                      for item in job.items))
+        return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
 
 
-async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore, *,
-               result_ttl: int) -> str:
+async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore) -> str:
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():
-        await asyncio.to_thread(publish, state, sample_id, result_ttl=result_ttl)
+        await asyncio.to_thread(state.mark_done, "generate", sample_id)
         return "skipped"
     seed = spec.generation.seed + sample_id
     try:
@@ -109,7 +101,7 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
         log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
         return await asyncio.to_thread(record_failure, state, sample_id, exc)
     await asyncio.to_thread(save_reply, state, item, completion)
-    await asyncio.to_thread(publish, state, sample_id, result_ttl=result_ttl)
+    await asyncio.to_thread(state.mark_done, "generate", sample_id)
     return "done"
 
 
@@ -150,22 +142,9 @@ def save_reply(state: RunState, item: PromptItem, completion: Completion) -> Non
     state.incr("generated_bytes", path.stat().st_size)
 
 
-def publish(state: RunState, sample_id: int, *, result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> None:
-    """Mark a sample's reply done and make sure its extraction is queued (both idempotent)."""
-    state.mark_done("generate", sample_id)
-    if not state.is_done("extract", sample_id):
-        enqueue_extract(state.conn, state.run, sample_id, result_ttl=result_ttl)
-
-
-def enqueue_extract(conn: redis.Redis, run: str, sample_id: int, *,
-                    result_ttl: int = DEFAULT_SAMPLE_RESULT_TTL_S) -> bool:
-    """Queue ``sample_id``'s extraction, kept ``result_ttl`` seconds once finished; False when it already waits."""
-    try:
-        queue(EXTRACT_QUEUE, conn).enqueue_call(
-            EXTRACT_FUNC, args=(ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),),
-            job_id=extract_job_id(run, sample_id), timeout=EXTRACT_JOB_TIMEOUT_S,
-            result_ttl=result_ttl, failure_ttl=SAMPLE_FAILURE_TTL_S, unique=True,
-        )
-    except DuplicateJobError:
-        return False
-    return True
+def queue_extractions(state: RunState, sample_ids: list[int], settings: GeneratorSettings) -> list[list[int]]:
+    """Make sure the extraction of every reply in ``sample_ids`` not yet extracted is queued (idempotent);
+    returns the batches queued now."""
+    open_ids = [sample_id for sample_id in sample_ids if not state.is_done("extract", sample_id)]
+    return enqueue_extract(state.conn, state.run, open_ids, batch=settings.extract_batch,
+                           result_ttl=settings.sample_result_ttl_s)

@@ -38,7 +38,8 @@ def assert_stage_measured(report: dict, stage: str, workers: int) -> None:
 def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_path, tiny_model_dir):
     report = bench(tmp_path, "--samples", "12", "--extractors", "1", "--generate-batch", "4")
     assert (report["generated"], report["extracted"]) == (12, 12)
-    assert report["extract_jobs_waiting"] == 12  # generation queued one extract job per sample, none ran yet
+    # Generation queued its replies' extractions, none ran yet: one extract job per generate job of 4 samples.
+    assert (report["extract_jobs_waiting"], report["extract_samples_waiting"], report["extract_batch"]) == (3, 12, 16)
     assert report["generate_samples_per_s_stub"] > 0 and report["extract_samples_per_s_stub"] > 0
     assert report["redis_bytes_per_inflight_sample"] > 0
     assert all(rss > 0 for rss in report["worker_rss_bytes"]["generator"] + report["worker_rss_bytes"]["extractor"])
@@ -50,9 +51,10 @@ def test_the_orchestration_benchmark_settles_both_stages_and_measures_redis(tmp_
 
 def test_the_generate_only_benchmark_leaves_extraction_out_and_empties_its_queue_afterwards(tmp_path):
     report = bench(tmp_path, "--stages", "generate", "--samples", "40", "--generate-batch", "4",
-                   "--sample-result-ttl-s", "60")
+                   "--sample-result-ttl-s", "60", "--extract-batch", "2")
     assert (report["generated"], report["extracted"], report["extractors"]) == (40, 0, 0)
-    assert report["extract_jobs_waiting"] == 40  # nothing paused generation, nothing extracted
+    # Nothing paused generation, nothing extracted; the extract batch reached the generators.
+    assert (report["extract_jobs_waiting"], report["extract_samples_waiting"], report["extract_batch"]) == (20, 40, 2)
     assert report["sample_result_ttl_s"] == 60 and list(report["stage_detail"]) == ["generate"]
     assert_stage_measured(report, "generate", workers=1)
     # The queue emptied, what is left is the run's own state and the finished generate jobs (kept 60 s).

@@ -10,10 +10,8 @@ import zlib
 import pytest
 from rq.serializers import JSONSerializer
 
-from services.controller.feeder import enqueue_extract as backfill_extract_job
 from services.controller.feeder import enqueue_generate
 from services.controller.supervisor import enqueue_train
-from services.generator.jobs import enqueue_extract
 from shared.jobs import (
     EXTRACT_FUNC,
     GENERATE_FUNC,
@@ -25,6 +23,7 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import SERIALIZER, queue
+from shared.sample_queue import enqueue_extract
 
 PICKLE_PROTOCOL_MARK = 0x80  # the first byte of every pickle of protocol 2 or later
 
@@ -54,13 +53,13 @@ def test_generate_jobs_are_stored_as_json(redis_conn):
     assert_json_job(redis_conn, generate_job_id("r", 3), GENERATE_FUNC, job.model_dump(mode="json"))
 
 
-def test_extract_jobs_from_the_generator_and_the_backfill_are_stored_as_json(redis_conn):
-    assert enqueue_extract(redis_conn, "r", 4)
-    assert backfill_extract_job(redis_conn, "r", 5)
-    for sample_id in (4, 5):
-        payload = json.loads(raw_job_data(redis_conn, extract_job_id("r", sample_id)))[2][0]
-        assert payload["run"] == "r" and payload["sample_id"] == sample_id
-        assert_json_job(redis_conn, extract_job_id("r", sample_id), EXTRACT_FUNC, payload)
+def test_extract_jobs_are_stored_as_json(redis_conn):
+    # The generator and the backfill share this one enqueue path.
+    assert enqueue_extract(redis_conn, "r", [4, 5, 7], batch=2) == [[4, 5], [7]]
+    for first, ids in ((4, [4, 5]), (7, [7])):
+        payload = json.loads(raw_job_data(redis_conn, extract_job_id("r", first)))[2][0]
+        assert payload["run"] == "r" and payload["sample_ids"] == ids
+        assert_json_job(redis_conn, extract_job_id("r", first), EXTRACT_FUNC, payload)
 
 
 def test_train_jobs_are_stored_as_json(redis_conn):

@@ -9,17 +9,19 @@ import pytest
 from rq import SimpleWorker
 
 from services.controller.failures import list_failures, name_failed_jobs, retry_failures
-from services.controller.feeder import backfill_extract, enqueue_extract, feed_run
+from services.controller.feeder import backfill_extract, feed_run
 from services.controller.reconcile import RunBusy, read_finished, write_finished
 from services.extractor.jobs import run_extract
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
 from shared.runstate import DROPPED, Failure, RunState
+from shared.sample_queue import enqueue_extract
 from shared.settings import ControllerSettings, ExtractorSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import ServiceProcess, free_port
+from tests.support.queues import queued_extractions
 
 RUN = "retry"
 
@@ -60,7 +62,7 @@ def test_retry_generates_failed_samples_again_and_regenerates_a_lost_reply(data_
             # An extraction fails because sample 5's reply is gone; retrying it must generate it again.
             state.paths.generated(5).unlink()
             settings = ExtractorSettings(data=data_dir, redis_url=redis_url, model_dir=tmp_path)
-            assert run_extract(ExtractJob(run=RUN, sample_id=5), settings, redis_conn, None, None) == "failed"
+            assert run_extract(ExtractJob(run=RUN, sample_ids=[5]), settings, redis_conn, None, None) == ["failed"]
             assert list_failures(data_dir, RUN, stage="extract")[0].error_class == "GeneratedFileError"
 
             server.script("w2", Reply("now it works fine"))
@@ -72,7 +74,7 @@ def test_retry_generates_failed_samples_again_and_regenerates_a_lost_reply(data_
     assert state.paths.generated(5).is_file() and state.paths.generated(2).is_file()
     assert len(server.requests_for("w2")) == 2 and len(server.requests_for("w5")) == 2
     assert len(server.requests_for("w0")) == 1  # settled samples are never asked for again
-    assert extract_job_id(RUN, 5) in queue(EXTRACT_QUEUE, redis_conn).get_job_ids()
+    assert 5 in queued_extractions(redis_conn)  # its new reply waits for extraction
 
 
 def test_drops_are_retried_when_named_and_malformed_rows_never(data_dir, redis_conn, tmp_path):
@@ -114,24 +116,23 @@ def test_a_job_rq_failed_names_its_samples(data_dir, redis_conn, tmp_path, monke
     state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(4))
     finish_samples(state, generated=range(3), extracted=[])
     state.mark_done("extract", 0)
-    for sample_id in (0, 1):
-        enqueue_extract(redis_conn, RUN, sample_id)
+    enqueue_extract(redis_conn, RUN, [0, 1], batch=16)  # one job of both samples
     monkeypatch.delenv("DRAFTLINE_MODEL_DIR", raising=False)  # the job cannot even load its settings
     monkeypatch.setenv("DRAFTLINE_DATA", str(data_dir))
     worker = SimpleWorker([queue(EXTRACT_QUEUE, redis_conn)], connection=redis_conn, serializer=SERIALIZER)
     worker.work(burst=True)
-    assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 2
+    assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 1
     assert name_failed_jobs(data_dir, redis_conn) == 1  # sample 0 was already done
     (failure,) = state.failures("extract")
     assert (failure.sample_id, failure.error_class) == (1, "JobFailed") and "SettingsError" in failure.message
     assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 0
-    assert enqueue_extract(redis_conn, RUN, 1)  # after a retry its job id is free again
+    assert enqueue_extract(redis_conn, RUN, [1], batch=16)  # after a retry its job id is free again
 
 
 def test_a_job_that_lost_redis_is_requeued_not_named(data_dir, redis_conn, tmp_path, monkeypatch, tiny_model_dir):
     state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(2))
     finish_samples(state, generated=range(2), extracted=[])
-    enqueue_extract(redis_conn, RUN, 1)
+    enqueue_extract(redis_conn, RUN, [1], batch=16)
     monkeypatch.setenv("DRAFTLINE_DATA", str(data_dir))
     monkeypatch.setenv("DRAFTLINE_MODEL_DIR", str(tiny_model_dir))
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # the job's Redis refuses

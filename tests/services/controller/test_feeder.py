@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import pytest
-from rq.job import JobStatus
-
-from services.controller.feeder import backfill_extract, enqueue_extract, feed_finished, feed_run
+from services.controller.feeder import backfill_extract, enqueue_generate, feed_finished, feed_run
 from services.controller.submit import submit_run
 from shared.jobs import (
-    EXTRACT_FUNC,
     EXTRACT_QUEUE,
     GENERATE_FUNC,
     GENERATE_QUEUE,
-    ExtractJob,
     GenerateJob,
+    PromptItem,
     extract_job_id,
     generate_job_id,
+    payload_sample_ids,
 )
 from shared.queues import queue
+from shared.sample_queue import enqueue_extract
 from shared.runspec import EvalConfig
 from shared.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
+from tests.support.queues import extract_batches, queued_extractions
 
 
 @pytest.fixture()
@@ -77,9 +77,7 @@ def test_feeding_continues_as_the_queue_drains_until_every_prompt_is_fed_once(da
 def test_extract_backlog_pauses_generation(data_dir, redis_conn, run):
     cfg = settings(data_dir, extract_backlog=2)
     extract = queue(EXTRACT_QUEUE, redis_conn)
-    for sample_id in (0, 1):
-        extract.enqueue_call(EXTRACT_FUNC, args=(ExtractJob(run=run, sample_id=sample_id).model_dump(mode="json"),),
-                             job_id=extract_job_id(run, sample_id))
+    enqueue_extract(redis_conn, run, [0, 1, 2], batch=2)  # the backlog counts jobs: two
     assert feed_run(cfg, redis_conn, run) == 0
     assert queue(GENERATE_QUEUE, redis_conn).count == 0
     extract.pop_job_id()
@@ -125,8 +123,7 @@ def enqueued_ids(conn, queue_name: str) -> list[int]:
     q = queue(queue_name, conn)
     ids = []
     for job_id in q.get_job_ids():
-        payload = q.fetch_job(job_id).args[0]
-        ids += [item["sample_id"] for item in payload["items"]] if "items" in payload else [payload["sample_id"]]
+        ids += payload_sample_ids(q.fetch_job(job_id).args[0])
     return ids
 
 
@@ -148,17 +145,6 @@ def test_a_rescan_skips_the_ids_of_waiting_jobs(data_dir, redis_conn, run):
     assert len(ids) == len(set(ids)) == 20 and ids[-8:] == list(range(14, 22))
 
 
-def test_a_job_id_of_a_finished_job_is_reused_and_a_waiting_one_is_not(redis_conn):
-    q = queue(EXTRACT_QUEUE, redis_conn)
-    assert enqueue_extract(redis_conn, "r", 4) is True
-    assert enqueue_extract(redis_conn, "r", 4) is False  # still waiting: never twice in the queue
-    job = q.fetch_job(extract_job_id("r", 4))
-    q.remove(job)
-    job.set_status(JobStatus.FINISHED)  # ran, yet the sample is not settled (a retry cleared its failure, say)
-    assert enqueue_extract(redis_conn, "r", 4) is True
-    assert q.get_job_ids() == [extract_job_id("r", 4)]
-
-
 def test_backfill_queues_extractions_for_replies_without_one_within_the_backlog(data_dir, redis_conn, run):
     state = RunState(redis_conn, data_dir, run)
     for sample_id in range(10):
@@ -166,15 +152,30 @@ def test_backfill_queues_extractions_for_replies_without_one_within_the_backlog(
     for sample_id in (0, 1, 2):
         state.mark_done("extract", sample_id)
     state.mark_failed(Failure(run=run, stage="extract", sample_id=3, error_class="X", message="m"))
-    cfg = settings(data_dir, extract_backlog=4)
-    assert backfill_extract(cfg, redis_conn, run) == 4
+    cfg = settings(data_dir, extract_backlog=2, extract_batch=2)
+    assert backfill_extract(cfg, redis_conn, run) == 4  # two jobs of two samples
     assert backfill_extract(cfg, redis_conn, run) == 0  # backlog full
     assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [4, 5, 6, 7]
-    for _ in range(2):
-        queue(EXTRACT_QUEUE, redis_conn).pop_job_id()
+    queue(EXTRACT_QUEUE, redis_conn).pop_job_id()
     assert backfill_extract(cfg, redis_conn, run) == 2
     assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [6, 7, 8, 9]
     assert backfill_extract(cfg, redis_conn, run) == 0
+
+
+def test_backfill_never_queues_a_sample_a_waiting_batch_job_or_a_generate_job_in_flight_holds(data_dir, redis_conn,
+                                                                                               run):
+    state = RunState(redis_conn, data_dir, run)
+    for sample_id in range(10):
+        state.mark_done("generate", sample_id)
+    enqueue_extract(redis_conn, run, [1, 2, 5], batch=16)  # the generator's batch, waiting
+    # Replies 8 and 9 are saved, and their generate job, still in flight, queues their extraction as it ends.
+    enqueue_generate(redis_conn, GenerateJob(run=run, items=[PromptItem(sample_id=i, messages=[]) for i in (8, 9)]))
+    cfg = settings(data_dir, extract_batch=16)
+    assert backfill_extract(cfg, redis_conn, run) == 5
+    assert extract_batches(redis_conn) == {extract_job_id(run, 1): [1, 2, 5], extract_job_id(run, 0): [0, 3, 4, 6, 7]}
+    state.set_meta(extract_cursor=0)  # another pass while both jobs still wait
+    assert backfill_extract(cfg, redis_conn, run) == 0
+    assert queued_extractions(redis_conn) == [0, 1, 2, 3, 4, 5, 6, 7]  # each sample once
 
 
 def test_a_resumed_large_run_never_exceeds_the_windows_and_feeds_each_open_id_once(data_dir, redis_conn, tmp_path):
@@ -197,13 +198,16 @@ def test_a_resumed_large_run_never_exceeds_the_windows_and_feeds_each_open_id_on
             break
         for job_id in gen_q.get_job_ids()[:2]:  # workers take a few jobs and finish them
             gen_q.remove(job_id)
-            for item in gen_q.fetch_job(job_id).args[0]["items"]:
-                generated.append(item["sample_id"])
-                state.mark_done("generate", item["sample_id"])
+            ids = [item["sample_id"] for item in gen_q.fetch_job(job_id).args[0]["items"]]
+            for sample_id in ids:
+                generated.append(sample_id)
+                state.mark_done("generate", sample_id)
+            enqueue_extract(redis_conn, "big", ids, batch=cfg.extract_batch)  # as the generator does as a job ends
         for job_id in ext_q.get_job_ids()[:25]:
             ext_q.remove(job_id)
-            extracted.append(ext_q.fetch_job(job_id).args[0]["sample_id"])
-            state.mark_done("extract", extracted[-1])
+            for sample_id in ext_q.fetch_job(job_id).args[0]["sample_ids"]:
+                extracted.append(sample_id)
+                state.mark_done("extract", sample_id)
     assert sorted(generated) == [i for i in range(4900, 5000) if i != 4990]
     assert sorted(extracted) == [i for i in range(4800, 5000) if i != 4990]
     assert state.counts("extract").done == 4999

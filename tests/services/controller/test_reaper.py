@@ -188,13 +188,13 @@ def test_each_requeue_counts_a_retry_of_every_sample_of_the_job(redis_conn):
     queue(GENERATE_QUEUE, redis_conn).enqueue_call(GENERATE_FUNC, args=(
         GenerateJob(run="counted", items=items).model_dump(mode="json"),), job_id=generate_job_id("counted", 0))
     queue(EXTRACT_QUEUE, redis_conn).enqueue_call(EXTRACT_FUNC, args=(
-        ExtractJob(run="counted", sample_id=7).model_dump(mode="json"),), job_id=extract_job_id("counted", 7))
+        ExtractJob(run="counted", sample_ids=[7, 8]).model_dump(mode="json"),), job_id=extract_job_id("counted", 7))
     workers = [take(redis_conn, "w-gen")[0], take(redis_conn, "w-ext", EXTRACT_QUEUE)[0]]
     for worker in workers:
         redis_conn.delete(worker.key)
     assert requeue_abandoned(redis_conn) == 2
     meta = RunState(redis_conn, Path(), "counted").meta()
-    assert (float(meta["generate_retried"]), float(meta["extract_retried"])) == (3, 1)
+    assert (float(meta["generate_retried"]), float(meta["extract_retried"])) == (3, 2)
 
 
 def test_a_requeued_job_leaves_no_execution_record_and_goes_to_the_front_of_its_queue(redis_conn):

@@ -13,7 +13,6 @@ from services.controller.submit import submit_run
 from services.extractor.client import HiddenStatesClient
 from services.extractor.jobs import load_tokenizer, run_extract
 from services.extractor.tokenize import build_sample
-from services.generator.jobs import enqueue_extract
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
@@ -21,6 +20,7 @@ from shared.jobs import ExtractJob
 from shared.manifest import manifest_path, read_manifest
 from shared.runspec import EvalConfig, ExtractionConfig
 from shared.runstate import RunState
+from shared.sample_queue import enqueue_extract
 from shared.settings import ExtractorSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.processes import ServiceProcess, free_port
@@ -80,7 +80,8 @@ def make_run(data_dir, conn, tmp_path, name: str, *, extraction: ExtractionConfi
 def extract(state: RunState, sample_id: int, cfg: ExtractorSettings, conn, *, retry_delays_s=(0.05,)) -> str:
     client = HiddenStatesClient(cfg.hidden_states_url, timeout_s=cfg.request_timeout_s, retry_delays_s=retry_delays_s)
     tokenizer = load_tokenizer(str(cfg.model_dir))
-    return run_extract(ExtractJob(run=state.run, sample_id=sample_id), cfg, conn, tokenizer, client)
+    (outcome,) = run_extract(ExtractJob(run=state.run, sample_ids=[sample_id]), cfg, conn, tokenizer, client)
+    return outcome
 
 
 def test_extract_writes_a_verified_file_with_our_tokens_and_mask(inference, data_dir, redis_url, redis_conn, tmp_path,
@@ -141,8 +142,8 @@ def test_a_file_in_another_storage_than_the_runs_is_a_named_failure_and_removed(
     state = make_run(data_dir, redis_conn, tmp_path, "wrong-storage", extraction=ExtractionConfig(storage="fp8"))
     cfg = settings(data_dir, redis_url, tiny_model_dir, inference["url"])
     client = IgnoresStorage(cfg.hidden_states_url, timeout_s=cfg.request_timeout_s, retry_delays_s=(0.05,))
-    job = ExtractJob(run=state.run, sample_id=0)
-    assert run_extract(job, cfg, redis_conn, load_tokenizer(str(cfg.model_dir)), client) == "failed"
+    job = ExtractJob(run=state.run, sample_ids=[0])
+    assert run_extract(job, cfg, redis_conn, load_tokenizer(str(cfg.model_dir)), client) == ["failed"]
     (failure,) = state.failures("extract")
     assert failure.error_class == "HiddenStateFileError" and "states in F32, the run stores them as 'fp8'" in failure.message
     assert not state.paths.hidden(0).exists() and state.counts("extract").done == 0
@@ -176,8 +177,7 @@ def test_problems_become_named_extract_failures(inference, data_dir, redis_url, 
 
 def test_extractor_worker_process_drains_the_queue(inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir):
     state = make_run(data_dir, redis_conn, tmp_path, "worker")
-    for sample_id in REPLIES:
-        enqueue_extract(redis_conn, "worker", sample_id)
+    enqueue_extract(redis_conn, "worker", REPLIES, batch=2)  # a batch of two and a batch of one
     env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
            "DRAFTLINE_HIDDEN_STATES_URL": inference["url"]}
     with ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs") as worker:

@@ -8,11 +8,11 @@ import signal
 import pytest
 
 from services.controller.submit import submit_run
-from services.generator.jobs import enqueue_extract
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.runspec import EvalConfig
 from shared.runstate import RunState
+from shared.sample_queue import enqueue_extract
 from tests.services.controller.test_datasets import write_jsonl
 from tests.services.generator.inference_pair import (
     HIDDEN_ENDPOINT,
@@ -65,15 +65,15 @@ def test_a_worker_uses_both_endpoints_and_finishes_every_sample_after_one_is_kil
                "DRAFTLINE_HIDDEN_STATES_URL": f"{a_url}, {b_url}", "DRAFTLINE_RETRY_MAX_ATTEMPTS": "1"}
         with ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs") as worker:
             for sample_id in range(FIRST):
-                enqueue_extract(redis_conn, RUN, sample_id)
+                enqueue_extract(redis_conn, RUN, [sample_id], batch=1)
             wait_until(lambda: extracted() == FIRST, "the first samples extracted", 180, worker)
-            # Each job starts at the endpoint its sample id names: even ids at a, odd ones at b.
+            # Each job (of one sample here) starts at the endpoint its first sample id names: even ids at a, odd at b.
             assert served(a_url, HIDDEN_ENDPOINT) == FIRST // 2 and served(b_url, HIDDEN_ENDPOINT) == FIRST // 2
             assert float(state.meta().get("extract_retried", 0)) == 0
 
             a.stop(signal.SIGKILL)
             for sample_id in range(FIRST, SAMPLES):
-                enqueue_extract(redis_conn, RUN, sample_id)
+                enqueue_extract(redis_conn, RUN, [sample_id], batch=1)
             wait_until(lambda: extracted() == SAMPLES, "every sample extracted with one endpoint dead", 300, worker)
         counts = state.counts("extract")
         assert (counts.done, counts.failed) == (SAMPLES, 0), state.failures()

@@ -14,6 +14,7 @@ from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
 from shared.settings import GeneratorSettings
 from tests.services.controller.test_datasets import write_jsonl
+from tests.support.queues import extract_batches
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port
 
@@ -78,10 +79,10 @@ def test_each_sample_ends_done_dropped_or_named_and_never_costs_the_others(data_
         assert not state.paths.generated(sample_id).exists()
 
     extract = queue(EXTRACT_QUEUE, redis_conn)
-    assert sorted(extract.get_job_ids()) == [extract_job_id(RUN, i) for i in (0, 1, 5)]
-    job = extract.fetch_job(extract_job_id(RUN, 5))
+    assert extract_batches(redis_conn) == {extract_job_id(RUN, 0): [0, 1, 5]}  # the replies, in one extract job
+    job = extract.fetch_job(extract_job_id(RUN, 0))
     assert job.func_name == EXTRACT_FUNC
-    assert ExtractJob.model_validate(job.args[0]).sample_id == 5
+    assert ExtractJob.model_validate(job.args[0]).sample_ids == [0, 1, 5]
 
 
 def test_request_carries_the_runs_generation_settings_and_a_per_sample_seed(data_dir, redis_url, redis_conn, tmp_path, server):
@@ -100,14 +101,24 @@ def test_a_sample_with_a_reply_file_is_not_asked_again_but_its_extraction_is_ens
     run_generate(GenerateJob(run=RUN, items=items), cfg, redis_conn)
     assert len(server.requests) == 2
     extract = queue(EXTRACT_QUEUE, redis_conn)
-    for sample_id in (0, 1):  # both extraction jobs were lost (say, Redis restarted) ...
-        extract.fetch_job(extract_job_id(RUN, sample_id)).delete()
+    extract.fetch_job(extract_job_id(RUN, 0)).delete()  # the extraction job was lost (say, Redis restarted) ...
     RunState(redis_conn, data_dir, RUN).mark_done("extract", 0)  # ... but sample 0 had already been extracted
     summary = run_generate(GenerateJob(run=RUN, items=items), cfg, redis_conn)
     assert summary == {"skipped": 2}
     assert len(server.requests) == 2
-    assert extract.get_job_ids() == [extract_job_id(RUN, 1)]
+    assert extract_batches(redis_conn) == {extract_job_id(RUN, 1): [1]}
     assert RunState(redis_conn, data_dir, RUN).counts("generate").done == 2
+
+
+def test_a_jobs_replies_are_queued_for_extraction_in_jobs_of_extract_batch_once(data_dir, redis_url, redis_conn,
+                                                                               tmp_path, server):
+    items = make_run(data_dir, redis_conn, tmp_path, 5)
+    cfg = settings(data_dir, redis_url, server).model_copy(update={"extract_batch": 2})
+    assert run_generate(GenerateJob(run=RUN, items=items), cfg, redis_conn) == {"done": 5}
+    expected = {extract_job_id(RUN, 0): [0, 1], extract_job_id(RUN, 2): [2, 3], extract_job_id(RUN, 4): [4]}
+    assert extract_batches(redis_conn) == expected
+    run_generate(GenerateJob(run=RUN, items=items), cfg, redis_conn)  # the same job again (requeued, say)
+    assert extract_batches(redis_conn) == expected  # every reply still waits in exactly one job
 
 
 def test_unreachable_server_is_a_named_inference_unavailable_failure(data_dir, redis_url, redis_conn, tmp_path):

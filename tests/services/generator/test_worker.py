@@ -11,7 +11,7 @@ from rq.registry import FinishedJobRegistry
 from services.controller.failures import name_failed_jobs
 from services.controller.feeder import enqueue_once, feed_run
 from services.controller.submit import submit_run
-from shared.jobs import EXTRACT_QUEUE, GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
+from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
@@ -20,6 +20,7 @@ from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.shared.test_worker import wait_for
 from tests.support.processes import ServiceProcess
+from tests.support.queues import extract_batches, queued_extractions
 from tests.support.workers import successful_jobs
 
 RUN = "worker"
@@ -51,7 +52,7 @@ def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, red
     assert (gen.done, gen.failed, gen.dropped) == (9, 1, 0)
     assert [(f.sample_id, f.error_class) for f in state.failures()] == [(4, "InferenceRejected")]
     assert queue(GENERATE_QUEUE, redis_conn).count == 0
-    assert sorted(queue(EXTRACT_QUEUE, redis_conn).get_job_ids()) == [extract_job_id(RUN, i) for i in range(10) if i != 4]
+    assert queued_extractions(redis_conn) == [i for i in range(10) if i != 4]  # each reply's extraction, once
     reply = json.loads(state.paths.generated(9).read_text())["reply"]
     assert reply == {"content": "a perfectly ordinary answer", "reasoning_content": "some thoughts first"}
 
@@ -94,8 +95,8 @@ def test_a_finished_sample_job_leaves_redis_at_once_and_a_failed_one_stays_until
     state, good, broken = generate_one_good_and_one_broken_job(data_dir, redis_url, redis_conn, tmp_path, {}, feeder)
     assert not redis_conn.exists(Job.key_for(good))
     assert FinishedJobRegistry(GENERATE_QUEUE, connection=redis_conn).count == 0
-    extractions = [extract_job_id(TTL_RUN, i) for i in range(3)]
-    assert sorted(queue(EXTRACT_QUEUE, redis_conn).get_job_ids()) == extractions
+    extractions = [extract_job_id(TTL_RUN, 0)]
+    assert extract_batches(redis_conn) == {extractions[0]: [0, 1, 2]}  # the generate job's replies, one extract job
     assert {redis_conn.hget(Job.key_for(job_id), "result_ttl") for job_id in extractions} == {b"0"}
     # The failed job stays a week, long enough for the controller to name its sample on the volume.
     assert Job.fetch(broken, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FAILED
@@ -115,7 +116,7 @@ def test_a_finished_sample_job_is_kept_for_the_set_ttl_then_is_gone(data_dir, re
     assert Job.fetch(good, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FINISHED
     assert 0 < redis_conn.ttl(Job.key_for(good)) <= ttl and finished.get_job_ids() == [good]
     # The generator read the same setting for the extractions it queued.
-    assert {redis_conn.hget(Job.key_for(extract_job_id(TTL_RUN, i)), "result_ttl") for i in range(3)} == {b"3"}
+    assert redis_conn.hget(Job.key_for(extract_job_id(TTL_RUN, 0)), "result_ttl") == b"3"
     time.sleep(ttl + 1)
     assert not redis_conn.exists(Job.key_for(good)) and finished.get_job_ids() == []
     assert Job.fetch(broken, connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.FAILED
