@@ -88,7 +88,7 @@ def extract_all(state, cfg, conn, tokenizer) -> list[str]:
     results = []
     for sample_id in range(3):
         source = make_source(cfg, model=target64.MODEL_NAME, start=sample_id)
-        results.append(run_extract(ExtractJob(run=state.run, sample_id=sample_id), cfg, conn, tokenizer, source))
+        results += run_extract(ExtractJob(run=state.run, sample_ids=[sample_id]), cfg, conn, tokenizer, source)
     return results
 
 
@@ -123,7 +123,7 @@ def test_a_server_that_saves_other_layers_fails_the_sample_by_name_and_sends_not
     cfg = settings(volume, redis_url, tiny64_dir, engine["url"], hidden_source="vllm", vllm_storage=engine["storage"],
                    vllm_saved_layers=[1, 2, 4])  # layer 2's output (engine id 3) is not saved
     source = make_source(cfg, model=target64.MODEL_NAME)
-    assert run_extract(ExtractJob(run=state.run, sample_id=0), cfg, redis_conn, tokenizer, source) == "failed"
+    assert run_extract(ExtractJob(run=state.run, sample_ids=[0]), cfg, redis_conn, tokenizer, source) == ["failed"]
     (failure,) = state.failures("extract")
     assert failure.error_class == "EngineLayersMissing" and "[3]" in failure.message
     assert "eagle_aux_hidden_state_layer_ids [1, 2, 3, 4]" in failure.message

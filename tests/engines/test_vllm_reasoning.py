@@ -158,9 +158,9 @@ def test_extraction_learns_every_reply_token_the_engine_produced_thinking_includ
     started = time.monotonic()
     for sample_id, record in enumerate(records(generated)):
         source = make_source(settings, model=engine.model, start=sample_id)
-        job = ExtractJob(run=generated.run, sample_id=sample_id)
+        job = ExtractJob(run=generated.run, sample_ids=[sample_id])
         outcome = run_extract(job, settings, generated.conn, tokenizer, source)
-        assert outcome == "done", (generated.failures("extract"), engine.log_path)
+        assert outcome == ["done"], (generated.failures("extract"), engine.log_path)
         path = generated.paths.hidden(sample_id)
         verify_hidden_file(path, layer_ids=RUN_LAYERS, hidden_size=128)
         saved = load_file(path)
