@@ -60,7 +60,11 @@ def finished(vllm_cpu_python, tiny64_dir, tmp_path_factory, redis_server):
         env = {"DRAFTLINE_DATASET_ROOTS": str(root), "DRAFTLINE_INFERENCE_URL": url,
                "DRAFTLINE_HIDDEN_STATES_URL": url, "DRAFTLINE_HIDDEN_SOURCE": "vllm",
                "DRAFTLINE_VLLM_STORAGE": str(storage), "DRAFTLINE_VLLM_SAVED_LAYERS": str(saved),
-               "DRAFTLINE_RETRY_MAX_DELAY_S": "1"}
+               "DRAFTLINE_RETRY_MAX_DELAY_S": "1",
+               # One sample per extract job, as before batches: the engine is killed at the first extracted sample,
+               # and in jobs of 16 the rest of a 22-sample run can be done before the kill lands, leaving nothing
+               # for the restarted engine to serve (the test failed once under load after batches came in).
+               "DRAFTLINE_EXTRACT_BATCH": "1"}
         config = StackConfig(data=data, model_dir=tiny64_dir, log_dir=root / "logs", redis_url=redis_server.url,
                              replicas={"inference": 0, "generator": 1, "extractor": 1}, env=env)
         with LocalStack(config) as local:
