@@ -39,6 +39,9 @@ pytestmark = pytest.mark.slow
 PASSWORD = "remote-host-pw"
 RUN = "remote"
 ROWS, HOLDOUT = 10, 2
+# The count of jobs each host's worker ran is the evidence here; with one sample per extract job (the
+# generator's and the controller's setting) that count is known from the samples alone.
+ONE_SAMPLE_PER_EXTRACT_JOB = {"DRAFTLINE_EXTRACT_BATCH": "1"}
 
 
 class Host:
@@ -141,7 +144,7 @@ def remote_run(tmp_path_factory, protected_redis, tiny_model_dir):
     mount.symlink_to(export, target_is_directory=True)
     config = StackConfig(data=export, model_dir=model, log_dir=root / "host-a" / "logs", redis_url=protected_redis,
                          replicas={"generator": 0, "extractor": 0, "trainer": 0},
-                         env={"DRAFTLINE_DATASET_ROOTS": str(root)})
+                         env={"DRAFTLINE_DATASET_ROOTS": str(root), **ONE_SAMPLE_PER_EXTRACT_JOB})
     conn = redis.Redis.from_url(protected_redis)
     with LocalStack(config) as stack:
         body = {"dataset": str(dataset), "name": RUN, "evaluate": {"holdout": HOLDOUT, "sets": ["holdout"], "curve_max_steps": 2},
@@ -152,7 +155,7 @@ def remote_run(tmp_path_factory, protected_redis, tiny_model_dir):
         queued_before = queue(GENERATE_QUEUE, conn).get_job_ids()
 
         worker_env = {"REDIS_URL": protected_redis, "DRAFTLINE_INFERENCE_URL": stack.url("inference"),
-                      "DRAFTLINE_HIDDEN_STATES_URL": stack.url("inference")}
+                      "DRAFTLINE_HIDDEN_STATES_URL": stack.url("inference"), **ONE_SAMPLE_PER_EXTRACT_JOB}
         # Host C forgot to mount the share: its "mount point" is an empty local directory.
         unmounted = root / "host-c-mnt"
         unmounted.mkdir()
