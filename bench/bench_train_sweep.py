@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from services.inference.hidden import host_tensor, quantize_fp8  # noqa: E402
+from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evalsets import load_sets  # noqa: E402
 from services.trainer.evaluate import evaluate_sets, exported_drafter, load_target  # noqa: E402
@@ -70,7 +70,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 
 def fp8_copy(source: Path, target: Path) -> None:
     """``source`` (a bf16 hidden-state file) rewritten with fp8 states and their scales, as the extractor
-    writes them: the same ids, mask and metadata, the states through the production ``quantize_fp8``."""
+    writes them: the same ids, mask and metadata, the states through the production ``stored_states``."""
     header, _ = read_header(source)
     metadata = dict(header.get("__metadata__") or {})
     tensors = load_file(str(source))
@@ -78,11 +78,8 @@ def fp8_copy(source: Path, target: Path) -> None:
         eagle3.INPUT_IDS: RawTensor.of(tensors[eagle3.INPUT_IDS].numpy()),
         eagle3.LOSS_MASK: RawTensor.of(tensors[eagle3.LOSS_MASK].numpy()),
     }
-    for name in (eagle3.AUX_HIDDEN, eagle3.LAST_HIDDEN):
-        scale_name, layers = eagle3.SCALES[name]
-        quantized, scale = quantize_fp8(tensors[name], layers)
-        out[name] = host_tensor(quantized, eagle3.FP8_DTYPE)
-        out[scale_name] = host_tensor(scale, eagle3.SCALE_DTYPE)
+    stored = stored_states(tensors[eagle3.AUX_HIDDEN], tensors[eagle3.LAST_HIDDEN], "fp8")
+    out.update(raw_states(stored, "fp8", metadata.get(eagle3.META_DTYPE, "BF16")))
     write_safetensors(target, out, metadata)
     verify_hidden_file(target)
 
