@@ -44,7 +44,7 @@ from shared.atomic import atomic_write_text  # noqa: E402
 from shared.hidden_file import read_header, verify_hidden_file  # noqa: E402
 from shared.hidden_write import RawTensor, write_safetensors  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
-from shared.runspec import RunSpec  # noqa: E402
+from shared.runspec import RunSpec, TrainConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ def make_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any])
     """A run named ``name``: the source's files (linked, or fp8 copies) and its training settings with
     ``fields`` replaced."""
     train = {k: v for k, v in fields.items() if k != STORAGE_KEY}
-    spec = source.model_copy(update={"name": name, "train": source.train.model_copy(update=train)})
+    # Validated as a run's settings are: a misspelt or out-of-range field fails here, naming it, before any file.
+    spec = source.model_copy(update={"name": name, "train": TrainConfig.model_validate(
+        {**source.train.model_dump(), **train})})
     fp8 = fields.get(STORAGE_KEY) == "fp8"
     paths = RunPaths(data, name)
     for sample_id, path in list_hidden_files(RunPaths(data, source.name)):
@@ -160,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
 
     data = args.data.resolve()
     source = RunSpec.load(data, args.run)
+    for name, fields in variants:  # every variant's settings checked before the first one trains
+        try:
+            TrainConfig.model_validate({**source.train.model_dump(), **{k: v for k, v in fields.items() if k != STORAGE_KEY}})
+        except ValueError as exc:
+            parser.error(f"--variant {name}: {exc}")
     target, tokenizer = load_target(args.model_dir, torch.device(args.device))
     stamp = time.strftime("%H%M%S")
     figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "source_run": source.name,
