@@ -124,7 +124,8 @@ def make_pool(data: Path, model_dir: Path, count: int, args: argparse.Namespace,
     return index
 
 
-def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.Namespace, attention: str = "auto") -> RunSpec:
+def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.Namespace, attention: str = "auto",
+             precision: str = "fp32") -> RunSpec:
     """A run of ``files`` samples (hard links to the pool's first files) that trains one epoch."""
     paths = RunPaths(data, name)
     shutil.rmtree(paths.root, ignore_errors=True)
@@ -134,7 +135,8 @@ def make_run(data: Path, name: str, files: int, batch_size: int, args: argparse.
         target.parent.mkdir(parents=True, exist_ok=True)
         os.link(pool.hidden(sample_id), target)
     train = TrainConfig(epochs=1, batch_size=batch_size, ttt_steps=args.ttt_steps, max_length=max(int(n) for n in args.length.split(",")),
-                        draft_vocab_size=args.draft_vocab, save_every=10**9, seed=args.seed, attention=attention)
+                        draft_vocab_size=args.draft_vocab, save_every=10**9, seed=args.seed, attention=attention,
+                        precision=precision)
     spec = RunSpec(name=name, dataset="synthetic", model=MODEL_NAME, rows=files, train_ids=files, train=train,
                    evaluate=EvalConfig(holdout=0))
     spec.save(data)
@@ -294,7 +296,7 @@ def summarize(raw: dict, spec: RunSpec, procs: int, index: list[dict], warmup: i
         "first_step_s": round(ends[0], 2), "total_s": round(raw["total_s"], 2),
         "loss_first": round(raw["losses"][0], 4), "loss_last": round(raw["losses"][-1], 4),
         "peak_gib_rank0": round(raw["peak_gib_rank0"], 2) if raw["peak_gib_rank0"] is not None else None,
-        "attention": spec.train.attention,
+        "attention": spec.train.attention, "precision": spec.train.precision,
         "trainable_params": raw["trainable_params"], "device": raw["device"],
     }
     summary.update({k: raw[k] for k in ("allreduce_grad_ms", "allreduce_grad_bytes", "allreduce_small_ms") if k in raw})
@@ -324,26 +326,27 @@ def bench_main(args: argparse.Namespace) -> None:
     for batch_size in batch_sizes:
         for procs in procs_list:
             for attention in args.attention.split(","):
-                results.append(one_config(args, work, index, results, batch_size, procs, started, attention))
-                print(json.dumps(results[-1]), flush=True)
+                for precision in args.precision.split(","):
+                    results.append(one_config(args, work, index, results, batch_size, procs, started, attention, precision))
+                    print(json.dumps(results[-1]), flush=True)
             if args.out:  # after every configuration, so a run cut short still leaves what it measured
                 args.out.write_text(json.dumps({"shape": shape_of(args), "results": results}, indent=1), encoding="utf-8")
 
 
 def one_config(args: argparse.Namespace, work: Path, index: list[dict], done: list[dict], batch_size: int, procs: int,
-               started: float, attention: str = "auto") -> dict:
+               started: float, attention: str = "auto", precision: str = "fp32") -> dict:
+    variant = {"procs": procs, "batch_per_gpu": batch_size, "attention": attention, "precision": precision}
     if args.deadline_s and time.perf_counter() - started > args.deadline_s:
-        return {"procs": procs, "batch_per_gpu": batch_size, "attention": attention,
-                "skipped": f"past --deadline-s {args.deadline_s}"}
+        return {**variant, "skipped": f"past --deadline-s {args.deadline_s}"}
     data = work / "data"
-    spec = make_run(data, f"bench-b{batch_size}-p{procs}-{attention}", args.steps * batch_size * procs, batch_size, args,
-                    attention)
+    spec = make_run(data, f"bench-b{batch_size}-p{procs}-{attention}-{precision}", args.steps * batch_size * procs,
+                    batch_size, args, attention, precision)
     try:
         summary = summarize(run_config(work, spec, procs, args), spec, procs, index, args.warmup,
                             args.profile_steps if args.profile_dir else 0)
     except subprocess.CalledProcessError as exc:  # out of memory, say: the other configurations still run
         log.error("%s failed: %s", spec.name, exc)
-        return {"procs": procs, "batch_per_gpu": batch_size, "attention": attention, "error": str(exc)}
+        return {**variant, "error": str(exc)}
     finally:
         shutil.rmtree(RunPaths(data, spec.name).checkpoints_dir, ignore_errors=True)  # GBs each at 8B shape
     length = summary["tokens_per_s"] / summary["steps_per_s"] / spec.train.batch_size / procs  # mean sample length
@@ -351,7 +354,7 @@ def one_config(args: argparse.Namespace, work: Path, index: list[dict], done: li
     if summary["device"] != "cpu":
         summary["mfu"] = round(summary["tokens_per_s"] / procs * summary["flops_per_token"] / PEAK_BF16_FLOPS, 4)
     base = next((r for r in done if r["batch_per_gpu"] == batch_size and r["procs"] == 1 and "tokens_per_s" in r
-                 and r.get("attention") == attention), None)
+                 and r.get("attention") == attention and r.get("precision") == precision), None)
     if base is not None and procs > 1:  # global tokens per second, N processes against one
         summary["speedup_vs_1"] = round(summary["tokens_per_s"] / base["tokens_per_s"], 3)
         summary["scaling_efficiency"] = round(summary["speedup_vs_1"] / procs, 3)
@@ -391,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--length", default="2048", help="sample lengths in tokens, round-robin over the files")
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--attention", default="auto", help="TTT attention kinds to compare (train.attention): auto,dense,flex")
+    parser.add_argument("--precision", default="fp32", help="weights to compare (train.precision): fp32,bf16")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile the last this many steps on rank 0 (left out of the timing; with --profile-dir)")
     parser.add_argument("--profile-dir", type=Path, default=None, help="where the profiles' tables go")

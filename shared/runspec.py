@@ -69,6 +69,10 @@ class TrainConfig(_Frozen):
     attention: Literal["auto", "dense", "flex"] = Field(
         "auto", description="TTT attention of the chain steps: flex (block-sparse, compiled; CUDA), dense (any device, "
                             "the reference), auto (flex on CUDA, dense otherwise). Both compute the same function.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Weights a step computes with: fp32 (float32 weights; bf16 autocast on CUDA), or bf16 "
+                            "(bf16 weights and gradients, float32 master copies in the optimizer and the checkpoints: "
+                            "about 0.1-0.2 GiB less at 8B drafter shapes, no faster; bench/RESULTS.md).")
 
 
 EvalSetName = Literal["holdout", "humaneval"]  # services/trainer/evalsets.py loads each

@@ -50,10 +50,10 @@ def compiled_for_cuda_training(fn: Fn) -> Fn:
 
 
 @compiled_for_cuda_training
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalize in float32 like the serving engines, then scale in the input dtype.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # Normalize in float32 like the serving engines, then scale in the input dtype; the result in ``dtype``.
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return (weight * normed.to(x.dtype)).to(dtype)
 
 
 @compiled_for_cuda_training

@@ -158,7 +158,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)  # float32 normalization, scaled in the input dtype
+        # Every norm's output goes straight into matmuls. Under autocast they would each round it to bf16 and
+        # cast their gradient back: rounding inside the norm's kernel gives them the same values in one
+        # half-size tensor (bench/RESULTS.md, the trainer profile's casts).
+        device = x.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else torch.promote_types(self.weight.dtype, x.dtype))
+        return rms_norm(x, self.weight, self.eps, dtype)  # float32 normalization, scaled in the input dtype
 
 
 class RotaryEmbedding(nn.Module):

@@ -78,6 +78,7 @@ from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidde
 from services.trainer.export import load_drafter
 from services.trainer.losses import soft_cross_entropy
 from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache, rope_scaling_of
+from services.trainer.precision import Float32Weights, make_weights, precision_kind
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
 from services.trainer.ttt_attention import FLEX, attention_kind
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
@@ -383,6 +384,7 @@ class Session:
     drafter: Eagle3Drafter
     objective: nn.Module
     lm_head: torch.Tensor  # (V, H) the target's, on the device
+    weights: Float32Weights  # what the step computes with and what the optimizer updates (precision)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     dataset: HiddenStateDataset
@@ -415,6 +417,8 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     drafter.store_embedding_as(head.embed.dtype)
     drafter = drafter.to(dev)
     attention = attention_kind(cfg.attention, dev)
+    precision = precision_kind(cfg.precision)
+    weights = make_weights(drafter, precision)
     objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX)
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them in memory, not two.
@@ -422,7 +426,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
                                                         gradient_as_bucket_view=True)
     # The fused CUDA AdamW updates every tensor in a few kernels (the foreach one: 8.3 ms a step at 8B shapes,
     # fused 3.5; bench/RESULTS.md); it keeps the same state, so checkpoints move between the two.
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=cfg.lr, weight_decay=0.0, fused=dev.type == "cuda")
+    optimizer = torch.optim.AdamW(weights.optimizer_params, lr=cfg.lr, weight_decay=0.0, fused=dev.type == "cuda")
     lengths = [min(info.num_tokens, max_length) for info in infos]
     batching = checkpoint_batching(paths, cfg)
     epochs = auto_epochs(cfg.epochs, sum(lengths))
@@ -431,16 +435,17 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     total = sum(len(plan) for plan in plans)
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    position = resume(paths, total, world, drafter, optimizer, scheduler)
-    session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), optimizer, scheduler,
+    with weights.full_precision():
+        position = resume(paths, total, world, drafter, optimizer, scheduler)
+    session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), weights, optimizer, scheduler,
                       HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world)
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
     log.info("training %s: %d files of up to %d tokens, %d epochs%s, %s batches, %d steps, starting at step %d, %s TTT "
-             "attention", spec.name, len(files), max_length, epochs,
+             "attention, %s weights", spec.name, len(files), max_length, epochs,
              "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over {sum(lengths):,} a pass)",
-             batching, total, session.position.step, attention)
+             batching, total, session.position.step, attention, precision)
     return session
 
 
@@ -534,9 +539,12 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
-                ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer, scheduler=s.scheduler,
-                                     position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
-                                     extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching})
+                with s.weights.full_precision():
+                    ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
+                                         scheduler=s.scheduler,
+                                         position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
+                                         extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching})
+    s.weights.finish()
     s.result.steps = step
     return s.result
 
@@ -566,7 +574,8 @@ class StepResult:
 def train_step(s: Session, batch: Batch) -> StepResult:
     """One optimizer step on the global batch."""
     targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
-    with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.device.type == "cuda"):
+    autocast = s.device.type == "cuda" or s.weights.compute_dtype is not None  # bf16 weights on the CPU too
+    with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=autocast):
         ce_sums, counts = s.objective(batch, targets)  # (K,), (3, K)
     k = ce_sums.shape[0]
     total = global_sum(torch.cat([ce_sums.detach(), counts.flatten(), batch.loss_mask.sum().view(1)]), s.world)
@@ -578,8 +587,9 @@ def train_step(s: Session, batch: Batch) -> StepResult:
     s.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     # After backward every rank holds DDP's averaged gradient, so this is the global batch's gradient norm.
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.trainable_parameters(), s.cfg.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.weights.grads_to_optimizer(), s.cfg.grad_clip)
     s.optimizer.step()
+    s.weights.after_update()
     s.scheduler.step()
     step_losses, accs = g_ce / g_masked.clamp(min=1), g_hits / g_learned.clamp(min=1)
     # One copy to the host for everything the log records: each float() would wait for the GPU again.

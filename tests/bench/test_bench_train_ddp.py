@@ -16,13 +16,13 @@ def test_the_trainer_benchmark_times_profiles_and_counts_flops(tmp_path):
     command = [sys.executable, str(REPO / "bench" / "bench_train_ddp.py"), "--work", str(tmp_path / "work"),
                "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "1024",
                "--draft-vocab", "256", "--length", "96,64", "--steps", "6", "--warmup", "2", "--procs", "1",
-               "--batch-sizes", "2", "--attention", "dense", "--profile-steps", "1", "--profile-dir", str(profiles),
+               "--batch-sizes", "2", "--attention", "dense", "--precision", "bf16", "--profile-steps", "1", "--profile-dir", str(profiles),
                "--device", "cpu", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, cwd=REPO, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
-    assert result["attention"] == "dense" and result["timed_steps"] == 3  # 6 steps - 2 warm-up - 1 profiled
+    assert (result["attention"], result["precision"], result["timed_steps"]) == ("dense", "bf16", 3)  # 6 - 2 warm-up - 1 profiled
     # Samples alternate 96 and 64 tokens; length batching pairs equal ones, so a step trains 192 or 128
     # tokens, and the timed steps' mean is one of these (an order that mixed them would give 160).
     per_step = result["tokens_per_s"] / result["steps_per_s"]

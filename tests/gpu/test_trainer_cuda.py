@@ -57,19 +57,23 @@ def batches_seen(monkeypatch) -> list[dict]:
     return seen
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_training_on_cuda_moves_batches_to_the_gpu_autocasts_to_bf16_and_learns(
-    tmp_path, tiny_target, tiny_samples, eval_messages, batches_seen
+    tmp_path, tiny_target, tiny_samples, eval_messages, batches_seen, precision
 ):
     data = tmp_path / "data"
     data.mkdir()
-    paths = write_run(data, "cuda", tiny_target, tiny_samples, eval_messages, train={"epochs": 30, "save_every": 1000})
+    paths = write_run(data, "cuda", tiny_target, tiny_samples, eval_messages,
+                      train={"epochs": 30, "save_every": 1000, "precision": precision})
     result = train_drafter(RunSpec.load(data, "cuda"), data=data, model_dir=tiny_target.model_dir, device="cuda")
     records = log_records(paths)
     assert [r["step"] for r in records] == list(range(1, 121)) and result.steps == 120 == len(batches_seen)
     for record in batches_seen:
         assert record["tensors"] == {("cuda", torch.float32)} and record["ids"] == record["mask"] == "cuda"
         assert record["fc_out"] == torch.bfloat16  # autocast ran the forward in bf16
-        assert record["params"] == {("cuda", torch.float32)}  # the weights the optimizer updates stay fp32
+        # fp32: the weights the optimizer updates; bf16: the step's copies of the float32 masters
+        assert record["params"] == {("cuda", torch.float32 if precision == "fp32" else torch.bfloat16)}
+    assert {p.dtype for p in result.drafter.trainable_parameters()} == {torch.float32}  # the trained (master) weights
     assert all(math.isfinite(r["loss"]) and all(math.isfinite(x) for x in r["loss_k"]) for r in records)
     first, last = records[:5], records[-10:]
     mean = lambda rows, key: sum(key(r) for r in rows) / len(rows)
@@ -189,7 +193,8 @@ def test_the_compiled_elementwise_functions_equal_their_eager_math_with_gradient
     rope_in = torch.randn(2, 4, 77, 16, device="cuda", dtype=dtype, requires_grad=True)
     gate, up = (torch.randn(2, 77, 96, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     cases = {
-        "rms_norm": (lambda f: f(x, weight, 1e-6), fused.rms_norm, [x, weight]),
+        "rms_norm": (lambda f: f(x, weight, 1e-6, torch.float32), fused.rms_norm, [x, weight]),
+        "rms_norm to bf16": (lambda f: f(x, weight, 1e-6, torch.bfloat16), fused.rms_norm, [x, weight]),
         "apply_rope": (lambda f: f(rope_in, cos, sin), fused.apply_rope, [rope_in]),
         "silu_mul": (lambda f: f(gate, up), fused.silu_mul, [gate, up]),
     }
