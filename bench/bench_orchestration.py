@@ -5,13 +5,16 @@ memory over the run, and Redis' commands and CPU per sample.
     python bench/bench_orchestration.py --samples 2000 --generators 2 --extractors 2 --json out.json
     python bench/bench_orchestration.py --samples 30 --generators 1 --extractors 1      # a quick check
     python bench/bench_orchestration.py --stages generate --samples 20000 --generators 2  # generation only
+    python bench/bench_orchestration.py --samples 2000 --extract-server stub  # extraction against a stand-in
 
 Everything is real except the target: a real redis-server, the controller's own submission and feeder
 (``submit_run``, ``feed_run``, as its loop calls them), and ``draftline serve generator`` and ``draftline
 serve extractor`` worker processes (RQ, JSON serializer, fork per job). Generation talks to a stand-in
 OpenAI server in this process that answers every chat request at once with a fixed reply
 (tests/support/openai_server.py); extraction to the built-in inference server on the tiny target
-(a forward pass of a few thousand parameters per sample, so the workers' own cost shows).
+(a forward pass of a few thousand parameters per sample), or with ``--extract-server stub`` to a stand-in
+in this process that writes zero states of the tiny target's shapes at once (tests/support/hidden_server.py),
+so the extract rate is the orchestrator's own.
 
 The stages run one after the other so each is timed alone: generation with no extractor running (its
 extract jobs wait in the queue, which is what the Redis figure measures), then extraction. Rates are over
@@ -52,6 +55,7 @@ from shared.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
 from shared.runstate import RunState  # noqa: E402
 from shared.settings import ControllerSettings, configure_logging  # noqa: E402
+from tests.support.hidden_server import HiddenStateServer  # noqa: E402
 from tests.support.openai_server import OpenAIServer, Reply  # noqa: E402
 from tests.support.processes import RedisServer, ServiceProcess, free_port  # noqa: E402
 from tests.support.tiny_target import cached_tiny_model  # noqa: E402
@@ -70,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="both stages one after the other, or generation only (against the stand-in server)")
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--extractors", type=int, default=2)
+    parser.add_argument("--extract-server", choices=("builtin", "stub"), default="builtin",
+                        help="extraction against the built-in server on the tiny target (a real forward), or "
+                        "against a stand-in that writes zero states of the tiny target's shapes at once")
     parser.add_argument("--generate-batch", type=int, default=16, help="samples per generate job (the controller's)")
     parser.add_argument("--extract-batch", type=int, default=None,
                         help="DRAFTLINE_EXTRACT_BATCH, most samples per extract job, for the feeder and the generators "
@@ -263,7 +270,9 @@ def generate(bench: Bench) -> dict:
 
 
 def extract(bench: Bench) -> dict:
-    """The extract stage against the built-in server on the tiny target."""
+    """The extract stage against the built-in server on the tiny target, or against the stand-in."""
+    if bench.args.extract_server == "stub":
+        return extract_stub(bench)
     port, model_dir = free_port(), str(bench.model_dir)
     inference = ServiceProcess("inference", {**bench.base_env, "DRAFTLINE_MODEL_DIR": model_dir, "DRAFTLINE_DEVICE": "cpu",
                                              "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1"}, bench.logs,
@@ -273,6 +282,16 @@ def extract(bench: Bench) -> dict:
         return stage(bench, "extract", "extractor", bench.args.extractors, env)
     finally:
         inference.stop()
+
+
+def extract_stub(bench: Bench) -> dict:
+    """The extract stage against a stand-in that writes states of the tiny target's shapes at once: what is
+    left is the orchestrator's own cost (and the file's write, which the protocol gives the server)."""
+    config = json.loads((bench.model_dir / "config.json").read_text(encoding="utf-8"))
+    with HiddenStateServer(bench.base_env["DRAFTLINE_DATA"], hidden_size=config["hidden_size"],
+                           num_layers=config["num_hidden_layers"], model=bench.model_dir.name) as server:
+        env = {"DRAFTLINE_HIDDEN_STATES_URL": server.url, "DRAFTLINE_MODEL_DIR": str(bench.model_dir)}
+        return stage(bench, "extract", "extractor", bench.args.extractors, env)
 
 
 def stage_report(result: dict) -> dict:
@@ -320,7 +339,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         report = {
             "samples": args.samples, "stages": args.stages, "generators": args.generators,
             "extractors": args.extractors if args.stages == "both" else 0, "generate_batch": args.generate_batch,
-            "extract_batch": feeder.extract_batch, "sample_result_ttl_s": feeder.sample_result_ttl_s,
+            "extract_batch": feeder.extract_batch, "extract_server": args.extract_server,
+            "sample_result_ttl_s": feeder.sample_result_ttl_s,
             "cpus": os.cpu_count(),
             "generated": gen.done, "generate_failed": gen.failed, "extracted": ext.done, "extract_failed": ext.failed,
             "generate_s": round(gen_result["seconds"], 2),
