@@ -91,7 +91,10 @@ def extract(payload: dict) -> dict:
     # Starting at the first sample id sends consecutive samples to consecutive endpoints.
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
     tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
-    summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+    try:
+        summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+    finally:
+        source.close()
     log.info("run %s: extract batch from %d: %s", job.run, job.sample_ids[0], summary)
     return summary
 
@@ -202,12 +205,14 @@ def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> l
     """The layer ids every file of the run must carry: the spec's, else those of the first verified sample."""
     if spec.extraction.layer_ids is not None:
         return list(spec.extraction.layer_ids)
-    recorded = state.meta().get("layer_ids")
+    recorded = state.conn.hget(run_key(state.run, "meta"), "layer_ids")  # one field, not the whole meta hash
     return json.loads(recorded) if recorded else list(result.layer_ids)
 
 
 def _record_layers(conn: redis.Redis, run: str, result: HiddenStatesResult) -> None:
     """First success wins (HSETNX), so concurrent extractors agree on one record."""
     meta = run_key(run, "meta")
-    conn.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
-    conn.hsetnx(meta, "layer_convention", result.layer_convention)
+    pipe = conn.pipeline(transaction=False)  # one round trip; each HSETNX is atomic on its own
+    pipe.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
+    pipe.hsetnx(meta, "layer_convention", result.layer_convention)
+    pipe.execute()
