@@ -16,7 +16,10 @@ OpenAI server in this process that answers every chat request at once with a fix
 in this process that writes zero states of the tiny target's shapes at once (tests/support/hidden_server.py),
 so the extract rate is the orchestrator's own.
 
-The stages run one after the other so each is timed alone: generation with no extractor running (its
+Each stage's workers start with RQ suspended, and the stage's clock starts once every one of them has
+imported its modules and waits for its first job (an extractor's torch and tokenizer take seconds, no part
+of the rate; ``startup_s``); a worker sees the resume within its 1 s suspension poll, which the stage's
+time includes. The stages run one after the other so each is timed alone: generation with no extractor running (its
 extract jobs wait in the queue, which is what the Redis figure measures), then extraction. Rates are over
 the stage's wall time from the first job queued to the last sample settled. With ``--stages generate`` only
 generation runs, with the extract backlog set above the run so nothing pauses it; its extract jobs pile up
@@ -47,6 +50,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
+from rq import Worker  # noqa: E402
+from rq.suspension import resume, suspend  # noqa: E402
+from rq.worker import WorkerStatus  # noqa: E402
 
 from services.controller.feeder import feed_run  # noqa: E402
 from services.controller.submit import submit_run  # noqa: E402
@@ -237,8 +243,11 @@ def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]
     at the end, the memory series, and Redis' commands and CPU per sample of the stage."""
     polling = polling_cost(bench, name)
     before = redis_counters(bench.conn)
+    suspend(bench.conn)  # the workers start, import and register first; the stage's clock starts after
     workers = [ServiceProcess(service, {**bench.base_env, **env}, bench.logs).start() for _ in range(count)]
     try:
+        startup_s = wait_suspended(bench, workers)
+        resume(bench.conn)
         pids = [w.proc.pid for w in workers]
         with MemorySampler(bench.url, bench.state, name, pids, bench.args.interval_s) as sampler:
             seconds = settle(name, bench.state, bench.feeder, bench.conn, workers, bench.deadline)
@@ -252,7 +261,23 @@ def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]
                                                     net_of_polling(before, after, polling, seconds), samples),
                      "polling_commands_per_s": round(sum(polling["calls"].values()), 1),
                      "polling_cpu_s_per_s": round(polling["cpu_s"], 4)}
-    return {"seconds": seconds, "rss": rss, "series": sampler.series, **sampler.summary(), "redis": redis_figures}
+    return {"seconds": seconds, "startup_s": startup_s, "rss": rss, "series": sampler.series, **sampler.summary(),
+            "redis": redis_figures}
+
+
+def wait_suspended(bench: Bench, workers: list[ServiceProcess]) -> float:
+    """Seconds until every worker of ``workers`` has started and waits, suspended, for its first job: an
+    extractor imports torch and loads a tokenizer first, which is no part of the stage's rate."""
+    started = time.perf_counter()
+    while time.perf_counter() < bench.deadline:
+        ready = [w for w in Worker.all(connection=bench.conn) if w.get_state() == WorkerStatus.SUSPENDED]
+        if len(ready) >= len(workers):
+            return round(time.perf_counter() - started, 2)
+        for worker in workers:
+            if not worker.alive():
+                raise RuntimeError(f"{worker.name} died:\n{worker.log()}")
+        time.sleep(POLL_S)
+    raise TimeoutError("the workers did not start")
 
 
 def generate(bench: Bench) -> dict:
@@ -295,7 +320,8 @@ def extract_stub(bench: Bench) -> dict:
 
 
 def stage_report(result: dict) -> dict:
-    return {"seconds": round(result["seconds"], 2), "redis_used_memory_peak": result["redis_used_memory_peak"],
+    return {"seconds": round(result["seconds"], 2), "startup_s": result["startup_s"],
+            "redis_used_memory_peak": result["redis_used_memory_peak"],
             "worker_rss_start_end_peak_bytes": result["worker_rss_start_end_peak"], "redis": result["redis"],
             "series": result["series"]}
 
