@@ -126,9 +126,12 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
                                   error_class=error_class(exc), message=str(exc)))
         log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
         return "failed"
-    if state.mark_done("extract", sample_id):
-        record_landed(state, info.nbytes, info.num_tokens)
-    _record_layers(state.conn, state.run, result)
+    newly_done = state.mark_done("extract", sample_id)
+    with state.conn.pipeline() as pipe:  # the file's counts and the run's layer record: one round trip
+        if newly_done:
+            record_landed(state, info.nbytes, info.num_tokens, pipe=pipe)
+        _record_layers(pipe, state.run, result)
+        pipe.execute()
     return "done"
 
 
@@ -209,10 +212,8 @@ def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> l
     return json.loads(recorded) if recorded else list(result.layer_ids)
 
 
-def _record_layers(conn: redis.Redis, run: str, result: HiddenStatesResult) -> None:
-    """First success wins (HSETNX), so concurrent extractors agree on one record."""
+def _record_layers(pipe: redis.client.Pipeline, run: str, result: HiddenStatesResult) -> None:
+    """First success wins (HSETNX), so concurrent extractors agree on one record; joins ``pipe``."""
     meta = run_key(run, "meta")
-    pipe = conn.pipeline(transaction=False)  # one round trip; each HSETNX is atomic on its own
     pipe.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
     pipe.hsetnx(meta, "layer_convention", result.layer_convention)
-    pipe.execute()
