@@ -19,11 +19,11 @@ so the extract rate is the orchestrator's own.
 Each stage's workers start with RQ suspended, and the stage's clock starts once every one of them has
 imported its modules and waits for its first job (an extractor's torch and tokenizer take seconds, no part
 of the rate; ``startup_s``); a worker sees the resume within its 1 s suspension poll, which the stage's
-time includes. The stages run one after the other so each is timed alone: generation with no extractor running (its
-extract jobs wait in the queue, which is what the Redis figure measures), then extraction. Rates are over
-the stage's wall time from the first job queued to the last sample settled. With ``--stages generate`` only
-generation runs, with the extract backlog set above the run so nothing pauses it; its extract jobs pile up
-in the queue, and are emptied afterwards to measure what the run left behind.
+time includes. The stages run one after the other so each is timed alone, with the extract backlog above
+the run so nothing pauses generation: generation with no extractor running (its extract jobs wait in the
+queue, which is what the Redis figure measures), then extraction. Rates are over the stage's wall time
+from the first job queued to the last sample settled. With ``--stages generate`` only generation runs; its
+extract jobs pile up in the queue, and are emptied afterwards to measure what the run left behind.
 
 While a stage runs, a thread samples Redis' ``used_memory`` and the resident memory of each worker process
 every ``--interval-s`` (the ``series``). Redis' ``INFO commandstats`` and ``INFO cpu`` before and after each
@@ -341,9 +341,10 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         state = RunState(conn, data, RUN)
         ttl = {} if args.sample_result_ttl_s is None else {"sample_result_ttl_s": args.sample_result_ttl_s}
         ttl |= {} if args.extract_batch is None else {"extract_batch": args.extract_batch}
-        # Generation alone never waits for extraction: the backlog holds the whole run.
-        backlog = {"extract_backlog": args.samples + 1} if args.stages == "generate" else {}
-        feeder = ControllerSettings(data=data, generate_batch=args.generate_batch, **ttl, **backlog)
+        # Generation never waits for extraction, which runs after it (or not at all): the backlog holds the
+        # whole run, else a run of more than backlog × extract_batch samples would never finish generating.
+        feeder = ControllerSettings(data=data, generate_batch=args.generate_batch, extract_backlog=args.samples + 1,
+                                    **ttl)
         base = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_LOG_LEVEL": "WARNING",
                 "DRAFTLINE_SAMPLE_RESULT_TTL_S": str(feeder.sample_result_ttl_s),
                 "DRAFTLINE_EXTRACT_BATCH": str(feeder.extract_batch)}
