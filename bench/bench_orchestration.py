@@ -5,19 +5,25 @@ memory over the run, and Redis' commands and CPU per sample.
     python bench/bench_orchestration.py --samples 2000 --generators 2 --extractors 2 --json out.json
     python bench/bench_orchestration.py --samples 30 --generators 1 --extractors 1      # a quick check
     python bench/bench_orchestration.py --stages generate --samples 20000 --generators 2  # generation only
+    python bench/bench_orchestration.py --samples 2000 --extract-server stub  # extraction against a stand-in
 
 Everything is real except the target: a real redis-server, the controller's own submission and feeder
 (``submit_run``, ``feed_run``, as its loop calls them), and ``draftline serve generator`` and ``draftline
 serve extractor`` worker processes (RQ, JSON serializer, fork per job). Generation talks to a stand-in
 OpenAI server in this process that answers every chat request at once with a fixed reply
 (tests/support/openai_server.py); extraction to the built-in inference server on the tiny target
-(a forward pass of a few thousand parameters per sample, so the workers' own cost shows).
+(a forward pass of a few thousand parameters per sample), or with ``--extract-server stub`` to a stand-in
+in this process that writes zero states of the tiny target's shapes at once (tests/support/hidden_server.py),
+so the extract rate is the orchestrator's own.
 
-The stages run one after the other so each is timed alone: generation with no extractor running (its
-extract jobs wait in the queue, which is what the Redis figure measures), then extraction. Rates are over
-the stage's wall time from the first job queued to the last sample settled. With ``--stages generate`` only
-generation runs, with the extract backlog set above the run so nothing pauses it; its extract jobs pile up
-in the queue, and are emptied afterwards to measure what the run left behind.
+Each stage's workers start with RQ suspended, and the stage's clock starts once every one of them has
+imported its modules and waits for its first job (an extractor's torch and tokenizer take seconds, no part
+of the rate; ``startup_s``); a worker sees the resume within its 1 s suspension poll, which the stage's
+time includes. The stages run one after the other so each is timed alone, with the extract backlog above
+the run so nothing pauses generation: generation with no extractor running (its extract jobs wait in the
+queue, which is what the Redis figure measures), then extraction. Rates are over the stage's wall time
+from the first job queued to the last sample settled. With ``--stages generate`` only generation runs; its
+extract jobs pile up in the queue, and are emptied afterwards to measure what the run left behind.
 
 While a stage runs, a thread samples Redis' ``used_memory`` and the resident memory of each worker process
 every ``--interval-s`` (the ``series``). Redis' ``INFO commandstats`` and ``INFO cpu`` before and after each
@@ -44,6 +50,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
+from rq import Worker  # noqa: E402
+from rq.suspension import resume, suspend  # noqa: E402
+from rq.worker import WorkerStatus  # noqa: E402
 
 from services.controller.feeder import feed_run  # noqa: E402
 from services.controller.submit import submit_run  # noqa: E402
@@ -52,6 +61,7 @@ from shared.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
 from shared.runstate import RunState  # noqa: E402
 from shared.settings import ControllerSettings, configure_logging  # noqa: E402
+from tests.support.hidden_server import HiddenStateServer  # noqa: E402
 from tests.support.openai_server import OpenAIServer, Reply  # noqa: E402
 from tests.support.processes import RedisServer, ServiceProcess, free_port  # noqa: E402
 from tests.support.tiny_target import cached_tiny_model  # noqa: E402
@@ -70,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="both stages one after the other, or generation only (against the stand-in server)")
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--extractors", type=int, default=2)
+    parser.add_argument("--extract-server", choices=("builtin", "stub"), default="builtin",
+                        help="extraction against the built-in server on the tiny target (a real forward), or "
+                        "against a stand-in that writes zero states of the tiny target's shapes at once")
     parser.add_argument("--generate-batch", type=int, default=16, help="samples per generate job (the controller's)")
     parser.add_argument("--extract-batch", type=int, default=None,
                         help="DRAFTLINE_EXTRACT_BATCH, most samples per extract job, for the feeder and the generators "
@@ -230,8 +243,11 @@ def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]
     at the end, the memory series, and Redis' commands and CPU per sample of the stage."""
     polling = polling_cost(bench, name)
     before = redis_counters(bench.conn)
+    suspend(bench.conn)  # the workers start, import and register first; the stage's clock starts after
     workers = [ServiceProcess(service, {**bench.base_env, **env}, bench.logs).start() for _ in range(count)]
     try:
+        startup_s = wait_suspended(bench, workers)
+        resume(bench.conn)
         pids = [w.proc.pid for w in workers]
         with MemorySampler(bench.url, bench.state, name, pids, bench.args.interval_s) as sampler:
             seconds = settle(name, bench.state, bench.feeder, bench.conn, workers, bench.deadline)
@@ -245,7 +261,23 @@ def stage(bench: Bench, name: str, service: str, count: int, env: dict[str, str]
                                                     net_of_polling(before, after, polling, seconds), samples),
                      "polling_commands_per_s": round(sum(polling["calls"].values()), 1),
                      "polling_cpu_s_per_s": round(polling["cpu_s"], 4)}
-    return {"seconds": seconds, "rss": rss, "series": sampler.series, **sampler.summary(), "redis": redis_figures}
+    return {"seconds": seconds, "startup_s": startup_s, "rss": rss, "series": sampler.series, **sampler.summary(),
+            "redis": redis_figures}
+
+
+def wait_suspended(bench: Bench, workers: list[ServiceProcess]) -> float:
+    """Seconds until every worker of ``workers`` has started and waits, suspended, for its first job: an
+    extractor imports torch and loads a tokenizer first, which is no part of the stage's rate."""
+    started = time.perf_counter()
+    while time.perf_counter() < bench.deadline:
+        ready = [w for w in Worker.all(connection=bench.conn) if w.get_state() == WorkerStatus.SUSPENDED]
+        if len(ready) >= len(workers):
+            return round(time.perf_counter() - started, 2)
+        for worker in workers:
+            if not worker.alive():
+                raise RuntimeError(f"{worker.name} died:\n{worker.log()}")
+        time.sleep(POLL_S)
+    raise TimeoutError("the workers did not start")
 
 
 def generate(bench: Bench) -> dict:
@@ -263,7 +295,9 @@ def generate(bench: Bench) -> dict:
 
 
 def extract(bench: Bench) -> dict:
-    """The extract stage against the built-in server on the tiny target."""
+    """The extract stage against the built-in server on the tiny target, or against the stand-in."""
+    if bench.args.extract_server == "stub":
+        return extract_stub(bench)
     port, model_dir = free_port(), str(bench.model_dir)
     inference = ServiceProcess("inference", {**bench.base_env, "DRAFTLINE_MODEL_DIR": model_dir, "DRAFTLINE_DEVICE": "cpu",
                                              "DRAFTLINE_PORT": str(port), "DRAFTLINE_HOST": "127.0.0.1"}, bench.logs,
@@ -275,8 +309,19 @@ def extract(bench: Bench) -> dict:
         inference.stop()
 
 
+def extract_stub(bench: Bench) -> dict:
+    """The extract stage against a stand-in that writes states of the tiny target's shapes at once: what is
+    left is the orchestrator's own cost (and the file's write, which the protocol gives the server)."""
+    config = json.loads((bench.model_dir / "config.json").read_text(encoding="utf-8"))
+    with HiddenStateServer(bench.base_env["DRAFTLINE_DATA"], hidden_size=config["hidden_size"],
+                           num_layers=config["num_hidden_layers"], model=bench.model_dir.name) as server:
+        env = {"DRAFTLINE_HIDDEN_STATES_URL": server.url, "DRAFTLINE_MODEL_DIR": str(bench.model_dir)}
+        return stage(bench, "extract", "extractor", bench.args.extractors, env)
+
+
 def stage_report(result: dict) -> dict:
-    return {"seconds": round(result["seconds"], 2), "redis_used_memory_peak": result["redis_used_memory_peak"],
+    return {"seconds": round(result["seconds"], 2), "startup_s": result["startup_s"],
+            "redis_used_memory_peak": result["redis_used_memory_peak"],
             "worker_rss_start_end_peak_bytes": result["worker_rss_start_end_peak"], "redis": result["redis"],
             "series": result["series"]}
 
@@ -296,9 +341,10 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         state = RunState(conn, data, RUN)
         ttl = {} if args.sample_result_ttl_s is None else {"sample_result_ttl_s": args.sample_result_ttl_s}
         ttl |= {} if args.extract_batch is None else {"extract_batch": args.extract_batch}
-        # Generation alone never waits for extraction: the backlog holds the whole run.
-        backlog = {"extract_backlog": args.samples + 1} if args.stages == "generate" else {}
-        feeder = ControllerSettings(data=data, generate_batch=args.generate_batch, **ttl, **backlog)
+        # Generation never waits for extraction, which runs after it (or not at all): the backlog holds the
+        # whole run, else a run of more than backlog × extract_batch samples would never finish generating.
+        feeder = ControllerSettings(data=data, generate_batch=args.generate_batch, extract_backlog=args.samples + 1,
+                                    **ttl)
         base = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_LOG_LEVEL": "WARNING",
                 "DRAFTLINE_SAMPLE_RESULT_TTL_S": str(feeder.sample_result_ttl_s),
                 "DRAFTLINE_EXTRACT_BATCH": str(feeder.extract_batch)}
@@ -320,7 +366,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         report = {
             "samples": args.samples, "stages": args.stages, "generators": args.generators,
             "extractors": args.extractors if args.stages == "both" else 0, "generate_batch": args.generate_batch,
-            "extract_batch": feeder.extract_batch, "sample_result_ttl_s": feeder.sample_result_ttl_s,
+            "extract_batch": feeder.extract_batch, "extract_server": args.extract_server,
+            "sample_result_ttl_s": feeder.sample_result_ttl_s,
             "cpus": os.cpu_count(),
             "generated": gen.done, "generate_failed": gen.failed, "extracted": ext.done, "extract_failed": ext.failed,
             "generate_s": round(gen_result["seconds"], 2),

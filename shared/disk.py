@@ -154,13 +154,16 @@ def estimate_sample_tokens(prompt_bytes_per_row: float, max_tokens: int, max_len
 # ---- tallies -------------------------------------------------------------------------------------
 
 
-def record_landed(state: RunState, nbytes: int, tokens: int) -> None:
-    """Count one verified hidden-state file: its bytes and its tokens, together."""
+def record_landed(state: RunState, nbytes: int, tokens: int, *, pipe: redis.client.Pipeline | None = None) -> None:
+    """Count one verified hidden-state file: its bytes and its tokens, together. Given a transaction
+    ``pipe``, the counts join it (the caller executes it), so they cost no round trip of their own."""
     meta = run_key(state.run, "meta")
-    pipe = state.conn.pipeline()
+    own = pipe is None
+    pipe = state.conn.pipeline() if own else pipe
     pipe.hincrbyfloat(meta, HIDDEN_BYTES, nbytes)
     pipe.hincrbyfloat(meta, HIDDEN_TOKENS, tokens)
-    pipe.execute()
+    if own:
+        pipe.execute()
 
 
 def _number(meta: dict[str, str], key: str) -> float:

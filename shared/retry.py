@@ -366,11 +366,25 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def preload_http() -> None:
+    """Import what httpx loads only on a client's first request (httpcore, anyio's asyncio backend).
+
+    A worker calls this before forking: otherwise every job's process imports them anew, which cost a
+    generate job of 16 samples more CPU than its 16 requests (bench/RESULTS.md, the orchestration profile)."""
+    import anyio._backends._asyncio  # noqa: F401 - anyio picks its backend by importing it on first use
+    import certifi  # noqa: F401
+    import httpcore  # noqa: F401
+
+
 def post_json(url: str, body: dict, timeout: httpx.Timeout | float,
-              headers: dict[str, str] | None = None) -> httpx.Response | Failed:
-    """One attempt: POST ``body``; the 2xx answer, or the attempt's trouble (no answer, or an error status)."""
+              headers: dict[str, str] | None = None, *, client: httpx.Client | None = None) -> httpx.Response | Failed:
+    """One attempt: POST ``body``; the 2xx answer, or the attempt's trouble (no answer, or an error status).
+    ``client`` keeps its connections open between attempts and requests; without one each call opens its own."""
     try:
-        response = httpx.post(url, json=body, timeout=timeout, verify=tls_context(), headers=headers)
+        if client is None:
+            response = httpx.post(url, json=body, timeout=timeout, verify=tls_context(), headers=headers)
+        else:
+            response = client.post(url, json=body, timeout=timeout, headers=headers)
     except httpx.TransportError as exc:
         return transport_trouble(exc, url)
     return answer_trouble(response, url) or response

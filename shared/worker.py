@@ -39,7 +39,7 @@ from shared.outage import REDIS_DOWN, RedisOutage
 from shared.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
 from shared.requeue import requeue_lost
-from shared.retry import tls_context
+from shared.retry import preload_http, tls_context
 from shared.settings import CommonSettings, configure_logging
 from shared.volume import VolumeMismatch, verify_volume
 
@@ -292,6 +292,7 @@ def run_worker(
     if preload is not None:
         preload()
     tls_context()  # built once here, inherited by every job's forked process (shared.retry.tls_context)
+    preload_http()  # and httpx's lazily imported modules, which each job's process would import again
     name = f"{role}-{socket.gethostname()}-{os.getpid()}"
     worker = DraftlineWorker(
         [queue(n, conn) for n in queue_names],

@@ -91,7 +91,10 @@ def extract(payload: dict) -> dict:
     # Starting at the first sample id sends consecutive samples to consecutive endpoints.
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
     tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
-    summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+    try:
+        summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+    finally:
+        source.close()
     log.info("run %s: extract batch from %d: %s", job.run, job.sample_ids[0], summary)
     return summary
 
@@ -123,9 +126,12 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
                                   error_class=error_class(exc), message=str(exc)))
         log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
         return "failed"
-    if state.mark_done("extract", sample_id):
-        record_landed(state, info.nbytes, info.num_tokens)
-    _record_layers(state.conn, state.run, result)
+    newly_done = state.mark_done("extract", sample_id)
+    with state.conn.pipeline() as pipe:  # the file's counts and the run's layer record: one round trip
+        if newly_done:
+            record_landed(state, info.nbytes, info.num_tokens, pipe=pipe)
+        _record_layers(pipe, state.run, result)
+        pipe.execute()
     return "done"
 
 
@@ -202,12 +208,12 @@ def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> l
     """The layer ids every file of the run must carry: the spec's, else those of the first verified sample."""
     if spec.extraction.layer_ids is not None:
         return list(spec.extraction.layer_ids)
-    recorded = state.meta().get("layer_ids")
+    recorded = state.conn.hget(run_key(state.run, "meta"), "layer_ids")  # one field, not the whole meta hash
     return json.loads(recorded) if recorded else list(result.layer_ids)
 
 
-def _record_layers(conn: redis.Redis, run: str, result: HiddenStatesResult) -> None:
-    """First success wins (HSETNX), so concurrent extractors agree on one record."""
+def _record_layers(pipe: redis.client.Pipeline, run: str, result: HiddenStatesResult) -> None:
+    """First success wins (HSETNX), so concurrent extractors agree on one record; joins ``pipe``."""
     meta = run_key(run, "meta")
-    conn.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
-    conn.hsetnx(meta, "layer_convention", result.layer_convention)
+    pipe.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
+    pipe.hsetnx(meta, "layer_convention", result.layer_convention)

@@ -29,6 +29,9 @@ class HiddenStateSource(Protocol):
         """Write the sample's file at ``path`` (inside the data volume), its states stored as ``storage``
         says (the run's ``extraction.storage``), and describe it."""
 
+    def close(self) -> None:
+        """End the connections the source keeps between requests (a job calls it as it ends)."""
+
 
 class SourceMisconfigured(DraftlineError):
     """The chosen hidden-state source lacks a setting it needs."""

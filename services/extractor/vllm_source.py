@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -37,7 +38,7 @@ from shared.dispatch import Dispatcher, http_timeout
 from shared.errors import CheckpointFormatError, DraftlineError
 from shared.fingerprint import model_fingerprint
 from shared.hidden_write import RawTensor, write_safetensors
-from shared.retry import Failed, RetryPolicy, post_json, server_root
+from shared.retry import Failed, RetryPolicy, post_json, server_root, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class VllmHiddenStates:
         self.timeout = http_timeout(timeout_s)
         self.policy = policy or RetryPolicy()
         self._dispatch = Dispatcher(base_url, self.policy, "vLLM hidden-state request", start=start)
+        self._http = httpx.Client(timeout=self.timeout, verify=tls_context())  # kept alive over a job's samples
+
+    def close(self) -> None:
+        self._http.close()
 
     @property
     def endpoints(self) -> list[str]:
@@ -181,7 +186,7 @@ class VllmHiddenStates:
     def _once(self, root: str, body: dict, request_id: str) -> Path | Failed:
         # vLLM names the request, and so its file, after this header: what _drop_unanswered looks for.
         response = post_json(f"{server_root(root)}/v1/completions", body, self.timeout,
-                             headers={"X-Request-Id": request_id})
+                             headers={"X-Request-Id": request_id}, client=self._http)
         if isinstance(response, Failed):
             return response
         try:

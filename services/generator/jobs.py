@@ -2,8 +2,10 @@
 
 Each sample ends in exactly one of: a reply file plus its queued extraction, a dropped reply
 (``ReplyTooShort``), or a named failure. One sample's trouble never costs the others their replies.
-A reply counts as generated once saved; the job's replies are queued for extraction together when the
-job ends, in jobs of ``extract_batch`` samples, so an extract job's fork and bookkeeping serve many samples.
+A reply is saved (atomically) as it arrives; the job's saved replies are marked generated together and
+queued for extraction together when the job ends, in jobs of ``extract_batch`` samples, so one round trip
+and one extract job's fork and bookkeeping serve many samples. A job killed before its end leaves its
+saved replies on the volume; run again, it finds them and marks them without asking the server again.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     """Generate every sample of ``job``; returns how many ended done, skipped, dropped or failed."""
     spec = cached_spec(settings.data, job.run)
     state = RunState(conn, settings.data, job.run)
-    outcomes = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
+    results = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
+    outcomes = [outcome for outcome, _ in results]
     replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in ("done", "skipped")]
+    mark_generated(state, replies, sum(nbytes for _, nbytes in results))
     queue_extractions(state, replies, settings)
     summary = dict(Counter(outcomes))
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
@@ -71,7 +75,7 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
 
 
 async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
-                        retry_delays_s: Sequence[float]) -> list[str]:
+                        retry_delays_s: Sequence[float]) -> list[tuple[str, int]]:
     limit = asyncio.Semaphore(settings.concurrency)
     # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
     policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
@@ -82,11 +86,12 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
         return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
 
 
-async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient, limit: asyncio.Semaphore) -> str:
+async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient,
+               limit: asyncio.Semaphore) -> tuple[str, int]:
+    """The sample's outcome and the bytes of the reply it saved; a saved reply is marked with the job's."""
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():
-        await asyncio.to_thread(state.mark_done, "generate", sample_id)
-        return "skipped"
+        return "skipped", 0
     seed = spec.generation.seed + sample_id
     try:
         async with limit:
@@ -94,15 +99,13 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
                                                on_retry=lambda: state.note_retry("generate"))
         check_length(completion, spec.generation)
     except EXPECTED_ERRORS as exc:
-        return await asyncio.to_thread(record_failure, state, sample_id, exc)
+        return await asyncio.to_thread(record_failure, state, sample_id, exc), 0
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
         log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
-        return await asyncio.to_thread(record_failure, state, sample_id, exc)
-    await asyncio.to_thread(save_reply, state, item, completion)
-    await asyncio.to_thread(state.mark_done, "generate", sample_id)
-    return "done"
+        return await asyncio.to_thread(record_failure, state, sample_id, exc), 0
+    return "done", await asyncio.to_thread(save_reply, state, item, completion)
 
 
 def check_length(completion: Completion, generation: GenerationConfig) -> None:
@@ -136,10 +139,18 @@ def reply_record(item: PromptItem, completion: Completion) -> dict:
     return record
 
 
-def save_reply(state: RunState, item: PromptItem, completion: Completion) -> None:
+def save_reply(state: RunState, item: PromptItem, completion: Completion) -> int:
+    """Write the sample's reply file atomically; its size in bytes."""
     path = state.paths.generated(item.sample_id)
     atomic_write_json(path, reply_record(item, completion))
-    state.incr("generated_bytes", path.stat().st_size)
+    return path.stat().st_size
+
+
+def mark_generated(state: RunState, sample_ids: list[int], nbytes: int) -> None:
+    """Mark the job's saved replies generated and count their bytes: two round trips for the whole job."""
+    state.mark_done_many("generate", sample_ids)
+    if nbytes:
+        state.incr("generated_bytes", nbytes)
 
 
 def queue_extractions(state: RunState, sample_ids: list[int], settings: GeneratorSettings) -> list[list[int]]:

@@ -60,3 +60,13 @@ def test_the_generate_only_benchmark_leaves_extraction_out_and_empties_its_queue
     # The queue emptied, what is left is the run's own state and the finished generate jobs (kept 60 s).
     assert report["redis_used_memory"]["after"] < report["redis_used_memory"]["extract_jobs_waiting"]
     assert report["redis_keys_after_run"] >= 10 + 1  # the finished generate jobs, the run's keys
+
+
+def test_the_benchmark_extracts_against_the_stand_in_server_with_every_file_verified(tmp_path, tiny_model_dir):
+    report = bench(tmp_path, "--samples", "12", "--extractors", "1", "--generate-batch", "4",
+                   "--extract-server", "stub")
+    assert (report["generated"], report["extracted"], report["extract_failed"]) == (12, 12, 0)
+    assert report["extract_server"] == "stub" and report["extract_samples_per_s_stub"] > 0
+    assert_stage_measured(report, "extract", workers=1)
+    files = sorted((tmp_path / "work" / "data").rglob("*.safetensors"))
+    assert len(files) == 12  # written by the stand-in, each verified by the extractor before it counted

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -235,3 +239,34 @@ def test_every_request_of_a_process_shares_one_tls_context(monkeypatch):
         asyncio.run(clients())
     assert len(built) == 1
     retry.tls_context.cache_clear()
+
+
+PRELOAD_CHECK = """
+import asyncio, sys
+import httpx
+from shared.retry import preload_http
+from tests.support.processes import free_port
+preload_http()
+before = set(sys.modules)
+url = f"http://127.0.0.1:{free_port()}/"  # nothing listens: the request fails after loading its transport
+async def first_request():
+    async with httpx.AsyncClient() as client:
+        try:
+            await client.get(url)
+        except httpx.ConnectError:
+            pass
+asyncio.run(first_request())
+try:
+    httpx.get(url)
+except httpx.ConnectError:
+    pass
+print(sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("httpcore", "anyio", "certifi")))
+"""
+
+
+def test_preload_http_leaves_nothing_of_httpx_to_import_at_a_clients_first_request():
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", PRELOAD_CHECK], capture_output=True, text=True, timeout=120,
+                          cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"  # a forked job process inherits them all

@@ -8,6 +8,7 @@ from shared.runstate import (
     RATE_WINDOW_SECONDS,
     Failure,
     RunState,
+    StageCounts,
     known_runs,
     settled_key,
 )
@@ -154,3 +155,14 @@ def test_a_row_named_at_submission_does_not_count(state):
 def test_unknown_stage_is_refused(state):
     with pytest.raises(ValueError):
         state.mark_done("train", 1)
+
+
+def test_marking_many_at_once_returns_the_newly_done_clears_their_failures_and_counts_each_once(state):
+    state.mark_done("generate", 1)
+    state.mark_failed(Failure("r", "generate", 2, "InferenceUnavailable", "connection refused"))
+    assert state.mark_done_many("generate", [1, 2, 3]) == [2, 3]
+    assert state.counts("generate") == StageCounts(done=3, failed=0, dropped=0)
+    assert not state.paths.failure("generate", 2).exists() and state.failures() == []
+    # Settled once each: 1 as done, 2 as failed (its success now settles nothing again), 3 as done now.
+    assert state.throughput("generate").settled == 3
+    assert state.mark_done_many("generate", []) == []

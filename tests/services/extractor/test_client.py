@@ -28,6 +28,7 @@ class HiddenStandIn(OpenAIServer):
         super().__init__()
         self.answers = list(answers)
         self.hidden_requests: list[dict] = []
+        self.peers: set[tuple[str, int]] = set()  # the client's (host, port) of each request: its connections
 
     def _app(self) -> FastAPI:
         app = super()._app()
@@ -35,6 +36,7 @@ class HiddenStandIn(OpenAIServer):
         @app.post("/v1/hidden_states")
         async def hidden(request: Request) -> JSONResponse:
             self.hidden_requests.append(await request.json())
+            self.peers.add((request.client.host, request.client.port))
             status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
             return JSONResponse(status_code=status, content=body)
 
@@ -114,3 +116,13 @@ def test_a_dead_endpoint_fails_over_to_the_next_and_a_rejection_goes_nowhere_els
         with pytest.raises(InferenceRejected, match="path outside the data volume"):
             client.extract(input_ids=[1], loss_mask=[1], path="../outside", layer_ids=None, metadata={})
         assert (len(first.hidden_requests), len(second.hidden_requests)) == (1, 0)
+
+
+def test_one_client_sends_a_jobs_samples_over_one_kept_alive_connection_until_closed():
+    with HiddenStandIn((200, WRITTEN)) as server:
+        client = HiddenStatesClient(server.url, timeout_s=10, policy=NO_RETRIES)
+        for sample_id in range(3):
+            client.extract(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], path=WRITTEN["path"], layer_ids=None,
+                           metadata={"run": "r", "sample_id": str(sample_id)})
+        client.close()
+        assert len(server.hidden_requests) == 3 and len(server.peers) == 1

@@ -129,3 +129,22 @@ def test_unreachable_server_is_a_named_inference_unavailable_failure(data_dir, r
     failures = RunState(redis_conn, data_dir, RUN).failures("generate")
     assert [(f.sample_id, f.error_class) for f in failures] == [(0, "InferenceUnavailable"), (1, "InferenceUnavailable")]
     assert "ConnectError" in failures[0].message and "gave up after 4 attempts" in failures[0].message
+
+
+def commands(conn, *names: str) -> dict[str, int]:
+    stats = conn.info("commandstats")
+    return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in names}
+
+
+def test_a_jobs_saved_replies_are_marked_and_their_bytes_counted_once_for_the_whole_job(data_dir, redis_url, redis_conn,
+                                                                                         tmp_path, server):
+    items = make_run(data_dir, redis_conn, tmp_path, 6)
+    before = commands(redis_conn, "hincrbyfloat", "hincrby")
+    assert run_generate(GenerateJob(run=RUN, items=items), settings(data_dir, redis_url, server), redis_conn) == {"done": 6}
+    after = commands(redis_conn, "hincrbyfloat", "hincrby")
+    # One count of the bytes and one of the settled samples for six replies, not one of each per reply.
+    assert {name: after[name] - before[name] for name in after} == {"hincrbyfloat": 1, "hincrby": 1}
+    state = RunState(redis_conn, data_dir, RUN)
+    assert state.counts("generate").done == 6 and state.throughput("generate").settled == 6
+    saved = sum(state.paths.generated(item.sample_id).stat().st_size for item in items)
+    assert float(state.meta()["generated_bytes"]) == saved
