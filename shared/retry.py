@@ -374,6 +374,7 @@ def preload_http() -> None:
     import anyio._backends._asyncio  # noqa: F401 - anyio picks its backend by importing it on first use
     import certifi  # noqa: F401
     import httpcore  # noqa: F401
+    import sniffio  # noqa: F401 - httpcore imports it on every request; a missing one is searched for each time
 
 
 def post_json(url: str, body: dict, timeout: httpx.Timeout | float,
