@@ -7,28 +7,25 @@ wrote. The states are pre-made zeros (finite, so the extractor's verification ac
 of ``hidden_size`` and ``num_layers``, in bf16 or, for fp8 runs, e4m3 with scales of 1. Every answer is
 immediate, so an extraction benchmark against it measures the orchestrator, not a forward pass.
 
-uvicorn runs it in a thread on a free loopback port, as ``tests.support.openai_server`` does; the
-requests it answered are counted in ``answered``.
+It runs in a thread on a free loopback port (``tests.support.thread_server``, as the OpenAI stand-in
+does); the requests it answered are counted in ``answered``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from shared import SCHEMA_VERSION, eagle3
 from shared.hidden_write import RawTensor, write_safetensors
 from shared.layout import PathOutsideVolume, hidden_state_run, resolve_inside
-from tests.support.processes import free_port
+from tests.support.thread_server import ThreadServer
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +61,17 @@ def state_tensors(tokens: int, hidden: int, storage: str) -> dict[str, RawTensor
     return tensors
 
 
-class HiddenStateServer:
+class HiddenStateServer(ThreadServer):
     """Writes zero states for every ``POST /v1/hidden_states`` under ``data``'s runs and answers at once."""
+
+    name = "hidden-state-stand-in"
 
     def __init__(self, data: Path, *, hidden_size: int = 64, num_layers: int = 8, model: str = "stand-in-target") -> None:
         self.data = Path(data).resolve()
         self.hidden_size, self.model = hidden_size, model
         self.default_layers = eagle3.default_layer_ids(num_layers)
-        self.port = free_port()
+        super().__init__()
         self.answered = 0
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def write(self, body: dict) -> dict:
         """Write the file ``body`` asks for and describe it as the built-in server does."""
@@ -117,28 +110,3 @@ class HiddenStateServer:
                 return JSONResponse(status_code=400, content=error)
 
         return app
-
-    def start(self) -> HiddenStateServer:
-        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="hidden-state-stand-in", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("stand-in hidden-state server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def __enter__(self) -> HiddenStateServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

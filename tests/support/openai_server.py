@@ -16,11 +16,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.support.processes import free_port
+from tests.support.thread_server import ThreadServer
 
 
 @dataclass(frozen=True)
@@ -42,22 +41,18 @@ class Reply:
         return len(f"{self.reasoning or ''} {self.content or ''}".split())
 
 
-class OpenAIServer:
+class OpenAIServer(ThreadServer):
+    name = "openai-stand-in"
+
     def __init__(self, model: str = "stand-in-target") -> None:
         self.model = model
-        self.port = free_port()
+        super().__init__()
         self.requests: list[dict] = []
         self._script: dict[str, list[Reply]] = {}
         self._default = Reply()
         self.health_status = 200
         self.health_checks = 0
         self._lock = threading.Lock()
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def script(self, prompt: str, *replies: Reply) -> None:
         with self._lock:
@@ -121,31 +116,6 @@ class OpenAIServer:
             answer["usage"] = {"prompt_tokens": 10, "completion_tokens": reply.tokens(), "total_tokens": 10 + reply.tokens()}
         return answer
 
-    def start(self) -> OpenAIServer:
-        # A reply still sleeping for a client that is gone (a killed worker's) must not hold up stop().
-        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="openai-stand-in", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("stand-in OpenAI server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def __enter__(self) -> OpenAIServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _last_user(body: dict) -> str | None:
