@@ -72,7 +72,8 @@ class TrainConfig(_Frozen):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Weights a step computes with: fp32 (float32 weights; bf16 autocast on CUDA), or bf16 "
                             "(bf16 weights and gradients, float32 master copies in the optimizer and the checkpoints: "
-                            "about 0.1-0.2 GiB less at 8B drafter shapes, no faster; bench/RESULTS.md).")
+                            "about 0.1-0.2 GiB less at 8B drafter shapes, no faster; bench/RESULTS.md; one training "
+                            "process only).")
 
 
 EvalSetName = Literal["holdout", "humaneval"]  # services/trainer/evalsets.py loads each

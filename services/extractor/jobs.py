@@ -90,8 +90,8 @@ def extract(payload: dict) -> dict:
     settings = worker_settings()
     # Starting at the first sample id sends consecutive samples to consecutive endpoints.
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
-    tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
     try:
+        tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
         summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
     finally:
         source.close()

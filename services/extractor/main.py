@@ -14,7 +14,7 @@ from shared.worker import run_worker
 def main() -> None:
     settings = load_settings(ExtractorSettings)
     # A hidden-state source that lacks a setting stops the worker here, naming it, instead of failing every job.
-    make_source(settings, model="")
+    make_source(settings, model="").close()
     # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_worker([EXTRACT_QUEUE], settings, role="extractor",

@@ -417,7 +417,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     drafter.store_embedding_as(head.embed.dtype)
     drafter = drafter.to(dev)
     attention = attention_kind(cfg.attention, dev)
-    precision = precision_kind(cfg.precision)
+    precision = precision_kind(cfg.precision, world)
     weights = make_weights(drafter, precision)
     objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX)
     if world > 1:
@@ -584,7 +584,7 @@ def train_step(s: Session, batch: Batch) -> StepResult:
     # DDP averages gradients over ranks; times the world size, the gradient is that of the global mean.
     denominators = (g_masked.clamp(min=1) / s.world).to(ce_sums.dtype)
     loss = (weights.to(ce_sums.dtype) * ce_sums / denominators).sum()
-    s.optimizer.zero_grad(set_to_none=True)
+    s.weights.zero_grad(s.optimizer)
     loss.backward()
     # After backward every rank holds DDP's averaged gradient, so this is the global batch's gradient norm.
     grad_norm = torch.nn.utils.clip_grad_norm_(s.weights.grads_to_optimizer(), s.cfg.grad_clip)

@@ -12,7 +12,7 @@ from torch import nn
 
 from services.trainer import checkpoint as ckpt
 from services.trainer.model import RMSNorm
-from services.trainer.precision import BF16, FP32, MasterWeights, make_weights, precision_kind
+from services.trainer.precision import BF16, FP32, MasterWeights, UnsupportedPrecision, make_weights, precision_kind
 from services.trainer.train import TrainProgress, train_drafter
 from shared.runspec import RunSpec
 
@@ -39,6 +39,12 @@ def test_an_unknown_precision_is_refused_by_name():
         precision_kind("fp16")
 
 
+def test_bf16_weights_over_several_processes_are_refused_naming_the_setting():
+    assert precision_kind("fp32", world=2) == FP32
+    with pytest.raises(UnsupportedPrecision, match="train.precision to fp32"):
+        precision_kind("bf16", world=2)
+
+
 def test_master_weights_step_in_float32_and_hand_the_step_its_bf16_copy():
     torch.manual_seed(0)
     layer = nn.Linear(8, 4, bias=False)
@@ -47,11 +53,14 @@ def test_master_weights_step_in_float32_and_hand_the_step_its_bf16_copy():
     assert isinstance(weights, MasterWeights) and layer.weight.dtype == torch.bfloat16
     assert torch.equal(weights.masters[0].data, start)  # the master is the float32 weight itself
     optimizer = torch.optim.SGD(weights.optimizer_params, lr=1e-3)
+    weights.zero_grad(optimizer)
     layer(torch.randn(3, 8, dtype=torch.bfloat16)).float().square().sum().backward()
     (master,) = weights.grads_to_optimizer()
-    assert layer.weight.grad is None and master.grad.dtype == torch.float32
+    assert master.grad.dtype == torch.float32 and torch.equal(master.grad, layer.weight.grad.float())
     optimizer.step()
     weights.after_update()
+    weights.zero_grad(optimizer)
+    assert layer.weight.grad is None and master.grad is None
     moved = weights.masters[0].data
     assert not torch.equal(moved, start) and moved.dtype == torch.float32
     assert torch.equal(layer.weight.data, moved.to(torch.bfloat16))  # the step's copy follows its master
