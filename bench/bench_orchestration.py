@@ -9,7 +9,8 @@ memory over the run, and Redis' commands and CPU per sample.
 
 Everything is real except the target: a real redis-server, the controller's own submission and feeder
 (``submit_run``, ``feed_run``, as its loop calls them), and ``draftline serve generator`` and ``draftline
-serve extractor`` worker processes (RQ, JSON serializer, fork per job). Generation talks to a stand-in
+serve extractor`` worker processes (RQ, JSON serializer, each job inline or in a forked work horse as
+``--job-process`` says). Generation talks to a stand-in
 OpenAI server in this process that answers every chat request at once with a fixed reply
 (tests/support/openai_server.py); extraction to the built-in inference server on the tiny target
 (a forward pass of a few thousand parameters per sample), or with ``--extract-server stub`` to a stand-in
@@ -60,7 +61,7 @@ from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids  # noq
 from shared.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
 from shared.runstate import RunState  # noqa: E402
-from shared.settings import ControllerSettings, configure_logging  # noqa: E402
+from shared.settings import ControllerSettings, GeneratorSettings, configure_logging  # noqa: E402
 from tests.support.hidden_server import HiddenStateServer  # noqa: E402
 from tests.support.openai_server import OpenAIServer, Reply  # noqa: E402
 from tests.support.processes import RedisServer, ServiceProcess, free_port  # noqa: E402
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the setting's)")
     parser.add_argument("--sample-result-ttl-s", type=int, default=None,
                         help="DRAFTLINE_SAMPLE_RESULT_TTL_S for the feeder and the workers (default: the setting's)")
+    parser.add_argument("--job-process", choices=("fork", "inline"), default=None,
+                        help="DRAFTLINE_JOB_PROCESS of the workers: each job in a forked work horse, or in the worker "
+                        "itself (default: the setting's)")
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between two memory samples")
     parser.add_argument("--work", type=Path, default=None, help="data, Redis and logs (default: a temp dir)")
     parser.add_argument("--timeout-s", type=float, default=1800)
@@ -347,7 +351,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                                     **ttl)
         base = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_LOG_LEVEL": "WARNING",
                 "DRAFTLINE_SAMPLE_RESULT_TTL_S": str(feeder.sample_result_ttl_s),
-                "DRAFTLINE_EXTRACT_BATCH": str(feeder.extract_batch)}
+                "DRAFTLINE_EXTRACT_BATCH": str(feeder.extract_batch),
+                "DRAFTLINE_JOB_PROCESS": args.job_process or GeneratorSettings.model_fields["job_process"].default}
         bench = Bench(args, base, logs, state, feeder, conn, redis_server.url, model_dir,
                       deadline=time.perf_counter() + args.timeout_s)
         memory_before = conn.info("memory")["used_memory"]
@@ -367,7 +372,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             "samples": args.samples, "stages": args.stages, "generators": args.generators,
             "extractors": args.extractors if args.stages == "both" else 0, "generate_batch": args.generate_batch,
             "extract_batch": feeder.extract_batch, "extract_server": args.extract_server,
-            "sample_result_ttl_s": feeder.sample_result_ttl_s,
+            "sample_result_ttl_s": feeder.sample_result_ttl_s, "job_process": base["DRAFTLINE_JOB_PROCESS"],
             "cpus": os.cpu_count(),
             "generated": gen.done, "generate_failed": gen.failed, "extracted": ext.done, "extract_failed": ext.failed,
             "generate_s": round(gen_result["seconds"], 2),

@@ -164,7 +164,16 @@ class RetrySettings(CommonSettings):
     )
 
 
-class GeneratorSettings(RetrySettings, SampleQueueSettings):
+class SampleWorkerSettings(RetrySettings):
+    """A worker of sample jobs (generate, extract): how it runs each job."""
+
+    job_process: Literal["fork", "inline"] = Field(
+        "inline", description="inline: each job runs in the worker's own process, its clients and caches kept "
+        "between jobs (bench/RESULTS.md: the fork and its start-up were most of a sample's cost); fork: each job "
+        "in a forked work horse, RQ's default (shared.worker says what each keeps).")
+
+
+class GeneratorSettings(SampleWorkerSettings, SampleQueueSettings):
     """RQ worker that asks the inference server (built-in, vLLM or SGLang) for the target's replies."""
 
     inference_url: EndpointList = Field(
@@ -175,7 +184,7 @@ class GeneratorSettings(RetrySettings, SampleQueueSettings):
     request_timeout_s: float = Field(600.0, gt=0)
 
 
-class ExtractorSettings(RetrySettings):
+class ExtractorSettings(SampleWorkerSettings):
     """RQ worker that turns replies into token ids and gets their hidden states (built-in server or vLLM)."""
 
     hidden_states_url: EndpointList = Field(

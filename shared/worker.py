@@ -5,6 +5,12 @@ one, more than a second later, kills the job's work horse and exits at once, lea
 for the controller's reaper to requeue. A worker that dies outright (SIGKILL, a lost host) stops
 heartbeating; its work horse dies with it, and the reaper requeues the job once the heartbeat is stale.
 
+A worker runs each job in a forked work horse (``job_process = "fork"``, RQ's way) or in its own process
+(``"inline"``, ``shared.inline_jobs``): no fork, and the job's modules, caches, HTTP and Redis clients
+kept from one job to the next. Inline, a thread heartbeats while the job runs, a second SIGTERM cuts the
+job short and leaves it started for the reaper, and a job 60 s past its timeout fails by name and ends the
+worker (whose restart policy brings it back), since nothing can stop a hung job in its own process.
+
 A worker whose data directory is not the controller's volume (``shared.volume``) refuses at start-up and
 before every job: it hands the job it just took back to the front of its queue, stops, and exits with
 ``VolumeMismatch`` naming both volumes, instead of writing files that nobody reads.
@@ -17,6 +23,8 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Literal
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,8 +40,10 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.utils import now
+from rq.worker import WorkerStatus
 
 from shared.errors import ForeignJob
+from shared.inline_jobs import EXIT_OVERRAN, OVERRUN_GRACE_S, ColdStop, JobHeartbeat, end_process, overran_by
 from shared.jobs import JOB_FUNCS
 from shared.outage import REDIS_DOWN, RedisOutage
 from shared.process import die_with_parent
@@ -74,6 +84,8 @@ class DraftlineWorker(Worker):
 
     data: Path | None = None  # the data directory to check against the controller's volume; None: no check
     refused: VolumeMismatch | None = None
+    inline: bool = False  # run jobs in this process (shared.inline_jobs) instead of a forked work horse
+    overrun_grace_s: float = OVERRUN_GRACE_S  # inline: how long past its timeout a job may run
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -101,13 +113,58 @@ class DraftlineWorker(Worker):
                 self.refused = exc
                 raise StopRequested() from None
         try:
-            super().execute_job(job, queue)
+            if self.inline:
+                self.execute_inline(job, queue)
+            else:
+                super().execute_job(job, queue)
         except REDIS_DOWN as exc:
             # Redis went away while the job was taken, run or settled: wait for it, then make sure the
             # job is either settled or queued again (the volume, not this process, knows what was done).
             self.outage.down(exc)
             self.wait_for_redis()
             self.settle_after_outage(job, queue)
+
+    def execute_inline(self, job: Job, queue: Queue) -> None:
+        """Run ``job`` in this process, heartbeating from a thread as a forking worker does from its loop."""
+        execution = self.prepare_execution(job)
+        with JobHeartbeat(job, self.job_monitoring_interval, beat=lambda: self.maintain_heartbeats(job, execution),
+                          overrun=lambda: self.fail_overrun(job, queue, execution), grace_s=self.overrun_grace_s):
+            self.perform_job(job, queue, execution)
+        self.set_state(WorkerStatus.IDLE)
+
+    def fail_overrun(self, job: Job, queue: Queue, execution: Execution) -> None:
+        """From the heartbeat thread: fail an inline job that overran its timeout, as a forking worker fails
+        the horse it kills for it, then end this process, whose main thread is still inside the job."""
+        late = overran_by(job, self.overrun_grace_s) or 0.0
+        message = (f"JobTimeoutException: job {job.id} ran {late:.0f}s past its timeout of {job.timeout}s plus "
+                   f"{self.overrun_grace_s:g}s; worker {self.name} ran it inline and ends itself to stop it")
+        log.error("%s", message)
+        try:
+            # The claim, as in the reaper: a job that settled meanwhile is no longer in the registry.
+            if self.connection.zrem(job.started_job_registry.key, execution.composite_key):
+                self.handle_job_failure(job, queue, exc_string=message, execution=execution)
+            self.register_death()
+        except REDIS_DOWN as exc:
+            log.error("worker %s: could not record the overrun in redis (the reaper requeues the job): %s",
+                      self.name, exc)
+        end_process(EXIT_OVERRAN)
+
+    def request_force_stop(self, signum, frame) -> None:
+        if not self.inline:
+            super().request_force_stop(signum, frame)
+            return
+        # As RQ's: a second signal within a second of the first is a duplicate (a pool's and the terminal's).
+        if self._shutdown_requested_date and now() - self._shutdown_requested_date < timedelta(seconds=1):
+            return
+        log.warning("Worker %s: cold shut down", self.name)
+        raise ColdStop()
+
+    def _finalize_failure(self, job: Job, queue: Queue, execution: Execution, exc_info) -> None:
+        # A cold stop is no failure of the job: it stays started, and the teardown's death record tells the
+        # reaper to requeue it, as it does a killed horse's.
+        if isinstance(exc_info[1], ColdStop):
+            raise exc_info[1]
+        super()._finalize_failure(job, queue, execution, exc_info)
 
     def settle_after_outage(self, job: Job, queue: Queue) -> None:
         """Requeue ``job`` if Redis still holds it unsettled; a Redis that came back empty lost it, and the
@@ -281,9 +338,11 @@ def run_worker(
     role: str,
     preload: Callable[[], None] | None = None,
     burst: bool = False,
+    job_process: Literal["fork", "inline"] = "fork",
 ) -> None:
-    """Serve ``queue_names`` until stopped. ``preload`` runs once before forking job processes, so
-    what it caches (a tokenizer, say) is shared by every job instead of loaded per job."""
+    """Serve ``queue_names`` until stopped, each job run as ``job_process`` says. ``preload`` runs once
+    before the first job, so what it caches (a tokenizer, say) is shared by every job instead of loaded
+    per job."""
     configure_logging(settings.log_level)
     conn = connect(settings.redis_url)
     # A worker that starts before Redis waits instead of crashing (compose starts them together).
@@ -303,8 +362,10 @@ def run_worker(
         job_monitoring_interval=JOB_MONITORING_INTERVAL_S,
     )
     worker.data = settings.data
+    worker.inline = job_process == "inline"
     logging.getLogger("rq.worker").addFilter(without_rq_reconnect_lines)  # RedisOutage says it once
-    log.info("worker %s: serving %s from %s", name, ", ".join(queue_names), settings.data)
+    log.info("worker %s: serving %s from %s, jobs %s", name, ", ".join(queue_names), settings.data,
+             "inline" if worker.inline else "in forked work horses")
     worker.work(burst=burst, logging_level=settings.log_level)
     if worker.refused is not None:
         raise worker.refused

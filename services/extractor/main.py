@@ -18,4 +18,5 @@ def main() -> None:
     # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_worker([EXTRACT_QUEUE], settings, role="extractor",
-               preload=lambda: preload(str(settings.model_dir), settings.trust_remote_code))
+               preload=lambda: preload(str(settings.model_dir), settings.trust_remote_code),
+               job_process=settings.job_process)

@@ -12,4 +12,5 @@ def main() -> None:
     settings = load_settings(GeneratorSettings)
     # Imported and its settings read here, before forking: each job's process inherits the module (and
     # httpx with it) instead of importing it and parsing the environment again.
-    run_worker([GENERATE_QUEUE], settings, role="generator", preload=jobs.worker_settings)
+    run_worker([GENERATE_QUEUE], settings, role="generator", preload=jobs.worker_settings,
+               job_process=settings.job_process)

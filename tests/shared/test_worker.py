@@ -1,4 +1,5 @@
-"""Real ``draftline serve generator`` workers stop cleanly: SIGTERM finishes the job, a second one stops now."""
+"""Real ``draftline serve generator`` workers stop cleanly: SIGTERM finishes the job, a second one stops now;
+in both ways a worker runs jobs (a forked work horse, or inline in its own process)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import redis
 from rq.job import Job, JobStatus
 
@@ -49,8 +51,10 @@ def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[st
     return state
 
 
-def generator(server: OpenAIServer, redis_url: str, data_dir: Path, tmp_path: Path) -> ServiceProcess:
-    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": server.url}
+def generator(server: OpenAIServer, redis_url: str, data_dir: Path, tmp_path: Path,
+              job_process: str = "fork") -> ServiceProcess:
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": server.url,
+           "DRAFTLINE_JOB_PROCESS": job_process}
     return ServiceProcess("generator", env=env, log_dir=tmp_path / "logs")
 
 
@@ -72,11 +76,14 @@ def wait_started(conn: redis.Redis, job_id: str, *workers: ServiceProcess) -> No
     wait_for(lambda: job_status(conn, job_id) == JobStatus.STARTED, f"{job_id} started", 60, *workers)
 
 
+def children_of(worker: ServiceProcess) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.proc.pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
 def horse_of(worker: ServiceProcess) -> int:
     """The pid of the worker's work horse (its one child process)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.proc.pid)], capture_output=True, text=True,
-                         check=True)
-    pids = [int(p) for p in out.stdout.split()]
+    pids = children_of(worker)
     assert len(pids) == 1, f"worker {worker.proc.pid} has children {pids}"
     return pids[0]
 
@@ -91,12 +98,14 @@ def gone(pid: int) -> bool:
     return not status.exists() or "State:\tZ" in status.read_text()
 
 
-def test_first_sigterm_finishes_the_current_job_then_exits_zero(data_dir, redis_url, redis_conn, tmp_path):
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_first_sigterm_finishes_the_current_job_then_exits_zero(data_dir, redis_url, redis_conn, tmp_path,
+                                                                job_process):
     state = make_run(data_dir, redis_conn, tmp_path, ["slow"])
     job_id = generate_job_id(RUN, 0)
     with OpenAIServer() as server:
         server.script("slow", Reply("finished despite the signal", delay_s=3))
-        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
         try:
             wait_started(redis_conn, job_id, worker)
             worker.proc.send_signal(signal.SIGTERM)
@@ -109,15 +118,18 @@ def test_first_sigterm_finishes_the_current_job_then_exits_zero(data_dir, redis_
     assert "warm shut down requested" in worker.log()
 
 
-def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_url, redis_conn, tmp_path):
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_url, redis_conn, tmp_path, job_process):
     state = make_run(data_dir, redis_conn, tmp_path, ["very slow"])
     job_id = generate_job_id(RUN, 0)
     with OpenAIServer() as server:
         server.script("very slow", Reply("never written", delay_s=120))
-        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
         try:
             wait_started(redis_conn, job_id, worker)
-            horse = horse_of(worker)
+            wait_for(lambda: server.requests_for("very slow"), "the request sent", 60, worker)
+            horses = children_of(worker)
+            assert len(horses) == (1 if job_process == "fork" else 0), horses
             worker.proc.send_signal(signal.SIGTERM)
             time.sleep(1.5)  # RQ ignores a second signal within a second of the first (a pool's duplicate)
             worker.proc.send_signal(signal.SIGTERM)
@@ -125,7 +137,7 @@ def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_ur
         finally:
             worker.stop(signal.SIGKILL)
         assert "cold shut down" in worker.log()
-        wait_for(lambda: gone(horse), "work horse gone", 10)
+        wait_for(lambda: all(gone(horse) for horse in horses), "work horse gone", 10)
     assert job_status(redis_conn, job_id) == JobStatus.STARTED  # never marked done ...
     assert not state.paths.generated(0).exists()
     assert state.counts("generate").done == 0
@@ -193,7 +205,9 @@ def test_a_horse_the_worker_kills_for_overrunning_its_timeout_is_a_failure_not_a
     assert not overran(job)
 
 
-def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_dir, tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_dir, tmp_path, tiny_model_dir,
+                                                                          job_process):
     """Redis restarts empty (no persistence) while a generator runs a job and an extractor and a trainer
     wait: all three live on, log the outage once and its end once, and the generator finishes its job
     on the volume and then serves a job queued after the restart."""
@@ -201,7 +215,8 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
     redis_server = RedisServer(server_dir).start()
     conn = redis.Redis.from_url(redis_server.url)
     state = make_run(data_dir, conn, tmp_path, ["through the outage"])
-    env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir)}
+    env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+           "DRAFTLINE_JOB_PROCESS": job_process}
     with OpenAIServer() as server:
         server.script("through the outage", Reply("finished across a redis restart", delay_s=30))
         server.script("after the outage", Reply("served after the restart"))
@@ -237,7 +252,9 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
         assert "unhandled exception" not in log, log
 
 
-def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir, redis_url, redis_conn, tmp_path):
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir, redis_url, redis_conn, tmp_path,
+                                                                       job_process):
     state = make_run(data_dir, redis_conn, tmp_path, ["after the foreign jobs"])
     marker = tmp_path / "created-by-a-foreign-job"
     q = queue(GENERATE_QUEUE, redis_conn)
@@ -245,7 +262,7 @@ def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir
                q.enqueue_call("services.trainer.jobs.train", args=({"run": RUN},), job_id="foreign_train",
                               at_front=True)]  # a draftline function, but not one of this queue's
     with OpenAIServer() as server:
-        worker = generator(server, redis_url, data_dir, tmp_path).start()
+        worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
         try:
             wait_for(lambda: state.counts("generate").done == 1, "the real job done", 60, worker)
             assert worker.alive(), worker.log()

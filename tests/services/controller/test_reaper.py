@@ -8,6 +8,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import redis
 from rq.executions import ExecutionRegistry
 from rq.job import Job, JobStatus
@@ -51,11 +52,12 @@ def fetch(conn: redis.Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
 
 
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
 def test_a_killed_workers_job_is_finished_by_another_worker_and_a_live_long_job_is_left_alone(
-        data_dir, redis_url, redis_conn, tmp_path):
+        data_dir, redis_url, redis_conn, tmp_path, job_process):
     state = make_run(data_dir, redis_conn, tmp_path, ["doomed", "patient"])
     doomed, patient = generate_job_id(RUN, 0), generate_job_id(RUN, 1)
-    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir)}
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_JOB_PROCESS": job_process}
     with OpenAIServer() as server:
         server.script("doomed", Reply("lost with its worker", delay_s=60), Reply("done by another worker"))
         server.script("patient", Reply("a long but healthy reply", delay_s=45))
@@ -69,10 +71,10 @@ def test_a_killed_workers_job_is_finished_by_another_worker_and_a_live_long_job_
             killed_name = fetch(redis_conn, doomed).worker_name
             patient_worker = fetch(redis_conn, patient).worker_name
             [victim] = [w for w in workers if killed_name.endswith(f"-{w.proc.pid}")]
-            horse = horse_of(victim)
+            horses = [horse_of(victim)] if job_process == "fork" else []  # inline: the job runs in the worker
             victim.stop(signal.SIGKILL)  # the worker only: its horse sits in a process group of its own
             killed_at = time.monotonic()
-            wait_for(lambda: gone(horse), "the dead worker's work horse gone", 10)
+            wait_for(lambda: all(gone(horse) for horse in horses), "the dead worker's work horse gone", 10)
             workers.append(ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start())
 
             requeued, finished_in = 0, None

@@ -10,6 +10,7 @@ import signal
 import pytest
 from rq.job import Job
 
+from services.controller.reaper import requeue_abandoned
 from services.controller.submit import submit_run
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
@@ -62,9 +63,9 @@ def make_run(data_dir, conn, tmp_path, name: str, samples: int) -> RunState:
     return state
 
 
-def extractor(redis_url, data_dir, tiny_model_dir, url: str, tmp_path) -> ServiceProcess:
+def extractor(redis_url, data_dir, tiny_model_dir, url: str, tmp_path, job_process: str = "inline") -> ServiceProcess:
     env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
-           "DRAFTLINE_HIDDEN_STATES_URL": url}
+           "DRAFTLINE_HIDDEN_STATES_URL": url, "DRAFTLINE_JOB_PROCESS": job_process}
     return ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs")
 
 
@@ -99,21 +100,32 @@ def test_a_failing_sample_of_a_batch_is_named_and_the_others_are_extracted(infer
     assert queue(EXTRACT_QUEUE, redis_conn).failed_job_registry.count == 0  # the job itself succeeded
 
 
-def test_a_batch_killed_mid_way_is_requeued_and_redoes_only_its_unfinished_samples(inference, data_dir, redis_url,
-                                                                                   redis_conn, tmp_path, tiny_model_dir):
-    samples = 8
-    state = make_run(data_dir, redis_conn, tmp_path, "killed", samples)
-    enqueue_extract(redis_conn, "killed", range(samples), batch=16)
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_a_batch_killed_mid_way_is_requeued_and_redoes_only_its_unfinished_samples(
+        inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir, job_process):
+    """Fork: the OOM killer's SIGKILL of the work horse, requeued by its worker. Inline: the SIGKILL of the
+    worker running the job, requeued by the reaper once its heartbeat is stale, and run by another worker."""
+    samples, run = 8, f"killed-{job_process}"
+    state = make_run(data_dir, redis_conn, tmp_path, run, samples)
+    enqueue_extract(redis_conn, run, range(samples), batch=16)
     with SlowProxy(inference["url"], delay_s=0.7) as proxy:
-        with extractor(redis_url, data_dir, tiny_model_dir, proxy.url, tmp_path) as worker:
+        with extractor(redis_url, data_dir, tiny_model_dir, proxy.url, tmp_path, job_process) as worker:
             wait_for(lambda: state.counts("extract").done >= 3, "some samples of the batch extracted", 120, worker)
-            os.kill(horse_of(worker), signal.SIGKILL)  # as the kernel's OOM killer does
+            os.kill(horse_of(worker) if job_process == "fork" else worker.proc.pid, signal.SIGKILL)
             finished = [i for i in range(samples) if state.is_done("extract", i)]
             written = {i: state.paths.hidden(i).stat().st_mtime_ns for i in finished}
             assert len(finished) < samples, "the batch finished before the kill; the test proves nothing"
-            wait_for(lambda: state.counts("extract").done == samples, "the requeued batch finished", 120, worker)
-            wait_for(lambda: sum(successful_jobs(redis_conn).values()) == 1, "the job finished", 30, worker)
-            assert "killed by SIGKILL; requeued at the front" in worker.log()
+            if job_process == "fork":
+                wait_for(lambda: state.counts("extract").done == samples, "the requeued batch finished", 120, worker)
+                wait_for(lambda: sum(successful_jobs(redis_conn).values()) == 1, "the job finished", 30, worker)
+                assert "killed by SIGKILL; requeued at the front" in worker.log()
+        if job_process == "inline":
+            with extractor(redis_url, data_dir, tiny_model_dir, proxy.url, tmp_path, job_process) as worker:
+                def reaped_and_finished() -> bool:
+                    requeue_abandoned(redis_conn)  # what the supervisor does every few seconds
+                    return state.counts("extract").done == samples
+                wait_for(reaped_and_finished, "the reaped batch finished", 180, worker)
+                wait_for(lambda: sum(successful_jobs(redis_conn).values()) == 1, "the job finished", 30, worker)
     for sample_id in finished:  # extracted before the kill: never asked for, written or recorded again
         assert proxy.requests[sample_id] == 1, proxy.requests
         assert state.paths.hidden(sample_id).stat().st_mtime_ns == written[sample_id]
@@ -126,5 +138,5 @@ def test_a_batch_killed_mid_way_is_requeued_and_redoes_only_its_unfinished_sampl
     counts = state.counts("extract")
     assert (counts.done, counts.failed) == (samples, 0)  # each sample counted once ...
     assert int(float(state.meta()["hidden_bytes"])) == sizes  # ... and its bytes too
-    assert not redis_conn.exists(Job.key_for(extract_job_id("killed", 0)))  # finished, so deleted at once
+    assert not redis_conn.exists(Job.key_for(extract_job_id(run, 0)))  # finished, so deleted at once
     assert float(state.meta()["extract_retried"]) == samples  # one requeue: a retry of each sample of the job
