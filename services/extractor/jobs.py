@@ -36,7 +36,7 @@ from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
-from shared.queues import connect
+from shared.queues import job_connection
 from shared.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
 from shared.runstate import Failure, RunState, run_key
@@ -92,7 +92,7 @@ def extract(payload: dict) -> dict:
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
     try:
         tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
-        summary = dict(Counter(run_extract(job, settings, connect(settings.redis_url), tokenizer, source)))
+        summary = dict(Counter(run_extract(job, settings, job_connection(settings.redis_url), tokenizer, source)))
     finally:
         source.close()
     log.info("run %s: extract batch from %d: %s", job.run, job.sample_ids[0], summary)

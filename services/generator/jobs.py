@@ -35,7 +35,7 @@ from shared.errors import (
     error_class,
 )
 from shared.jobs import GenerateJob, PromptItem
-from shared.queues import connect
+from shared.queues import job_connection
 from shared.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
 from shared.runstate import DROPPED, ERROR, Failure, RunState
@@ -56,7 +56,7 @@ def generate(payload: dict) -> dict:
     """RQ entry point (``shared.jobs.GENERATE_FUNC``)."""
     job = GenerateJob.model_validate(payload)
     settings = worker_settings()
-    return run_generate(job, settings, connect(settings.redis_url))
+    return run_generate(job, settings, job_connection(settings.redis_url))
 
 
 def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redis, *,
