@@ -39,6 +39,10 @@ FAULTS = 14
 CHAOS_SECONDS = 150
 FINISH_SECONDS = 420
 WORKERS = ("generator", "extractor")
+# The faults must land while the sample stages run: on their own they finish in about 15 s here, before
+# half the planned faults. One request in flight per generator, each waiting 400 ms for a batch to fill,
+# keeps generation (and the extraction that follows each reply) going long enough for all 14.
+PACE = {"DRAFTLINE_CONCURRENCY": "1", "DRAFTLINE_BATCH_WAIT_MS": "400"}
 
 
 def write_dataset(path: Path) -> None:
@@ -113,7 +117,7 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
     write_dataset(dataset)
     config = StackConfig(
         data=data, model_dir=tiny_model_dir, log_dir=root / "logs", redis_url=redis_server.url,
-        replicas={"generator": 2, "extractor": 2}, env={"DRAFTLINE_DATASET_ROOTS": str(root)},
+        replicas={"generator": 2, "extractor": 2}, env={"DRAFTLINE_DATASET_ROOTS": str(root), **PACE},
     )
     rng = random.Random(20261129)
     try:
