@@ -5,9 +5,9 @@ A forking worker heartbeats from its main loop while its horse works, and kills 
 past its job's timeout. An inline worker's main thread is the job, so ``JobHeartbeat`` does both from a
 thread: it keeps the worker, the execution and the job alive in Redis every monitoring interval, and when
 the job overruns its timeout by 60 s (a hang RQ's own timeout alarm did not end: it fires once, and a
-per-sample boundary may catch it) it records the worker's death and ends the process, leaving the job
-started for the reaper to requeue (counted, failed by name after ``MAX_REQUEUES``), because a thread
-cannot stop the main thread's job and two copies of one job must never run.
+per-sample boundary may catch it) it hands over to the worker, which fails the job by name as a forking
+worker fails the horse it kills, records its own death and ends the process: a thread cannot stop the
+main thread's job, and two copies of one job must never run.
 
 A second SIGTERM raises ``ColdStop`` in the main thread, inside the job; the worker lets it through its
 failure handling so the job stays started, as a killed horse's does, and the worker's teardown records its

@@ -24,9 +24,8 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Literal
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import redis
 from rq import Queue, Worker, worker_registration
@@ -326,9 +325,7 @@ def horse_loss(job: Job, ret_val: int | None) -> str | None:
 def overran(job: Job) -> bool:
     """Whether the worker itself killed the horse for running past the job's timeout (RQ allows 60 s
     more): a hang, which is a failure of the job, unlike a kill from outside."""
-    if job.timeout in (None, -1) or job.started_at is None:
-        return False
-    return (now() - job.started_at).total_seconds() > job.timeout + 60
+    return overran_by(job) is not None
 
 
 def run_worker(

@@ -15,7 +15,8 @@ def main() -> None:
     settings = load_settings(ExtractorSettings)
     # A hidden-state source that lacks a setting stops the worker here, naming it, instead of failing every job.
     make_source(settings, model="").close()
-    # Each job runs in a forked child; the tokenizers library's thread pool does not survive a fork.
+    # With job_process "fork" each job runs in a forked child, and the tokenizers library's thread pool does
+    # not survive a fork; jobs tokenize one sample at a time, so inline loses nothing by it either.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_worker([EXTRACT_QUEUE], settings, role="extractor",
                preload=lambda: preload(str(settings.model_dir), settings.trust_remote_code),

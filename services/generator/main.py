@@ -10,7 +10,7 @@ from shared.worker import run_worker
 
 def main() -> None:
     settings = load_settings(GeneratorSettings)
-    # Imported and its settings read here, before forking: each job's process inherits the module (and
-    # httpx with it) instead of importing it and parsing the environment again.
+    # Imported and its settings read here, before the first job: a forked job's process inherits the module
+    # (and httpx with it) instead of importing it and parsing the environment again.
     run_worker([GENERATE_QUEUE], settings, role="generator", preload=jobs.worker_settings,
                job_process=settings.job_process)
