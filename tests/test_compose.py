@@ -49,6 +49,7 @@ REDIS_START = "/etc/draftline/redis/start.sh"
 # Every combination of files the README tells users to run, as `docker compose -f …` lists them.
 PROJECTS = {
     "main": ("docker-compose.yml",),
+    "cpu": ("docker-compose.yml", "docker-compose.cpu.yml"),
     "gpus": ("docker-compose.yml", "docker-compose.gpus.yml"),
     "gpus-vllm": ("docker-compose.yml", "docker-compose.gpus-vllm.yml"),
     "gpus-sglang": ("docker-compose.yml", "docker-compose.gpus-sglang.yml"),
@@ -56,6 +57,10 @@ PROJECTS = {
     "worker": (WORKER_HOST_FILE,),
     "worker-gpus": (WORKER_HOST_FILE, "docker-compose.gpus.yml"),
 }
+# Layouts for a machine without GPUs: no GPU reservation anywhere, every server and the trainer on the CPU.
+CPU_PROJECTS = {"cpu"}
+# The image tag a layout's draftline services run (with DRAFTLINE_IMAGE unset).
+PROJECT_IMAGE = {"cpu": "draftline:cpu"}
 # The GPUs each per-GPU layout hands out; every one of them to exactly one server.
 LAYOUT_GPUS = {"gpus": set(map(str, range(8))), "gpus-vllm": set(map(str, range(8))),
                "gpus-sglang": set(map(str, range(8))), "gpus-vllm-states": set(map(str, range(8)))}
@@ -438,7 +443,7 @@ def test_every_draftline_service_runs_its_command_from_the_shared_table(services
         assert (REPO / "services" / name / "main.py").is_file(), f"services/{name}/main.py missing"
 
 
-def test_every_project_runs_only_commands_of_the_shared_table(project_services: dict) -> None:
+def test_every_project_runs_only_commands_of_the_shared_table(project: str, project_services: dict) -> None:
     draftline = draftline_services(project_services)
     assert draftline
     for name, service in draftline.items():
@@ -446,7 +451,8 @@ def test_every_project_runs_only_commands_of_the_shared_table(project_services: 
         env = environment(service)
         assert env["DRAFTLINE_DATA"] == "/data", name
         assert "data:/data" in service["volumes"], name
-        assert service["image"] == "draftline:local" and service["user"] == "1000:1000", name
+        assert service["image"] == PROJECT_IMAGE.get(project, "draftline:local"), name
+        assert service["user"] == "1000:1000", name
 
 
 def test_draftline_services_share_the_common_settings_of_the_anchor(raw: dict, services: dict) -> None:
@@ -645,7 +651,10 @@ def test_images_are_pinned(project_services: dict) -> None:
 
 
 # ---- GPUs ------------------------------------------------------------------------------------------
-def test_gpu_reservations_name_the_gpu_capability_and_count_or_ids_never_both(project_services: dict) -> None:
+def test_gpu_reservations_name_the_gpu_capability_and_count_or_ids_never_both(project: str,
+                                                                              project_services: dict) -> None:
+    if project in CPU_PROJECTS:
+        pytest.skip("a CPU layout reserves no GPU (test_cpu_layouts_reserve_no_gpu_and_run_on_the_cpu)")
     for name, service in project_services.items():
         for device in gpu_devices(service):
             assert device.get("driver") == "nvidia", name
@@ -772,7 +781,21 @@ def test_every_service_compose_starts_finds_the_services_it_needs(project: str, 
                     assert dependency in started, f"{name} needs {dependency}: {set(phase.profiles)} disable it"
 
 
+def test_cpu_layouts_reserve_no_gpu_and_run_on_the_cpu(project: str, project_services: dict) -> None:
+    if project not in CPU_PROJECTS:
+        pytest.skip("a GPU layout")
+    # vLLM and SGLang stay GPU engines behind their profiles, which a CPU layout never enables.
+    for name, service in active(project_services, project).items():
+        assert not (service.get("deploy") or {}).get("resources"), f"{name} still reserves devices"
+        if name in ("inference", "trainer"):
+            assert environment(service)["DRAFTLINE_DEVICE"] == "cpu", name
+        if name in draftline_services(project_services):
+            assert service["build"]["args"]["TORCH_VARIANT"] == "cpu", name
+
+
 def test_gpu_servers_are_pinned_to_distinct_gpus(project: str, project_services: dict) -> None:
+    if project in CPU_PROJECTS:
+        pytest.skip("a CPU layout pins nothing to GPUs")
     services = active(project_services, project)
     owners: dict[str, str] = {}
     for name, service in {**builtin_servers(services), **generation_engines(services)}.items():
@@ -1338,9 +1361,37 @@ def test_dockerfile_installs_torch_from_the_chosen_index_before_the_project() ->
     torch = next(i for i, line in enumerate(runs) if "torch==" in line)
     project = next(i for i, line in enumerate(runs) if re.search(r"pip install \.(\s|$)", line))
     assert torch < project
-    assert "--index-url" in runs[torch] and "${TORCH_VARIANT}" in runs[torch]
+    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch] and '"torch==${TORCH_VERSION}"' in runs[torch]
+    args = dockerfile_args()
+    # By default the index of the chosen PyTorch variant; a build without a registry names its own.
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
     instructions = " ".join(line for stage in dockerfile_stages() for line in stage)
     assert "[test]" not in instructions and "pytest" not in instructions
+
+
+def dockerfile_args() -> dict[str, str]:
+    """Every ARG's default (empty for one without), unquoted."""
+    declared = re.findall(r"^ARG (.+)$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
+    return {name: default.strip('"') for name, _, default in (arg.partition("=") for arg in declared)}
+
+
+def test_the_images_torch_is_the_release_the_tests_run() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    tested = re.search(r"^TORCH_SPEC \?= torch==(\S+)$", makefile, re.MULTILINE).group(1)
+    assert dockerfile_args()["TORCH_VERSION"] == tested
+
+
+def test_the_dockerfile_fetches_no_frontend_image() -> None:
+    """A `# syntax=` line makes BuildKit pull a frontend image: no build without a registry could start."""
+    first = (REPO / "Dockerfile").read_text().lstrip().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
+
+
+def test_the_build_stage_alone_sees_the_ca_bundle() -> None:
+    build, *_, runtime = dockerfile_stages()
+    assert any(line.startswith("COPY docker/ca/") for line in build)
+    assert not any("ca/" in line for line in runtime if line.startswith("COPY"))
+    assert not dockerignored("docker/ca/host.pem")
 
 
 def test_dockerfile_installs_the_makefiles_data_packages_without_dependencies_after_pip_check() -> None:

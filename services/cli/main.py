@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from shared.errors import DraftlineError
-from shared.services import SERVICE_NAMES
+from shared.services import SERVICE_NAMES, WORKER_ROLES
 from shared.settings import configure_logging
 from shared.targets import TARGET_NAMES
 
@@ -71,17 +71,48 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_SECTIONS = ("generation", "extraction", "train", "evaluate")
+
+
+class RunConfigError(DraftlineError):
+    """The file given to ``draftline run --run-config`` cannot be read or holds more than run sections."""
+
+
+def _run_config(path: str | None) -> dict[str, dict]:
+    """The sections of a ``--run-config`` file: a JSON object with any of generation, extraction, train and
+    evaluate, each as ``POST /runs`` takes it. Anything else in it is refused by name."""
+    if not path:
+        return {}
+    import json
+
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RunConfigError(f"run config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise RunConfigError(f"run config {path}: a JSON object of sections is needed, not {type(config).__name__}")
+    unknown = sorted(set(config) - set(RUN_SECTIONS))
+    if unknown:
+        raise RunConfigError(f"run config {path}: unknown section(s) {', '.join(unknown)}; "
+                             f"it may hold {', '.join(RUN_SECTIONS)}")
+    wrong = sorted(name for name, section in config.items() if not isinstance(section, dict))
+    if wrong:
+        raise RunConfigError(f"run config {path}: section(s) {', '.join(wrong)} must be JSON objects")
+    return config
+
+
 def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
-    """The generation, extraction, train and evaluate settings given on the command line (the rest take
-    defaults)."""
+    """The generation, extraction, train and evaluate settings: the ``--run-config`` file's, then the
+    command line's flags over them (the rest take defaults)."""
     generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
                   "temperature": args.temperature}
     extraction = {"storage": args.hidden_storage}
     train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
              "base_checkpoint": args.base_checkpoint}
     evaluate = {"holdout": args.holdout}
-    return tuple({k: v for k, v in section.items() if v is not None}
-                 for section in (generation, extraction, train, evaluate))
+    config = _run_config(getattr(args, "run_config", None))
+    return tuple({**config.get(name, {}), **{k: v for k, v in section.items() if v is not None}}
+                 for name, section in zip(RUN_SECTIONS, (generation, extraction, train, evaluate)))
 
 
 def _run_through_api(args: argparse.Namespace) -> int:
@@ -120,6 +151,32 @@ def _refused_preflight(detail: object) -> str:
 def _submitted(name: str, rows: int, train_ids: int) -> None:
     sys.stdout.write(f"run {name}: {rows} rows read, {train_ids} sample ids queued for generation\n")
     sys.stdout.write(f"follow it with: draftline status {name}\n")
+
+
+def _worker_health(args: argparse.Namespace) -> int:
+    """``draftline worker-health ROLE``: 0 when a ROLE worker of this host (container) is registered in
+    Redis, 1 with the reason otherwise; the compose files' health check for the worker services."""
+    import socket
+
+    import redis
+
+    from shared.queues import connect
+    from shared.settings import CommonSettings, load_settings
+    from shared.worker import registered_workers
+
+    host = socket.gethostname()
+    # Only Redis is needed: a role's full settings would also check what its jobs need, not its health.
+    settings = load_settings(CommonSettings)
+    try:
+        names = registered_workers(connect(settings.redis_url), args.role, host)
+    except redis.RedisError as exc:
+        sys.stderr.write(f"{args.role} on {host}: Redis does not answer: {exc}\n")
+        return 1
+    if not names:
+        sys.stderr.write(f"{args.role} on {host}: no worker registered in Redis (starting, or stopped)\n")
+        return 1
+    sys.stdout.write(f"{args.role} on {host}: {', '.join(names)} registered\n")
+    return 0
 
 
 def _preflight(args: argparse.Namespace) -> int:
@@ -279,11 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-vocab-size", type=int)
     run.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
     run.add_argument("--holdout", type=int, help="rows held out for evaluation")
+    run.add_argument("--run-config", metavar="FILE",
+                     help="a JSON object of the run's generation, extraction, train and evaluate sections, as "
+                          "POST /runs takes them; the flags above override its values")
     run.add_argument("--force", action="store_true", help="start even when preflight checks fail")
     run.add_argument("--controller", metavar="URL",
                      help="submit through this controller's API (e.g. http://127.0.0.1:8080), sending "
                           "DRAFTLINE_API_TOKEN, instead of through Redis and the volume directly")
     run.set_defaults(func=_run)
+
+    health = sub.add_parser("worker-health", help="exit 0 when this host's worker of ROLE is registered in Redis "
+                                                  "(the worker containers' health check)")
+    health.add_argument("role", choices=WORKER_ROLES)
+    health.set_defaults(func=_worker_health)
 
     preflight = sub.add_parser("preflight", help="check Redis, the inference server, the volume, disk, GPU, checkpoint")
     preflight.add_argument("--run-config", help="a JSON body as POST /runs takes, to check a planned run too")

@@ -64,7 +64,7 @@ def _percent(part: float, total: float) -> float:
 def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts, now: float | None = None) -> dict:
     settled = counts.done + counts.failed + counts.dropped
     remaining = max(total - settled, 0)
-    throughput = state.throughput(stage, now=now)
+    throughput = state.throughput(stage, now=now, finished=remaining == 0)
     rate, eta = throughput.per_second, throughput.eta_seconds(remaining)
     return {
         "total": total,

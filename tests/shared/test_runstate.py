@@ -70,6 +70,18 @@ def test_a_finished_stage_has_an_eta_of_zero(state):
     assert state.throughput("generate", now=T0).eta_seconds(0) == 0
 
 
+def test_a_finished_stage_keeps_the_rate_it_worked_at(state):
+    """Ten bursts over 90 s, then idle: read as finished, the window ends at the last burst whenever it is
+    read; read as unfinished, the idle time dilutes the rate (and after a whole window it is 0)."""
+    last = list(land_bursts(state, 10))[-1]
+    worked = state.throughput("generate", now=last, finished=True)
+    assert worked.span_s == pytest.approx(last - T0) and worked.per_second == pytest.approx(10 * BURST / (last - T0))
+    for idle in (1.0, 60.0, 2 * RATE_WINDOW_SECONDS):
+        assert state.throughput("generate", now=last + idle, finished=True) == worked
+    assert state.throughput("generate", now=last + 60.0).per_second < worked.per_second
+    assert state.throughput("generate", now=last + 2 * RATE_WINDOW_SECONDS).per_second == 0
+
+
 def test_one_burst_at_the_start_is_no_rate_and_no_eta(state):
     list(land_bursts(state, 1))
     for later in (0.0, 0.001, 1.0, RATE_MIN_SPAN_SECONDS - 0.1):
@@ -113,8 +125,8 @@ def test_old_buckets_are_pruned_so_memory_is_bounded(state):
     key = settled_key("r", "extract")
     for i in range(2 * RATE_WINDOW_SECONDS):
         state.mark_done("extract", i, now=T0 + 2 * i)
-        assert state.conn.hlen(key) <= RATE_BUCKETS + 1  # the window's buckets and "begun"
-    assert state.conn.hlen(key) == RATE_BUCKETS + 1
+        assert state.conn.hlen(key) <= RATE_BUCKETS + 2  # the window's buckets, "begun" and "last"
+    assert state.conn.hlen(key) == RATE_BUCKETS + 2
     throughput = state.throughput("extract", now=T0 + 2 * i)
     assert abs(throughput.per_second - 0.5) <= 1.0 / throughput.span_s + 1e-9
 

@@ -57,7 +57,54 @@ def adapt_config(shipped: Path, targets: Mapping[str, str | None], rule_files: l
     return config
 
 
-class Prometheus:
+class PrometheusApi:
+    """Prometheus' HTTP API at ``url``: a server of the test's own, or one in a container."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def api(self, path: str, **params: object) -> dict | list:
+        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)
+        body = response.json()
+        if response.status_code != 200 or body.get("status") != "success":
+            raise PrometheusError(f"{path} {params}: {response.status_code} {body.get('error', body)}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        params = {"query": expr} if at is None else {"query": expr, "time": at}
+        return self.api("query", **params)["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
+        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
+
+    def rules(self) -> list[dict]:
+        return [rule for group in self.api("rules")["groups"] for rule in group["rules"]]
+
+    def alerts(self) -> list[dict]:
+        return self.api("alerts")["alerts"]
+
+    def targets(self) -> list[dict]:
+        return self.api("targets")["activeTargets"]
+
+    def wait_for(self, check: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+        """Poll ``check`` until it returns a true value (a non-empty result), and return that."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = check()
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(0.5)
+
+
+class Prometheus(PrometheusApi):
+    """A prometheus server of the test's own, on a free loopback port."""
+
     def __init__(self, workdir: Path, config: dict, port: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.config = config
@@ -116,42 +163,6 @@ class Prometheus:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
-
-    # ---- the HTTP API ---------------------------------------------------------------------------
-    def api(self, path: str, **params: object) -> dict | list:
-        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)
-        body = response.json()
-        if response.status_code != 200 or body.get("status") != "success":
-            raise PrometheusError(f"{path} {params}: {response.status_code} {body.get('error', body)}")
-        return body["data"]
-
-    def query(self, expr: str, at: float | None = None) -> list[dict]:
-        params = {"query": expr} if at is None else {"query": expr, "time": at}
-        return self.api("query", **params)["result"]
-
-    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
-        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
-
-    def rules(self) -> list[dict]:
-        return [rule for group in self.api("rules")["groups"] for rule in group["rules"]]
-
-    def alerts(self) -> list[dict]:
-        return self.api("alerts")["alerts"]
-
-    def targets(self) -> list[dict]:
-        return self.api("targets")["activeTargets"]
-
-    def wait_for(self, check: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-        """Poll ``check`` until it returns a true value (a non-empty result), and return that."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = check()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-            time.sleep(0.5)
-
 
 def has_values(result: list[dict]) -> bool:
     """True when a query result holds at least one number (NaN, e.g. a quantile of no requests, is none)."""

@@ -3,6 +3,8 @@ against a real ``draftline serve controller``; each refusal printed as an error 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
@@ -78,3 +80,34 @@ def test_a_failed_preflight_lists_each_failed_check_with_its_fix(cli, controller
                          token=TOKEN)
     assert code == 1 and out == ""
     assert "preflight failed" in err and "[FAIL] base checkpoint" in err and "fix:" in err, err
+
+
+def test_a_run_config_file_sets_every_section_and_the_flags_override_it(cli, controller, tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"generation": {"max_tokens": 7, "temperature": 0.5},
+                                  "train": {"epochs": 2, "ttt_steps": 3},
+                                  "evaluate": {"humaneval_limit": 2, "max_new_tokens": 9}}))
+    code, out, err = cli("--dataset", dataset(controller, "config"), "--name", "config", "--run-config", str(config),
+                         "--max-tokens", "11", token=TOKEN)
+    assert code == 0, err
+    spec = RunSpec.load(controller["data"], "config")
+    assert (spec.generation.max_tokens, spec.generation.temperature) == (11, 0.5)  # the flag over the file
+    assert (spec.train.epochs, spec.train.ttt_steps) == (2, 3)
+    # --holdout 1 (the fixture's flag) joins the file's evaluate section instead of replacing it.
+    assert (spec.evaluate.humaneval_limit, spec.evaluate.max_new_tokens, spec.evaluate.holdout) == (2, 9, 1)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "run config"),
+    ('["generation"]', "a JSON object of sections is needed, not list"),
+    ('{"generaton": {}}', "unknown section(s) generaton; it may hold generation, extraction, train, evaluate"),
+    ('{"train": 3}', "section(s) train must be JSON objects"),
+])
+def test_a_run_config_file_that_is_not_sections_is_refused_by_name(cli, controller, tmp_path, content, message):
+    config = tmp_path / "run.json"
+    config.write_text(content)
+    code, out, err = cli("--dataset", dataset(controller, "bad"), "--name", "badconfig", "--run-config", str(config),
+                         token=TOKEN)
+    assert code == 2 and out == ""
+    assert "RunConfigError" in err and message in err and str(config) in err, err
+    assert not (controller["data"] / "runs" / "badconfig").exists()

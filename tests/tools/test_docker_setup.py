@@ -1,0 +1,68 @@
+"""tools/docker-setup.sh against the real engine: Compose is new enough, every image it builds carries the hash
+of its inputs, a second run builds nothing, and an image whose label does not match its inputs is rebuilt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.support.compose import docker_missing
+from tests.support.processes import REPO
+
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
+
+SCRIPT = REPO / "tools" / "docker-setup.sh"
+IMAGES = ("draftline-base:bookworm", "draftline-redis:bookworm", "draftline-prometheus:bookworm", "draftline:cpu")
+LABEL = "org.draftline.inputs"
+
+
+def setup(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, **env})
+
+
+def inputs_label(tag: str) -> str:
+    return subprocess.run(["docker", "image", "inspect", "-f", f'{{{{ index .Config.Labels "{LABEL}" }}}}', tag],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine() -> None:
+    if why := docker_missing():
+        pytest.fail(why, pytrace=False)
+
+
+def test_compose_is_at_least_the_release_the_compose_files_need() -> None:
+    version = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True, text=True,
+                             check=True).stdout.strip().removeprefix("v")
+    major, minor = (int(part) for part in version.split("-")[0].split(".")[:2])
+    assert (major, minor) >= (2, 26), version
+
+
+def test_a_second_run_finds_every_image_up_to_date() -> None:
+    first = setup("images")
+    assert first.returncode == 0, first.stderr
+    again = setup("images")
+    assert again.returncode == 0, again.stderr
+    assert "building" not in again.stderr, again.stderr
+    assert again.stderr.count("is up to date") == 3, again.stderr  # redis, prometheus, draftline (the base says nothing)
+    for tag in IMAGES:
+        assert len(inputs_label(tag)) == 64, tag  # a sha256 of the image's inputs
+
+
+def test_an_image_whose_inputs_changed_is_built_again() -> None:
+    """Tagged under a name of its own with another image's label, the Redis image counts as built from other
+    inputs: the script builds it (from Docker's layer cache), then finds it up to date."""
+    tag = f"draftline-redis:test-{os.getpid()}"
+    try:
+        subprocess.run(["docker", "tag", "draftline-prometheus:bookworm", tag], check=True, capture_output=True)
+        stale = setup("images", DRAFTLINE_REDIS_IMAGE=tag)
+        assert stale.returncode == 0, stale.stderr
+        assert f"building {tag}" in stale.stderr, stale.stderr
+        assert inputs_label(tag) == inputs_label("draftline-redis:bookworm") != inputs_label("draftline-prometheus:bookworm")
+        fresh = setup("images", DRAFTLINE_REDIS_IMAGE=tag)
+        assert f"{tag} is up to date" in fresh.stderr, fresh.stderr
+    finally:
+        subprocess.run(["docker", "image", "rm", tag], capture_output=True)
