@@ -70,7 +70,8 @@ def _stage(name: str, stage: dict) -> str:
     rate = stage.get("samples_per_second")
     rate_text = "" if not per_sample else "unknown" if rate is None else f"{rate:.2f}"
     eta_text = "" if not per_sample else _duration(stage["eta_seconds"])
-    window = f" title='over the last {stage['rate_window_seconds']:.0f} s'" if rate else ""
+    # A finished stage's window ends at its last settled sample, not now: "over N s", not "the last N s".
+    window = f" title='over {stage['rate_window_seconds']:.0f} s'" if rate else ""
     return (
         f"<tr data-stage='{name}'><td>{name}</td>"
         f"<td><div class='bar'><div class='fill' style='width:{min(stage['percent'], 100.0):.1f}%'></div></div></td>"

@@ -25,9 +25,9 @@ from shared.errors import RowError
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
-from tests.containers.conftest import UID, Stack
+from tests.containers.stack import UID, Stack
 from tests.services.exporter import dashboards
-from tests.support.compose import wait_until
+from tests.support.polling import wait_until
 from tests.support.processes import REPO
 from tests.support.prometheus import PrometheusApi, has_values
 

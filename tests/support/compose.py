@@ -9,14 +9,12 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 from tests.support.processes import REPO
 
-T = TypeVar("T")
 SETUP = "bash tools/docker-setup.sh"  # what installs the engine and builds the images (make test runs it)
 
 
@@ -58,7 +56,8 @@ def fill_env(example: Path, values: dict[str, str]) -> str:
     text = example.read_text()
     rest = dict(values)
     for name in list(rest):
-        text, count = re.subn(rf"^(# )?{re.escape(name)}=.*$", f"{name}={rest[name]}", text, count=1, flags=re.MULTILINE)
+        line = re.compile(rf"^(# )?{re.escape(name)}=.*$", re.MULTILINE)
+        text, count = line.subn(f"{name}={rest[name]}", text, count=1)
         if count:
             del rest[name]
     return text + "".join(f"{name}={value}\n" for name, value in rest.items())
@@ -75,7 +74,8 @@ class ComposeProject:
 
     def argv(self, *args: str) -> list[str]:
         files = [arg for name in self.files for arg in ("-f", str(REPO / name))]
-        return ["docker", "compose", "--ansi", "never", "--env-file", str(self.env_file), "-p", self.name, *files, *args]
+        return ["docker", "compose", "--ansi", "never", "--env-file", str(self.env_file), "-p", self.name,
+                *files, *args]
 
     def run(self, *args: str, timeout: float = 600.0, check: bool = True, stdin: str | None = None) -> str:
         """The command's standard output; ComposeError with both streams when it fails and ``check``."""
@@ -117,18 +117,3 @@ class ComposeProject:
 
     def logs(self, service: str) -> str:
         return self.run("logs", "--no-color", "--no-log-prefix", service, timeout=120)
-
-
-def wait_until(check: Callable[[], T], what: str, timeout: float, interval: float = 1.0,
-               detail: Callable[[], object] | None = None) -> T:
-    """Poll ``check`` until it returns a true value, and return that; AssertionError naming ``what`` and the
-    last ``detail()`` on time-out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            extra = f": {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
-        time.sleep(interval)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import httpx
 import yaml
 
+from tests.support.polling import wait_until
 from tests.support.processes import free_port
 
 if TYPE_CHECKING:
@@ -92,14 +93,7 @@ class PrometheusApi:
 
     def wait_for(self, check: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
         """Poll ``check`` until it returns a true value (a non-empty result), and return that."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = check()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-            time.sleep(0.5)
+        return wait_until(check, what, timeout, interval=0.5)
 
 
 class Prometheus(PrometheusApi):
