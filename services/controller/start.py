@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from services.controller.datasets import looks_like_repo_id, split_files
+from services.controller.datasets import PACKAGED, looks_like_repo_id, packaged_dataset, split_files
 from services.controller.preflight import PreflightReport, run_preflight
 from services.controller.submit import default_run_name, submit_run
 from shared.disk import BYTES_PER_TOKEN_ESTIMATE
@@ -60,10 +60,12 @@ class DatasetOutsideRoots(DatasetError):
 
 def resolve_dataset(dataset: str, data: Path, roots: Sequence[Path], split: str = "train") -> str:
     """The dataset a run reads: a local path inside one of ``roots`` (absolute, symlinks and ``..``
-    resolved), or a Hugging Face repo id.
+    resolved), a Hugging Face repo id, or the file of a packaged dataset named in ``PACKAGED``.
 
     A relative path names a file on the volume when one exists there; else a repo id (``owner/name``)
     goes to the Hub, unless a local path of that name shadows it (it is checked like any path)."""
+    if dataset in PACKAGED:  # a name, not a path: the file an installed package ships, trusted as code is
+        return str(packaged_dataset(dataset))
     path = Path(dataset)
     try:
         if path.is_absolute():

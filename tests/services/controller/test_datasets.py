@@ -151,7 +151,7 @@ def test_directory_reads_only_the_split_in_name_order(tmp_path):
     contents = [m[0]["content"] for _, m in iter_rows(tmp_path)]
     assert contents == ["first file", "first file b", "second file"]
     assert [m[0]["content"] for _, m in iter_rows(tmp_path, split="test")] == ["test split"]
-    with pytest.raises(DatasetError, match="no .jsonl or .parquet files for split 'validation'"):
+    with pytest.raises(DatasetError, match="no .jsonl, .json or .parquet files for split 'validation'"):
         list(iter_rows(tmp_path, split="validation"))
 
 

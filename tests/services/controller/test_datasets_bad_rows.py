@@ -64,9 +64,13 @@ def test_a_repeated_id_fails_the_later_row_as_duplicate_row_naming_the_first(tmp
     assert rows[0][1] == [{"role": "user", "content": "first a"}]  # the first row keeps its id and its prompt
 
 
-def test_a_bad_row_still_claims_its_id(tmp_path):
-    path = write_jsonl(tmp_path / "rows.jsonl", [{"id": "z", "messages": []}, {"id": "z", "prompt": "fine text"}])
-    assert classes(iter_rows(path)) == ["EmptyRow", "DuplicateRow"]
+def test_a_bad_row_leaves_its_id_to_the_next_valid_row(tmp_path):
+    """ShareGPT's split: an empty part, then the conversation of the same id. Only valid rows hold ids."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"id": "z", "messages": []}, {"id": "z", "prompt": "fine text"},
+                                                 {"id": "z", "prompt": "fine text again"}])
+    rows = list(iter_rows(path))
+    assert classes(rows) == ["EmptyRow", "ok", "DuplicateRow"]
+    assert str(rows[2][1]) == 'id "z" repeats the id of row 1'
 
 
 def test_ids_repeat_across_the_files_of_a_directory_and_in_parquet_id_columns(tmp_path):
