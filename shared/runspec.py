@@ -25,6 +25,10 @@ class GenerationConfig(_Frozen):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(0, ge=0, le=2**62, description="Per-sample seed is seed + sample_id, so a rerun asks the same "
                       "question; bounded so the sum fits the int64 servers take.")
+    turns: Literal["all", "last"] = Field(
+        "all", description="all: the target writes every assistant turn of a conversation, turn by turn, each "
+        "answering the conversation so far with its own earlier replies; last: only the reply to the last user "
+        "turn, earlier assistant turns kept as the dataset wrote them.")
 
 
 # How hidden-state files store the states: in the dtype the target computes them in, or as fp8 (e4m3) with a
@@ -133,7 +137,11 @@ class RunSpec(_Frozen):
         path = RunPaths(data, name).spec
         if not path.is_file():
             raise RunNotFound(f"no run {name!r} under {Path(data) / 'runs'}")
-        return cls.model_validate(read_json(path))
+        raw = read_json(path)
+        if isinstance(raw.get("generation"), dict):
+            # A run saved before generation.turns existed regenerated the last turn only; it goes on so.
+            raw["generation"].setdefault("turns", "last")
+        return cls.model_validate(raw)
 
 
 _CACHE: dict[tuple[str, str], tuple[float, RunSpec]] = {}

@@ -35,6 +35,7 @@ RATE_MIN_SPAN_SECONDS = 30.0  # a rate needs this long an observation: a batch l
 ETA_MIN_SETTLED = 10  # an ETA needs at least this many samples settled in the window
 BEGUN = "begun"  # field of a throughput hash: when the current observation of the stage began
 LAST = "last"  # field of a throughput hash: when the stage last settled a sample
+GENERATE_REQUESTS = "generate_requests"  # run meta: requests the target answered (a turn each; retries aside)
 
 ERROR = "error"
 DROPPED = "dropped"
@@ -133,6 +134,14 @@ class RunState:
     def incr(self, field: str, amount: int | float = 1) -> float:
         """Add to a numeric meta field (bytes written, tokens seen) atomically."""
         return float(self.conn.hincrbyfloat(run_key(self.run, "meta"), field, amount))
+
+    def incr_many(self, amounts: dict[str, int | float]) -> None:
+        """``incr`` for several fields in one round trip; fields whose amount is 0 are left alone."""
+        pipe = self.conn.pipeline(transaction=False)
+        for field, amount in amounts.items():
+            if amount:
+                pipe.hincrbyfloat(run_key(self.run, "meta"), field, amount)
+        pipe.execute()
 
     def expected(self) -> int:
         return int(self.meta().get("expected", 0))

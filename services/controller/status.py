@@ -25,7 +25,7 @@ from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
 from shared.runspec import RunSpec
-from shared.runstate import ERROR, RunState, StageCounts, known_runs, run_key
+from shared.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, run_key
 
 FAILURES_SHOWN = 50
 FINISHED = {"done", "complete", "completed", "finished", "succeeded", "success", "skipped"}
@@ -162,6 +162,7 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
     gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
     generate = sample_stage(state, "generate", expected, gen, now)
+    generate.update(generate_requests(meta, gen))
     extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
     train["loss"] = _float(meta, "train_loss")
@@ -181,6 +182,14 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
                     "warning": meta.get("train_warning") or None},
         "updated_at": now,
     }
+
+
+def generate_requests(meta: dict[str, str], counts: StageCounts) -> dict:
+    """The generation's cost: requests the target answered (one per turn of a conversation; a retry of the
+    same turn is not another) and their mean per settled sample, None before any settled."""
+    requests = int(float(meta.get(GENERATE_REQUESTS, 0) or 0))
+    settled = counts.done + counts.failed + counts.dropped
+    return {"requests": requests, "requests_per_sample": round(requests / settled, 3) if settled else None}
 
 
 def _counts(state: RunState, finished: dict | None, stage: str) -> StageCounts:
@@ -216,8 +225,10 @@ def _rate(s: dict) -> str:
 
 
 def _sample_line(name: str, s: dict) -> str:
+    per_sample = s.get("requests_per_sample")
+    cost = f"  {per_sample:.2f} requests/sample" if per_sample is not None else ""
     return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
-            f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}")
+            f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
 
 
 def _whole_line(name: str, s: dict, extra: str) -> str:

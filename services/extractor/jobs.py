@@ -27,12 +27,12 @@ import redis
 
 from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
 from services.extractor.sources import HiddenStateSource, make_source
-from services.extractor.tokenize import build_sample, engine_sample
+from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from shared.disk import record_landed, wait_for_headroom
-from shared.errors import DraftlineError, HiddenStateFileError, error_class
+from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
@@ -139,14 +139,12 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
              client: HiddenStateSource) -> tuple[HiddenStatesResult, HiddenFileInfo]:
     record = _read_reply(state, sample_id)  # a missing or torn reply fails the sample before any tokenizing
     turn_end = turn_end_of(tokenizer, model_dir)
-    reply = record.get("reply") or {}
-    engine = engine_ids(record, state.paths.generated(sample_id))
-    if engine is not None:  # the ids the engine ran: nothing to render or re-tokenize
-        input_ids, loss_mask = engine_sample(*engine, spec.extraction.max_length)
-    else:
-        input_ids, loss_mask = build_sample(tokenizer, record["messages"], reply.get("content") or "",
-                                            reply.get("reasoning_content"), spec.extraction.max_length,
-                                            turn_end=turn_end, finished=record.get("finish_reason") != "length")
+    path = state.paths.generated(sample_id)
+    input_ids, loss_mask, unlearned = sample_of(record, tokenizer, turn_end, spec.extraction.max_length, path)
+    if unlearned:
+        log.warning("run %s: sample %d: turns %s of %d not learned: the conversation's tokens do not hold them as "
+                    "the target wrote them (its chat template renders earlier turns otherwise)",
+                    state.run, sample_id, ", ".join(map(str, unlearned)), len(record["turns"]))
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
@@ -167,6 +165,54 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
         raise MalformedHiddenResponse(f"server reports layer convention {result.layer_convention!r}, "
                                       f"expected {eagle3.LAYER_CONVENTION!r}")
     return result, info
+
+
+UNBOUNDED = 1 << 62  # an earlier turn's sample is cut where the whole conversation's is, not on its own
+
+
+def sample_of(record: dict, tokenizer, turn_end: TurnEnd, max_length: int,
+              path: Path) -> tuple[list[int], list[int], list[int]]:
+    """``(input_ids, loss_mask, turns left out)`` of a reply record, cut to ``max_length``.
+
+    A single turn is its own sample. A conversation the target wrote turn by turn is its last turn's
+    sample, with each earlier reply learned where the conversation holds it as written
+    (``tokenize.merge_turns``), cut once every turn is in: a conversation longer than ``max_length``
+    keeps its first turns, and fails (PromptTooLong) only when no reply token fits."""
+    earlier = _earlier_turns(record, path)
+    if not earlier:
+        return (*turn_sample(record, tokenizer, turn_end, max_length, path), [])
+    input_ids, loss_mask = turn_sample(record, tokenizer, turn_end, UNBOUNDED, path)
+    samples = [turn_sample(turn, tokenizer, turn_end, UNBOUNDED, path) for turn in earlier]
+    loss_mask, unlearned = merge_turns(input_ids, loss_mask, samples)
+    input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    if not any(loss_mask):
+        raise PromptTooLong(f"no reply token of the conversation's {len(earlier) + 1} turns fits in "
+                            f"max_length {max_length}")
+    return input_ids, loss_mask, unlearned
+
+
+def _earlier_turns(record: dict, path: Path) -> list[dict]:
+    """The turns before the last of a record regenerated turn by turn (none for a single turn)."""
+    turns = record.get("turns")
+    if turns is None:
+        return []
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("messages"), list)
+                                              for t in turns):
+        raise GeneratedFileError(f"{path}: turns is not a list of turn records with their messages")
+    return turns[:-1]
+
+
+def turn_sample(turn: dict, tokenizer, turn_end: TurnEnd, max_length: int,
+                path: Path) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of one turn's record (``messages``, ``reply``, ``finish_reason`` and, from
+    an engine that returns them, ``token_ids``): the engine's own ids where the record has them, else the
+    chat template's rendering (services.extractor.tokenize)."""
+    engine = engine_ids(turn, path)
+    if engine is not None:  # the ids the engine ran: nothing to render or re-tokenize
+        return engine_sample(*engine, max_length)
+    reply = turn.get("reply") or {}
+    return build_sample(tokenizer, turn["messages"], reply.get("content") or "", reply.get("reasoning_content"),
+                        max_length, turn_end=turn_end, finished=turn.get("finish_reason") != "length")
 
 
 def engine_ids(record: dict, path: Path) -> tuple[list[int], list[int]] | None:

@@ -171,3 +171,29 @@ def engine_sample(prompt_ids: list[int], reply_ids: list[int], max_length: int) 
         raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens; max_length {max_length} leaves no room for the reply")
     ids = [*prompt_ids, *reply_ids][:max_length]
     return ids, ([0] * len(prompt_ids) + [1] * len(reply_ids))[:max_length]
+
+
+def merge_turns(input_ids: list[int], loss_mask: list[int],
+                earlier: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
+    """The conversation's mask with each earlier turn's reply added, and the numbers (from 1) of the turns
+    left out.
+
+    ``input_ids``/``loss_mask`` are the last turn's sample: the whole conversation, the target's earlier
+    replies inside its prompt. An earlier turn's sample (its prompt and reply, built as any turn's is) is
+    learned where the conversation's ids begin with it through the reply's last token: then those
+    positions see exactly the context the target answered in, and hold exactly what it wrote. Where the
+    chat template renders an earlier turn otherwise (a thinking template drops old reasoning; a tokenizer
+    merges across the reply's edge), the turn is left out rather than taught as text the target never
+    wrote in that context. A turn past the conversation's truncation is learned up to it."""
+    mask = list(loss_mask)
+    unlearned = []
+    for number, (ids, turn_mask) in enumerate(earlier, start=1):
+        learned = [i for i, bit in enumerate(turn_mask) if bit]
+        end = learned[-1] + 1 if learned else 0
+        if not learned or input_ids[: min(end, len(input_ids))] != ids[: min(end, len(input_ids))]:
+            unlearned.append(number)
+            continue
+        for i in learned:
+            if i < len(mask):
+                mask[i] = 1
+    return mask, unlearned

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import redis
@@ -25,6 +26,7 @@ from services.generator.client import (
     MalformedCompletion,
     chat_payload,
 )
+from services.generator.turns import assistant_message, turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.errors import (
@@ -38,7 +40,7 @@ from shared.jobs import GenerateJob, PromptItem
 from shared.queues import job_connection
 from shared.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
-from shared.runstate import DROPPED, ERROR, Failure, RunState
+from shared.runstate import DROPPED, ERROR, GENERATE_REQUESTS, Failure, RunState
 from shared.sample_queue import enqueue_extract
 from shared.settings import GeneratorSettings, load_settings
 
@@ -65,9 +67,9 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     spec = cached_spec(settings.data, job.run)
     state = RunState(conn, settings.data, job.run)
     results = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
-    outcomes = [outcome for outcome, _ in results]
+    outcomes = [outcome for outcome, _, _ in results]
     replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in ("done", "skipped")]
-    mark_generated(state, replies, sum(nbytes for _, nbytes in results))
+    mark_generated(state, replies, sum(nbytes for _, nbytes, _ in results), sum(asked for _, _, asked in results))
     queue_extractions(state, replies, settings)
     summary = dict(Counter(outcomes))
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
@@ -75,7 +77,7 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
 
 
 async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
-                        retry_delays_s: Sequence[float]) -> list[tuple[str, int]]:
+                        retry_delays_s: Sequence[float]) -> list[tuple[str, int, int]]:
     limit = asyncio.Semaphore(settings.concurrency)
     # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
     policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
@@ -87,25 +89,54 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
 
 
 async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient,
-               limit: asyncio.Semaphore) -> tuple[str, int]:
-    """The sample's outcome and the bytes of the reply it saved; a saved reply is marked with the job's."""
+               limit: asyncio.Semaphore) -> tuple[str, int, int]:
+    """The sample's outcome, the bytes of the reply file it saved and the requests its turns took (each
+    counted once, retries apart); a saved reply is marked with the job's."""
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():
-        return "skipped", 0
-    seed = spec.generation.seed + sample_id
+        return "skipped", 0, 0
+    segments = turn_segments(item.messages, spec.generation.turns)
+    conversation: list[dict] = []
+    turns: list[Turn] = []
     try:
-        async with limit:
-            completion = await client.complete(chat_payload(spec.model, item.messages, spec.generation, seed),
-                                               on_retry=lambda: state.note_retry("generate"))
-        check_length(completion, spec.generation)
+        for segment in segments:
+            conversation += segment
+            completion = await _ask(client, limit, state, spec, conversation, sample_id)
+            check_length(completion, spec.generation)
+            turns.append(Turn(list(conversation), completion))
+            conversation.append(assistant_message(completion.content, completion.reasoning_content))
     except EXPECTED_ERRORS as exc:
-        return await asyncio.to_thread(record_failure, state, sample_id, exc), 0
+        where = _turn_of(len(turns) + 1, len(segments))
+        return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, len(turns) + 1
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
         log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
-        return await asyncio.to_thread(record_failure, state, sample_id, exc), 0
-    return "done", await asyncio.to_thread(save_reply, state, item, completion)
+        where = _turn_of(len(turns) + 1, len(segments))
+        return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, len(turns) + 1
+    return "done", await asyncio.to_thread(save_reply, state, item, turns), len(turns)
+
+
+async def _ask(client: ChatClient, limit: asyncio.Semaphore, state: RunState, spec: RunSpec,
+               conversation: list[dict], sample_id: int) -> Completion:
+    """One turn's reply. Every turn of a sample asks with the sample's seed, so a rerun asks the same."""
+    async with limit:
+        return await client.complete(
+            chat_payload(spec.model, conversation, spec.generation, spec.generation.seed + sample_id),
+            on_retry=lambda: state.note_retry("generate"))
+
+
+def _turn_of(number: int, total: int) -> str:
+    """How a failure names the turn of a conversation it happened in ("" for a single turn)."""
+    return "" if total == 1 else f"turn {number} of {total}: "
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One regenerated turn: the messages the target answered, and its answer."""
+
+    messages: list[dict]
+    completion: Completion
 
 
 def check_length(completion: Completion, generation: GenerationConfig) -> None:
@@ -116,41 +147,56 @@ def check_length(completion: Completion, generation: GenerationConfig) -> None:
         )
 
 
-def record_failure(state: RunState, sample_id: int, exc: BaseException) -> str:
+def record_failure(state: RunState, sample_id: int, exc: BaseException, where: str = "") -> str:
+    """Name the sample's failure; ``where`` says which turn of a conversation it happened in."""
     kind = DROPPED if isinstance(exc, ReplyTooShort) else ERROR
+    message = f"{where}{exc}"
     state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
-                              error_class=error_class(exc), message=str(exc), kind=kind))
-    log.warning("run %s: sample %d %s: %s: %s", state.run, sample_id, kind, error_class(exc), exc)
+                              error_class=error_class(exc), message=message, kind=kind))
+    log.warning("run %s: sample %d %s: %s: %s", state.run, sample_id, kind, error_class(exc), message)
     return "dropped" if kind == DROPPED else "failed"
 
 
-def reply_record(item: PromptItem, completion: Completion) -> dict:
+def turn_record(completion: Completion) -> dict:
+    """What the target answered in one turn: its reply, usage, why it stopped, the engine's own ids."""
     record = {
-        "schema_version": SCHEMA_VERSION,
-        "sample_id": item.sample_id,
-        "messages": item.messages,
         "reply": {"content": completion.content, "reasoning_content": completion.reasoning_content},
         "usage": completion.usage,
         "finish_reason": completion.finish_reason,
-        "model": completion.model,
     }
     if completion.prompt_token_ids is not None and completion.token_ids is not None:
         record["token_ids"] = {"prompt": completion.prompt_token_ids, "reply": completion.token_ids}
     return record
 
 
-def save_reply(state: RunState, item: PromptItem, completion: Completion) -> int:
+def reply_record(item: PromptItem, turns: list[Turn]) -> dict:
+    """The sample's file: the last turn's prompt and reply at the top (what extraction of a single turn
+    reads), and, for a conversation of several regenerated turns, each turn's messages and answer."""
+    last = turns[-1]
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "sample_id": item.sample_id,
+        "messages": last.messages,
+        **turn_record(last.completion),
+        "model": last.completion.model,
+    }
+    if len(turns) > 1:
+        record["turns"] = [{"messages": turn.messages, **turn_record(turn.completion)} for turn in turns]
+    return record
+
+
+def save_reply(state: RunState, item: PromptItem, turns: list[Turn]) -> int:
     """Write the sample's reply file atomically; its size in bytes."""
     path = state.paths.generated(item.sample_id)
-    atomic_write_json(path, reply_record(item, completion))
+    atomic_write_json(path, reply_record(item, turns))
     return path.stat().st_size
 
 
-def mark_generated(state: RunState, sample_ids: list[int], nbytes: int) -> None:
-    """Mark the job's saved replies generated and count their bytes: two round trips for the whole job."""
+def mark_generated(state: RunState, sample_ids: list[int], nbytes: int, requests: int = 0) -> None:
+    """Mark the job's saved replies generated and count their bytes and the requests the job's samples
+    took: two round trips for the whole job."""
     state.mark_done_many("generate", sample_ids)
-    if nbytes:
-        state.incr("generated_bytes", nbytes)
+    state.incr_many({"generated_bytes": nbytes, GENERATE_REQUESTS: requests})
 
 
 def queue_extractions(state: RunState, sample_ids: list[int], settings: GeneratorSettings) -> list[list[int]]:

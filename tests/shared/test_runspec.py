@@ -59,3 +59,16 @@ def test_a_run_json_from_before_the_evaluation_sets_loads_with_their_defaults(tm
 def test_evaluation_settings_that_cannot_mean_anything_are_refused(bad):
     with pytest.raises(ValidationError):
         EvalConfig(**bad)
+
+
+def test_a_run_json_from_before_generation_turns_keeps_regenerating_the_last_turn_only(tmp_path):
+    """A run submitted before the setting answered the last turn only: resumed, it must not change its mind."""
+    spec = RunSpec(name="old", dataset="d.jsonl", model="m").model_dump(mode="json")
+    del spec["generation"]["turns"]
+    path = RunPaths(tmp_path, "old").spec
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(spec))
+    assert RunSpec.load(tmp_path, "old").generation.turns == "last"
+    assert RunSpec(name="new", dataset="d.jsonl", model="m").generation.turns == "all"
+    RunSpec(name="new", dataset="d.jsonl", model="m").save(tmp_path)
+    assert RunSpec.load(tmp_path, "new").generation.turns == "all"

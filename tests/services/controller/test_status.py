@@ -51,7 +51,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status) == {"run", "state", "expected", "stages", "errors", "failures", "disk", "eta_seconds",
                            "drafter", "updated_at"}
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
-    assert set(status["stages"]["generate"]) == set(status["stages"]["extract"]) == STAGE_KEYS
+    assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
+    assert set(status["stages"]["extract"]) == STAGE_KEYS
     assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding"}
     assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
@@ -225,3 +226,13 @@ def test_rate_and_eta_stay_within_a_burst_over_the_window_of_the_truth(data_dir,
         land(bursty, burst, T0 + burst * EVERY)
     done = run_status(data_dir, redis_conn, "bursty", now=T0 + 200)["stages"]["generate"]
     assert (done["remaining"], done["eta_seconds"]) == (0, 0)
+
+
+def test_generation_reports_its_requests_per_settled_sample(data_dir, redis_conn, state):
+    """Ten samples settled (seven done, the malformed row and one more failed, one dropped); a conversation
+    of several turns costs a request a turn, counted by the generate job."""
+    assert run_status(data_dir, redis_conn, RUN)["stages"]["generate"]["requests"] == 0
+    state.incr_many({"generate_requests": 21})
+    generate = run_status(data_dir, redis_conn, RUN)["stages"]["generate"]
+    assert (generate["requests"], generate["requests_per_sample"]) == (21, 2.1)
+    assert "2.10 requests/sample" in format_status(run_status(data_dir, redis_conn, RUN)).splitlines()[1]

@@ -60,3 +60,36 @@ def test_token_ids_that_are_not_ids_make_the_answer_malformed_and_absent_ones_ar
     for bad in ({"prompt_token_ids": [1, "2"]}, {"prompt_token_ids": [True]}, {"prompt_token_ids": 3}):
         with pytest.raises(MalformedCompletion, match="prompt_token_ids is not a list of token ids"):
             parse_completion({**body, **bad})
+
+
+def test_a_conversation_regenerated_turn_by_turn_is_learned_in_every_turn(inference, data_dir, redis_url, redis_conn,
+                                                                          tmp_path, tiny_model_dir):
+    """Two turns through the real server: the second turn's prompt ids, as the server rendered them, hold the
+    first turn's prompt and reply ids exactly, so the extractor learns both replies from the engine's ids."""
+    from transformers import AutoTokenizer
+
+    from services.extractor.jobs import sample_of
+    from shared.chat_turns import find_turn_end
+
+    row = {"messages": [{"role": "user", "content": "Write three short bullet points about a binary search."},
+                        {"role": "assistant", "content": "another model's answer"},
+                        {"role": "user", "content": "Explain a binary search to a ten-year-old."}]}
+    dataset = write_jsonl(tmp_path / "chat.jsonl", [row, {"prompt": "held out"}])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name="chat", model="tiny",
+               generation=GenerationConfig(max_tokens=48, min_completion_tokens=1, temperature=0.0),
+               evaluate=EvalConfig(holdout=1))
+    state = RunState(redis_conn, data_dir, "chat")
+    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
+    cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=1,
+                            request_timeout_s=60)
+    assert run_generate(GenerateJob(run="chat", items=items), cfg, redis_conn) == {"done": 1}
+    record = json.loads(state.paths.generated(0).read_text())
+    first, second = record["turns"]
+    assert second["messages"][1]["content"] == first["reply"]["content"] != "another model's answer"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids, mask, unlearned = sample_of(record, tokenizer, find_turn_end(tokenizer), 4096, state.paths.generated(0))
+    assert unlearned == []
+    assert ids == second["token_ids"]["prompt"] + second["token_ids"]["reply"]
+    spans = [(len(turn["token_ids"]["prompt"]), len(turn["token_ids"]["prompt"]) + len(turn["token_ids"]["reply"]))
+             for turn in (first, second)]
+    assert [i for i, bit in enumerate(mask) if bit] == [i for start, end in spans for i in range(start, end)]
