@@ -81,7 +81,8 @@ def test_every_turn_is_the_targets_own_answer_to_the_conversation_so_far(data_di
     first, second = (request["messages"] for request in server.requests)
     assert first == [SYSTEM, user("first question")]
     assert second == [SYSTEM, user("first question"),
-                      {"role": "assistant", "content": "the target's first answer", "reasoning_content": "thought one"},
+                      {"role": "assistant", "content": "the target's first answer", "reasoning": "thought one",
+                       "reasoning_content": "thought one"},
                       user("second question")]
     state = RunState(redis_conn, data_dir, RUN)
     record = json.loads(state.paths.generated(0).read_text())
