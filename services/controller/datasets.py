@@ -283,12 +283,15 @@ def _checked(row: object, index: int, ids: RowIds) -> list[dict[str, str]] | Row
 # ---- file readers: each yields parsed rows (or why one could not be parsed), in file order ----
 
 
-def _jsonl_rows(path: Path) -> Iterator[Item]:
+def _open(path: Path) -> BinaryIO:
     try:
-        handle = open(path, "rb")
+        return open(path, "rb")
     except OSError as exc:
         raise DatasetError(f"{path}: cannot open ({exc.strerror})") from exc
-    with handle:
+
+
+def _jsonl_rows(path: Path) -> Iterator[Item]:
+    with _open(path) as handle:
         number = 0
         while raw := handle.readline(MAX_LINE_BYTES + 1):
             number += 1
@@ -359,11 +362,7 @@ def _batch_rows(batch) -> list[Item]:
 
 def _json_rows(path: Path) -> Iterator[Item]:
     """A ``.json`` file: one array of rows, or JSON lines (what its first character says)."""
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot open ({exc.strerror})") from exc
-    with handle:
+    with _open(path) as handle:
         head = handle.read(4096).removeprefix(UTF8_BOM).lstrip()
         if not head.startswith(b"["):
             yield from _jsonl_rows(path)

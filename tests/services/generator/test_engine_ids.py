@@ -27,20 +27,28 @@ def inference(tiny_model_dir, tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
+def generate(inference: str, data_dir, redis_url, redis_conn, tmp_path, run: str, rows: list[dict], *,
+             max_tokens: int) -> tuple[RunState, list[PromptItem]]:
+    """Submit ``rows`` (and one held out) as a greedy run and generate every sample through the real server."""
+    dataset = write_jsonl(tmp_path / f"{run}.jsonl", [*rows, {"prompt": "held out"}])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name=run, model="tiny",
+               generation=GenerationConfig(max_tokens=max_tokens, min_completion_tokens=1, temperature=0.0),
+               evaluate=EvalConfig(holdout=1))
+    state = RunState(redis_conn, data_dir, run)
+    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
+    cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=2,
+                            request_timeout_s=60)
+    assert run_generate(GenerateJob(run=run, items=items), cfg, redis_conn) == {"done": len(rows)}
+    return state, items
+
+
 def test_a_reply_record_holds_the_prompt_and_reply_ids_the_engine_ran(inference, data_dir, redis_url, redis_conn,
                                                                       tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    prompts = ["What is 2 + 2?", "Name three primes.", "held out"]
-    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in prompts])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name="ids", model="tiny",
-               generation=GenerationConfig(max_tokens=12, min_completion_tokens=1, temperature=0.0),
-               evaluate=EvalConfig(holdout=1))
-    state = RunState(redis_conn, data_dir, "ids")
-    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
-    cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=2,
-                            request_timeout_s=60)
-    assert run_generate(GenerateJob(run="ids", items=items), cfg, redis_conn) == {"done": 2}
+    prompts = ["What is 2 + 2?", "Name three primes."]
+    state, items = generate(inference, data_dir, redis_url, redis_conn, tmp_path, "ids",
+                            [{"prompt": p} for p in prompts], max_tokens=12)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for item in items:
         record = json.loads(state.paths.generated(item.sample_id).read_text())
@@ -74,15 +82,7 @@ def test_a_conversation_regenerated_turn_by_turn_is_learned_in_every_turn(infere
     row = {"messages": [{"role": "user", "content": "Write three short bullet points about a binary search."},
                         {"role": "assistant", "content": "another model's answer"},
                         {"role": "user", "content": "Explain a binary search to a ten-year-old."}]}
-    dataset = write_jsonl(tmp_path / "chat.jsonl", [row, {"prompt": "held out"}])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name="chat", model="tiny",
-               generation=GenerationConfig(max_tokens=48, min_completion_tokens=1, temperature=0.0),
-               evaluate=EvalConfig(holdout=1))
-    state = RunState(redis_conn, data_dir, "chat")
-    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
-    cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=1,
-                            request_timeout_s=60)
-    assert run_generate(GenerateJob(run="chat", items=items), cfg, redis_conn) == {"done": 1}
+    state, _ = generate(inference, data_dir, redis_url, redis_conn, tmp_path, "chat", [row], max_tokens=48)
     record = json.loads(state.paths.generated(0).read_text())
     first, second = record["turns"]
     assert second["messages"][1]["content"] == first["reply"]["content"] != "another model's answer"
