@@ -92,15 +92,17 @@ def demo_rows() -> list[str]:
     return demo_prompts_path().read_text().splitlines()
 
 
-def worker_name(stack: Stack, service: str, index: int) -> str:
-    """The RQ worker name of one replica, as its own health check reports it."""
+def worker_names(stack: Stack, service: str, index: int) -> tuple[str, ...]:
+    """The RQ worker names of one replica (one, unless its worker restarted within a TTL), as its own health
+    check reports them: "generator on <host>: generator-<host>-7 registered"."""
     out = stack.exec(service, "draftline", "worker-health", service, index=index)
-    return out.split(": ", 1)[1].split()[0]
+    return tuple(out.split(": ", 1)[1].strip().removesuffix(" registered").split(", "))
 
 
-def jobs_done(stack: Stack, worker: str) -> int:
-    out = stack.exec("redis", "redis-cli", "--no-auth-warning", "HGET", f"rq:worker:{worker}", "successful_job_count")
-    return int(out.strip() or 0)
+def jobs_done(stack: Stack, workers: tuple[str, ...]) -> int:
+    counts = [stack.exec("redis", "redis-cli", "--no-auth-warning", "HGET", f"rq:worker:{worker}",
+                         "successful_job_count") for worker in workers]
+    return sum(int(count.strip() or 0) for count in counts)
 
 
 def files_of(paths: RunPaths) -> tuple[set[int], set[int]]:
@@ -172,8 +174,8 @@ def test_a_run_submitted_from_the_command_line_completes(stack: Stack) -> None:
 def test_scaled_replicas_each_register_and_take_jobs(stack: Stack) -> None:
     stack.run("up", "-d", *(f"--scale={service}={n}" for service, n in SCALE.items()))
     stack.wait_healthy()
-    workers = {(service, i): worker_name(stack, service, i) for service, n in SCALE.items() for i in range(1, n + 1)}
-    assert len(set(workers.values())) == sum(SCALE.values())
+    workers = {(service, i): worker_names(stack, service, i) for service, n in SCALE.items() for i in range(1, n + 1)}
+    assert len({name for names in workers.values() for name in names}) == sum(SCALE.values())
     before = {key: jobs_done(stack, name) for key, name in workers.items()}
     submit(stack, "scaled", place_dataset(stack, "scaled.jsonl", demo_rows()), limit=60)
     status = wait_done(stack, "scaled")
