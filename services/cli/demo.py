@@ -15,6 +15,7 @@ copied.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from importlib import resources
@@ -58,11 +59,46 @@ def demo_prompts_path() -> Path:
     return Path(str(resources.files("shared").joinpath("data/demo_prompts.jsonl")))
 
 
+# A few short ShareGPT conversations of two user turns go first in the demo's dataset, so the demo shows the
+# target regenerating every turn of a chat (generation.turns "all"; README, "Conversations"). Few and short:
+# the demo keeps its size.
+SHAREGPT_CONVERSATIONS = 3
+SHAREGPT_MAX_CHARS = 400
+
+
+def sharegpt_rows(count: int = SHAREGPT_CONVERSATIONS, max_chars: int = SHAREGPT_MAX_CHARS) -> list[str]:
+    """The first ``count`` ShareGPT conversations (in the packaged file's order) with exactly two user turns,
+    each answered, and at most ``max_chars`` of text: JSON lines, their ids dropped. None where the
+    package is not installed: the demo then runs the shipped prompts alone."""
+    from services.controller.datasets import PACKAGED, packaged_dataset
+    from services.controller.json_array import ArrayReader, Bad
+    from shared.errors import DatasetError
+
+    try:
+        path = packaged_dataset("sharegpt")
+    except DatasetError as exc:
+        log.warning("demo without ShareGPT conversations: %s", exc)
+        return []
+    rows = []
+    with open(path, "rb") as handle:
+        for record in ArrayReader(handle, max_record_bytes=1 << 20, name=PACKAGED["sharegpt"][1]):
+            turns = record.get("conversations") if isinstance(record, dict) and not isinstance(record, Bad) else None
+            if not isinstance(turns, list) or [t.get("from") for t in turns] != ["human", "gpt", "human", "gpt"]:
+                continue
+            if sum(len(str(t.get("value", ""))) for t in turns) <= max_chars and all(t.get("value") for t in turns):
+                rows.append(json.dumps({"conversations": turns}))
+                if len(rows) == count:
+                    break
+    return rows
+
+
 def place_dataset(data: Path) -> Path:
-    """The shipped prompts in the volume's dataset folder, the one place the controller reads datasets from."""
+    """The demo's dataset in the volume's dataset folder, the one place the controller reads datasets from:
+    a few ShareGPT conversations (``sharegpt_rows``), then the shipped prompts."""
     target = data / "datasets" / demo_prompts_path().name
     target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(target, demo_prompts_path().read_bytes())
+    chats = "".join(row + "\n" for row in sharegpt_rows())
+    atomic_write_bytes(target, chats.encode() + demo_prompts_path().read_bytes())
     return target
 
 
@@ -90,6 +126,11 @@ def report(result: PipelineResult, data: Path, *, prepared_s: float | None = Non
     drafter = status["drafter"]
     say("")
     say(f"exported drafter: {drafter['export_path']}")
+    generate = status["stages"]["generate"]
+    if generate.get("requests_per_sample") is not None:
+        settled = generate["done"] + generate["failed"] + generate["dropped"]
+        say(f"generation: {generate['requests']:,} requests for {settled:,} samples "
+            f"({generate['requests_per_sample']:.2f} a sample: each turn of a conversation is one)")
     if drafter.get("acceptance_length") is not None:
         say(f"acceptance length: {drafter['acceptance_length']:.2f} at the run's draft_steps "
             "(tokens emitted per target forward pass, greedy chain)")
