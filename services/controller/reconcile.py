@@ -263,12 +263,32 @@ class _Checked:
     verdict: str  # "ok", "fresh" (being written), "bad", "adopt"
     reason: str = ""
     entry: ManifestEntry | None = None
+    identity: tuple[int, int, int] | None = None  # the judged file's (inode, mtime ns, size)
+
+
+def file_identity(path: Path) -> tuple[int, int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def remove_if_unchanged(path: Path, identity: tuple[int, int, int] | None) -> bool:
+    """Delete ``path`` if it is still the file that was judged bad; False when a worker has replaced it
+    since (a sample extracted again while the scan ran: its new file is not the bad one)."""
+    try:
+        if identity is None or file_identity(path) != identity:
+            return False
+    except FileNotFoundError:
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def _check_hidden(item: tuple[int, Path], entry: ManifestEntry | None, *, deep: bool, cutoff: float,
                   layer_ids: list[int] | None) -> _Checked:
     sample_id, path = item
+    identity = None
     try:
+        identity = file_identity(path)
         if entry is not None:
             check_entry(path, entry, deep=deep)
             return _Checked(sample_id, path, "ok", entry=entry)
@@ -279,7 +299,7 @@ def _check_hidden(item: tuple[int, Path], entry: ManifestEntry | None, *, deep: 
     except FileNotFoundError:
         return _Checked(sample_id, path, "fresh")  # replaced or removed by its writer while we looked
     except (HiddenStateFileError, OSError) as exc:
-        return _Checked(sample_id, path, "bad", reason=f"{error_class(exc)}: {exc}")
+        return _Checked(sample_id, path, "bad", reason=f"{error_class(exc)}: {exc}", identity=identity)
 
 
 def _run_layers(spec: RunSpec, manifests: dict[Path, dict[int, ManifestEntry]]) -> list[int] | None:
@@ -309,8 +329,7 @@ def scan_hidden(paths: RunPaths, spec: RunSpec, ids: RunIds, *, deep: bool, cuto
             report.adopted += 1
         if item.verdict in ("ok", "adopt"):
             done[item.sample_id], total = True, total + item.entry.bytes
-        elif item.verdict == "bad":
-            item.path.unlink(missing_ok=True)
+        elif item.verdict == "bad" and remove_if_unchanged(item.path, item.identity):
             report.redone.append({"sample_id": item.sample_id, "stage": "extract", "reason": item.reason})
             log.warning("run %s: sample %d: hidden-state file removed, to be extracted again: %s",
                         paths.run, item.sample_id, item.reason)

@@ -9,7 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from services.controller.reconcile import lost_runs, merge_bitmap, read_finished, reconcile_run
+from services.controller.reconcile import (
+    file_identity,
+    lost_runs,
+    merge_bitmap,
+    read_finished,
+    reconcile_run,
+    remove_if_unchanged,
+)
 from services.controller.status import run_status
 from services.controller.supervisor import supervise_once
 from shared.errors import RunNotFound
@@ -218,3 +225,17 @@ def test_a_run_that_cannot_be_rebuilt_is_named_and_left_alone_for_a_while(data_d
     assert lost_runs(data_dir, redis_conn) == []  # backing off instead of failing every tick
     redis_conn.delete(f"draftline:rebuild-backoff:{RUN}")
     assert lost_runs(data_dir, redis_conn) == [RUN]
+
+
+def test_a_bad_file_replaced_by_its_writer_during_the_scan_is_not_removed(tmp_path):
+    """The scan judges a file bad, then an extractor writes the sample again (temp + rename) before the scan
+    removes it: the new file is not the bad one and stays; the judged one would have gone."""
+    path = tmp_path / "00000000.safetensors"
+    path.write_bytes(b"damaged")
+    judged = file_identity(path)
+    fresh = tmp_path / ".tmp-00000000"
+    fresh.write_bytes(b"written again, whole")
+    fresh.replace(path)
+    assert not remove_if_unchanged(path, judged) and path.read_bytes() == b"written again, whole"
+    assert remove_if_unchanged(path, file_identity(path)) and not path.exists()
+    assert not remove_if_unchanged(path, judged)  # gone already: nothing to do

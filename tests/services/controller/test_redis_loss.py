@@ -93,7 +93,7 @@ def test_a_flushed_redis_is_rebuilt_by_the_controller_and_the_run_completes(data
 
     status = httpx.get(f"{stack['controller']}/runs/{RUN}", timeout=30).json()
     assert status["state"] == "complete_with_failures" == read_finished(state.paths)["state"]
-    assert {f["sample_id"] for f in status["failures"]} == set(BAD)  # restored from the volume
+    assert {f["sample_id"] for f in status["failures"]} == set(BAD), status["failures"]  # restored from the volume
     expected = [i for i in range(ROWS - 1) if i not in BAD]
     files = sorted(state.paths.hidden_dir.rglob("*.safetensors"))
     assert [int(p.stem) for p in files] == expected  # every sample exactly once
