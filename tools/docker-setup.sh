@@ -159,6 +159,10 @@ build() {
   docker build --network host --label "$LABEL=$inputs" -t "$tag" "$@" "$context" > "$output" 2>&1 \
     || { log "building $tag failed; the build's output ends with:"; tail -n 40 "$output" >&2; rm -f "$output"; return 1; }
   rm -f "$output"
+  # Each rebuild leaves the image it replaced, untagged (the draftline image's venv layer is over 1 GB): remove
+  # the untagged images this script built from other inputs, so the disk does not fill over many builds. The
+  # build stage of these inputs stays, as the layer cache of the next build.
+  docker image prune -f --filter "label=$LABEL" --filter "label!=$LABEL=$inputs" >/dev/null
 }
 
 build_debian_service() {  # redis or prometheus

@@ -57,6 +57,10 @@ def test_an_image_whose_inputs_changed_is_built_again() -> None:
     """Tagged under a name of its own with another image's label, the Redis image counts as built from other
     inputs: the script builds it (from Docker's layer cache), then finds it up to date."""
     tag = f"draftline-redis:test-{os.getpid()}"
+    # An image an earlier build left untagged, of inputs no image has now: the next build removes it.
+    left = subprocess.run(["docker", "build", "-q", "--label", f"{LABEL}=stale-{os.getpid()}", "-"],
+                          input=f"FROM draftline-base:bookworm\nLABEL stale={os.getpid()}\n", capture_output=True,
+                          text=True, check=True, env={**os.environ, "DOCKER_BUILDKIT": "0"}).stdout.strip()
     try:
         subprocess.run(["docker", "tag", "draftline-prometheus:bookworm", tag], check=True, capture_output=True)
         stale = setup("images", DRAFTLINE_REDIS_IMAGE=tag)
@@ -66,5 +70,11 @@ def test_an_image_whose_inputs_changed_is_built_again() -> None:
         assert inputs_label(tag) != inputs_label("draftline-prometheus:bookworm")
         fresh = setup("images", DRAFTLINE_REDIS_IMAGE=tag)
         assert f"{tag} is up to date" in fresh.stderr, fresh.stderr
+        # What a build leaves untagged is pruned, but for the build stages of the images' current inputs.
+        current = {inputs_label(image) for image in IMAGES}
+        untagged = subprocess.run(["docker", "images", "-q", "--filter", "dangling=true", "--filter", f"label={LABEL}"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+        assert {inputs_label(image) for image in untagged} <= current
+        assert subprocess.run(["docker", "image", "inspect", left], capture_output=True).returncode != 0
     finally:
-        subprocess.run(["docker", "image", "rm", tag], capture_output=True)
+        subprocess.run(["docker", "image", "rm", tag, left], capture_output=True)
