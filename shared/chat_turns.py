@@ -52,6 +52,19 @@ class TurnEnd:
         return None if self.token_id is None else tokenizer.convert_ids_to_tokens(self.token_id)
 
 
+def assistant_message(content: str, reasoning: str | None) -> dict:
+    """A reply of the target as an assistant message for the chat template: what the generator sends back
+    as an earlier turn of a conversation, and what the extractor renders a reply as. Its reasoning goes
+    under both names: vLLM 0.32 reads ``reasoning`` (and hands the template both), the built-in server and
+    SGLang pass ``reasoning_content`` through, the name thinking templates read. The template decides
+    whether earlier reasoning is shown (most drop it)."""
+    message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning"] = reasoning
+        message["reasoning_content"] = reasoning
+    return message
+
+
 def special_ids(tokenizer: Any) -> set[int]:
     """Ids of every special token: the named ones and every added token marked special."""
     ids = {int(i) for i in tokenizer.all_special_ids}

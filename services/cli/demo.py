@@ -67,29 +67,26 @@ SHAREGPT_MAX_CHARS = 400
 
 
 def sharegpt_rows(count: int = SHAREGPT_CONVERSATIONS, max_chars: int = SHAREGPT_MAX_CHARS) -> list[str]:
-    """The first ``count`` ShareGPT conversations (in the packaged file's order) with exactly two user turns,
-    each answered, and at most ``max_chars`` of text: JSON lines, their ids dropped. None where the
-    package is not installed: the demo then runs the shipped prompts alone."""
-    from services.controller.datasets import PACKAGED, packaged_dataset
-    from services.controller.json_array import ArrayReader, Bad
-    from shared.errors import DatasetError
+    """The first ``count`` ShareGPT conversations (in the packaged file's order) that the dataset reader takes
+    as two user turns with a reply between them, of at most ``max_chars`` of text, as JSON lines. None where
+    the package is not installed: the demo then runs the shipped prompts alone."""
+    from services.controller.datasets import iter_rows, packaged_dataset
+    from shared.errors import DatasetError, RowError
 
     try:
-        path = packaged_dataset("sharegpt")
+        rows = iter_rows(packaged_dataset("sharegpt"))
+        chosen = []
+        for _, messages in rows:
+            if isinstance(messages, RowError) or [m["role"] for m in messages] != ["user", "assistant", "user"]:
+                continue
+            if sum(len(m["content"]) for m in messages) <= max_chars:
+                chosen.append(json.dumps({"messages": messages}))
+                if len(chosen) == count:
+                    break
+        return chosen
     except DatasetError as exc:
         log.warning("demo without ShareGPT conversations: %s", exc)
         return []
-    rows = []
-    with open(path, "rb") as handle:
-        for record in ArrayReader(handle, max_record_bytes=1 << 20, name=PACKAGED["sharegpt"][1]):
-            turns = record.get("conversations") if isinstance(record, dict) and not isinstance(record, Bad) else None
-            if not isinstance(turns, list) or [t.get("from") for t in turns] != ["human", "gpt", "human", "gpt"]:
-                continue
-            if sum(len(str(t.get("value", ""))) for t in turns) <= max_chars and all(t.get("value") for t in turns):
-                rows.append(json.dumps({"conversations": turns}))
-                if len(rows) == count:
-                    break
-    return rows
 
 
 def place_dataset(data: Path) -> Path:

@@ -363,11 +363,11 @@ def _batch_rows(batch) -> list[Item]:
 def _json_rows(path: Path) -> Iterator[Item]:
     """A ``.json`` file: one array of rows, or JSON lines (what its first character says)."""
     with _open(path) as handle:
-        head = handle.read(4096).removeprefix(UTF8_BOM).lstrip()
-        if not head.startswith(b"["):
-            yield from _jsonl_rows(path)
-            return
-        handle.seek(0)
+        is_array = handle.read(4096).removeprefix(UTF8_BOM).lstrip().startswith(b"[")
+    if not is_array:
+        yield from _jsonl_rows(path)
+        return
+    with _open(path) as handle:
         for item in ArrayReader(handle, max_record_bytes=MAX_LINE_BYTES, name=str(path)):
             yield _array_bad(item) if isinstance(item, Bad) else item
 

@@ -49,7 +49,7 @@ import os
 
 from jinja2 import TemplateError
 
-from shared.chat_turns import THINK_CLOSE, THINK_OPEN, TurnEnd, find_turn_end
+from shared.chat_turns import THINK_CLOSE, THINK_OPEN, TurnEnd, assistant_message, find_turn_end
 from shared.errors import ChatTemplateError, PromptTooLong, ReasoningNotRendered
 
 
@@ -65,13 +65,6 @@ def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool)
 def encode(tokenizer, text: str) -> list[int]:
     """The template writes the special tokens (BOS included) itself, as servers tokenize a rendered prompt."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def assistant_message(content: str, reasoning_content: str | None) -> dict:
-    message = {"role": "assistant", "content": content}
-    if reasoning_content:
-        message["reasoning_content"] = reasoning_content
-    return message
 
 
 def reply_end(full_ids: list[int], start: int, end_of_turn: int | None) -> int:
@@ -189,8 +182,8 @@ def merge_turns(input_ids: list[int], loss_mask: list[int],
     unlearned = []
     for number, (ids, turn_mask) in enumerate(earlier, start=1):
         learned = [i for i, bit in enumerate(turn_mask) if bit]
-        end = learned[-1] + 1 if learned else 0
-        if not learned or input_ids[: min(end, len(input_ids))] != ids[: min(end, len(input_ids))]:
+        held = min(learned[-1] + 1, len(input_ids)) if learned else 0  # compared up to the truncation
+        if not learned or input_ids[:held] != ids[:held]:
             unlearned.append(number)
             continue
         for i in learned:

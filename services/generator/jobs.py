@@ -26,9 +26,10 @@ from services.generator.client import (
     MalformedCompletion,
     chat_payload,
 )
-from services.generator.turns import assistant_message, turn_segments
+from services.generator.turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
+from shared.chat_turns import assistant_message
 from shared.errors import (
     InferenceRejected,
     InferenceUnavailable,
@@ -105,15 +106,14 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
             check_length(completion, spec.generation)
             turns.append(Turn(list(conversation), completion))
             conversation.append(assistant_message(completion.content, completion.reasoning_content))
-    except EXPECTED_ERRORS as exc:
-        where = _turn_of(len(turns) + 1, len(segments))
-        return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, len(turns) + 1
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
-        log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
-        where = _turn_of(len(turns) + 1, len(segments))
-        return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, len(turns) + 1
+        if not isinstance(exc, EXPECTED_ERRORS):
+            log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
+        asked = len(turns) + 1  # the turn that failed asked too
+        where = "" if len(segments) == 1 else f"turn {asked} of {len(segments)}: "
+        return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, asked
     return "done", await asyncio.to_thread(save_reply, state, item, turns), len(turns)
 
 
@@ -124,11 +124,6 @@ async def _ask(client: ChatClient, limit: asyncio.Semaphore, state: RunState, sp
         return await client.complete(
             chat_payload(spec.model, conversation, spec.generation, spec.generation.seed + sample_id),
             on_retry=lambda: state.note_retry("generate"))
-
-
-def _turn_of(number: int, total: int) -> str:
-    """How a failure names the turn of a conversation it happened in ("" for a single turn)."""
-    return "" if total == 1 else f"turn {number} of {total}: "
 
 
 @dataclass(frozen=True)

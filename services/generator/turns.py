@@ -38,15 +38,3 @@ def turn_segments(messages: Messages, mode: str) -> list[Messages]:
     if current:
         segments.append(current)
     return segments
-
-
-def assistant_message(content: str, reasoning_content: str | None) -> dict:
-    """The target's reply as the next turn's prompt carries it. Its reasoning goes along: the chat
-    template decides whether earlier reasoning is shown (most drop it), as it does when a client sends it.
-    Under both names: vLLM 0.32 reads ``reasoning`` (and hands the template both), the built-in server
-    and SGLang pass ``reasoning_content`` through, the name thinking templates read."""
-    message = {"role": "assistant", "content": content}
-    if reasoning_content:
-        message["reasoning"] = reasoning_content
-        message["reasoning_content"] = reasoning_content
-    return message

@@ -10,7 +10,8 @@ import copy
 
 import pytest
 
-from services.extractor.tokenize import assistant_message, build_sample
+from services.extractor.tokenize import build_sample
+from shared.chat_turns import assistant_message
 from shared.errors import ChatTemplateError, PromptTooLong
 
 
