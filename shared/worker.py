@@ -158,6 +158,22 @@ class DraftlineWorker(Worker):
         log.warning("Worker %s: cold shut down", self.name)
         raise ColdStop()
 
+    def _finalize_success(self, job: Job, queue: Queue, execution: Execution, return_value) -> None:
+        try:
+            super()._finalize_success(job, queue, execution, return_value)
+        except (InvalidJobOperation, NoSuchJobError) as exc:
+            # Every job RQ queues has a status: none means Redis lost the record (flushed, or restarted
+            # empty) while the job ran; what is there now is at most the heartbeat's own few fields.
+            if self.connection.hexists(job.key, "status"):
+                raise
+            # The job ran to its end: its samples' outcomes are on the volume, which the controller's
+            # rebuild reads. Failing it would write a failed record of a finished job into the new Redis,
+            # and the controller would name the samples its rebuild had just sent back to be redone as
+            # failures of that job.
+            self.connection.delete(job.key)
+            log.warning("worker %s: job %s ran to its end, but Redis no longer holds its record (%s); "
+                        "left to the controller's rebuild, not failed", self.name, job.id, exc)
+
     def _finalize_failure(self, job: Job, queue: Queue, execution: Execution, exc_info) -> None:
         # A cold stop is no failure of the job: it stays started, and the teardown's death record tells the
         # reaper to requeue it, as it does a killed horse's.

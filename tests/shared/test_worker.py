@@ -36,7 +36,8 @@ from tests.support.processes import RedisServer, ServiceProcess
 RUN = "stopping"
 
 
-def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[str], run: str = RUN) -> RunState:
+def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[str], run: str = RUN, *,
+             result_ttl: int = 3600) -> RunState:
     """A submitted run with one generate job per prompt on the queue (sample ids in prompt order)."""
     dataset = write_jsonl(tmp_path / f"{run}.jsonl", [{"prompt": p} for p in prompts] + [{"prompt": "held out"}])
     submit_run(data_dir, conn, dataset=str(dataset), name=run, model="m",
@@ -46,7 +47,7 @@ def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[st
         item = PromptItem(**json.loads(line))
         queue(GENERATE_QUEUE, conn).enqueue_call(
             GENERATE_FUNC, args=(GenerateJob(run=run, items=[item]).model_dump(mode="json"),),
-            job_id=generate_job_id(run, item.sample_id), timeout=600, result_ttl=3600, failure_ttl=3600,
+            job_id=generate_job_id(run, item.sample_id), timeout=600, result_ttl=result_ttl, failure_ttl=3600,
         )
     return state
 
@@ -250,6 +251,32 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
         assert log.count("waiting for it with backoff") == 1, log
         assert log.count("redis is back after") == 1, log
         assert "unhandled exception" not in log, log
+
+
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_a_job_whose_record_redis_loses_while_it_runs_finishes_and_is_not_failed(data_dir, redis_url, redis_conn,
+                                                                                tmp_path, job_process):
+    """Redis is flushed (or restarts empty) while a job runs: the job ends on the volume, and its worker
+    writes no failed record of it into the new Redis, which the controller would take for a failure of its
+    samples after its rebuild had sent them back to be redone (tests/services/controller/test_redis_loss.py
+    met exactly that)."""
+    # Deleted as it ends, as the controller queues sample jobs (DRAFTLINE_SAMPLE_RESULT_TTL_S, default 0).
+    state = make_run(data_dir, redis_conn, tmp_path, ["while redis is flushed"], result_ttl=0)
+    job_id = generate_job_id(RUN, 0)
+    with OpenAIServer() as server:
+        server.script("while redis is flushed", Reply("finished after the flush", delay_s=2))
+        worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
+        try:
+            wait_for(lambda: server.requests_for("while redis is flushed"), "the request sent", 60, worker)
+            redis_conn.flushall()
+            wait_for(lambda: "no longer holds its record" in worker.log(), "the job's end", 60, worker)
+            assert worker.alive(), worker.log()
+        finally:
+            worker.stop()
+    assert state.paths.generated(0).is_file()
+    assert queue(GENERATE_QUEUE, redis_conn).failed_job_registry.get_job_ids() == []
+    assert not redis_conn.exists(f"rq:job:{job_id}")
+    assert "exception raised while executing" not in worker.log(), worker.log()
 
 
 @pytest.mark.parametrize("job_process", ["fork", "inline"])
