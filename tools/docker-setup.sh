@@ -71,7 +71,9 @@ install_engine() {
   apt_install "${missing[@]}"
 }
 
-compose_version() { docker compose version --short 2>/dev/null | sed 's/^v//'; }
+# Empty when the client has no compose plugin yet: `docker compose` then exits non-zero, which must not end
+# the script (pipefail) before the plugin is installed.
+compose_version() { { docker compose version --short 2>/dev/null || true; } | sed 's/^v//'; }
 
 version_at_least() {  # version_at_least 2.26.1-4 2.26
   [ "$(printf '%s\n%s\n' "$2" "${1%%-*}" | sort -V | head -n1)" = "$2" ]

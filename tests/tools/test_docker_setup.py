@@ -78,3 +78,19 @@ def test_an_image_whose_inputs_changed_is_built_again() -> None:
         assert subprocess.run(["docker", "image", "inspect", left], capture_output=True).returncode != 0
     finally:
         subprocess.run(["docker", "image", "rm", tag, left], capture_output=True)
+
+
+def test_a_client_without_compose_reads_as_missing_compose_not_as_an_error(tmp_path) -> None:
+    """On a fresh machine `docker compose` is an unknown command (exit 125). Under the script's ``set -euo
+    pipefail`` that status once ended the whole script, silently, before Compose was installed. A stand-in
+    ``docker`` that answers as such a client checks the script's own function."""
+    shim = tmp_path / "bin" / "docker"
+    shim.parent.mkdir()
+    shim.write_text("#!/bin/sh\necho \"docker: unknown command: docker $1\" >&2\nexit 125\n")
+    shim.chmod(0o755)
+    function = next(line for line in SCRIPT.read_text().splitlines() if line.startswith("compose_version()"))
+    probe = f'set -euo pipefail\n{function}\nversion=$(compose_version)\necho "version=[$version]"\n'
+    result = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "version=[]"
