@@ -61,6 +61,11 @@ class EngineFileError(DraftlineError):
     """The engine's hidden-state file is missing, unreadable, or not for the tokens that were sent."""
 
 
+class EngineFileLost(EngineFileError):
+    """The engine answered, then its writer let go of the file's lock without a whole file there: the engine
+    died between its answer and the end of its write (its files are written after the answer is sent)."""
+
+
 class FinalNormNotFound(CheckpointFormatError):
     """The target's checkpoint names no final norm weight, or several tensors that could be it."""
 
@@ -154,6 +159,23 @@ class VllmHiddenStates:
         # save_hidden_states: what draftline's selective connector saves for (the stock one saves every request).
         body = {"model": self.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
                 "return_token_ids": True, "kv_transfer_params": {"save_hidden_states": True}}
+        # An engine killed after it answered leaves no whole file: the request is sent again (the server is
+        # waited for as on any outage), up to the policy's attempts, before the sample fails by name.
+        for sent in range(1, self.policy.max_attempts + 1):
+            try:
+                states = self._request(body, input_ids, len(saved), on_retry)
+                break
+            except EngineFileLost as exc:
+                if sent == self.policy.max_attempts:
+                    raise
+                log.warning("%s; asking the engine again (%d of %d)", exc, sent + 1, self.policy.max_attempts)
+                if on_retry is not None:
+                    on_retry()
+        return self._write(states, saved, layers, input_ids, loss_mask, path, metadata, storage)
+
+    def _request(self, body: dict, input_ids: list[int], layers: int,
+                 on_retry: Callable[[], object] | None) -> torch.Tensor:
+        """One request through the dispatcher (its retries and fail-over), the engine's file read and deleted."""
         attempts: list[str] = []
 
         def attempt(root: str) -> Path | Failed:
@@ -165,13 +187,12 @@ class VllmHiddenStates:
             engine_file = self._dispatch.send(attempt, on_retry=on_retry)
             answered = True
             try:
-                states = self._read(engine_file, input_ids, len(saved))  # (T, len(saved), H)
+                return self._read(engine_file, input_ids, layers)  # (T, layers, H)
             finally:
                 engine_file.unlink(missing_ok=True)
                 engine_file.with_name(engine_file.name + ".lock").unlink(missing_ok=True)
         finally:
             self._drop_unanswered(attempts[:-1] if answered else attempts)
-        return self._write(states, saved, layers, input_ids, loss_mask, path, metadata, storage)
 
     def _drop_unanswered(self, attempts: list[str]) -> None:
         """Delete what the engine wrote for attempts that got no answer. An engine killed after it scheduled a
@@ -207,8 +228,10 @@ class VllmHiddenStates:
                 fcntl.flock(handle, fcntl.LOCK_SH)
                 with safe_open(str(engine_file), framework="pt") as f:
                     states, ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
-        except (OSError, KeyError, ValueError) as exc:
-            raise EngineFileError(f"{engine_file}: unreadable engine hidden-state file: {exc}") from None
+        except (OSError, ValueError) as exc:  # the lock is free, so its writer finished or died
+            raise EngineFileLost(f"{engine_file}: no whole engine hidden-state file once its writer let go: {exc}") from None
+        except KeyError as exc:
+            raise EngineFileError(f"{engine_file}: engine hidden-state file without {exc}") from None
         if ids.tolist() != list(input_ids):
             raise EngineFileError(f"{engine_file}: holds {ids.numel()} tokens that are not the {len(input_ids)} sent")
         if states.dim() != 3 or states.shape[:2] != (len(input_ids), layers):

@@ -101,7 +101,7 @@ def kill_when_extracting(local: LocalStack, port: int, deadline_s: float) -> int
 
 def test_the_run_completes_through_a_killed_engine_and_loses_nothing(finished):
     status, paths = finished["status"], RunPaths(finished["data"], RUN)
-    assert status["state"] == "complete", status
+    assert status["state"] == "complete", (status["errors"], status["failures"], status["stages"])
     generated, extracted = status["stages"]["generate"], status["stages"]["extract"]
     assert generated["done"] + generated["dropped"] == status["expected"] == 22  # 24 rows, 2 held out
     assert extracted["done"] == generated["done"] > finished["killed_at"] and extracted["failed"] == 0

@@ -104,11 +104,12 @@ def test_two_tensors_that_could_each_be_the_final_norm_fail_by_name(tmp_path):
 
 
 class DiesOnce:
-    """A stand-in vLLM server on loopback: its first completion request schedules (writes the request's
-    ``.lock`` and a partial file, named after the request id as vLLM names them) and then the engine "dies"
-    (the connection closes unanswered); the next one answers as vLLM does, with its file's path."""
+    """A stand-in vLLM server on loopback: its first ``deaths`` completion requests schedule (write the
+    request's ``.lock`` and a partial file, named after the request id as vLLM names them) and then the engine
+    "dies": unanswered (the connection closes), or, ``after_answer``, once it has answered with the file's path
+    but before its writer wrote the file. The next one answers as vLLM does, with its file's path."""
 
-    def __init__(self, storage, hidden: int, layers: int) -> None:
+    def __init__(self, storage, hidden: int, layers: int, *, after_answer: bool = False, deaths: int = 1) -> None:
         import http.server
         import json
         import threading
@@ -133,12 +134,15 @@ class DiesOnce:
                 outer.request_ids.append(request_id)
                 engine_file = storage / f"{request_id}.safetensors"
                 (storage / f"{request_id}.safetensors.lock").touch()
-                if len(outer.request_ids) == 1:
+                dies = len(outer.request_ids) <= deaths
+                if dies and not after_answer:
                     engine_file.write_bytes(b"half a file")
                     self.close_connection = True
                     return  # no answer: the client sees the server disconnect
-                ids = torch.tensor(body["prompt"], dtype=torch.long)
-                save_file({"hidden_states": torch.randn(len(ids), layers, hidden), "token_ids": ids}, str(engine_file))
+                if not dies:
+                    ids = torch.tensor(body["prompt"], dtype=torch.long)
+                    save_file({"hidden_states": torch.randn(len(ids), layers, hidden), "token_ids": ids},
+                              str(engine_file))
                 answer = json.dumps({"kv_transfer_params": {"hidden_states_path": str(engine_file)}}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -171,3 +175,40 @@ def test_files_of_a_request_the_engine_died_on_are_removed_once_a_retry_succeeds
     assert len(engine.request_ids) == 2 and len(set(engine.request_ids)) == 2  # each attempt names its own request
     verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, hidden_size=64, sha256=result.sha256)
     assert sorted(p.name for p in storage.iterdir()) == []  # the dead attempt's lock and half file went too
+
+
+def died_after_answering(tmp_path, model_dir, deaths: int, retries: list[str]):
+    from shared.retry import RetryPolicy
+
+    storage = tmp_path / "engine"
+    storage.mkdir()
+    layers = eagle3.default_layer_ids(NUM_LAYERS)
+    saved = eagle3.engine_saved_layers(layers, NUM_LAYERS)
+    engine = DiesOnce(storage, hidden=64, layers=len(saved), after_answer=True, deaths=deaths)
+    try:
+        source = VllmHiddenStates(engine.url, model="tiny", model_dir=model_dir, data=tmp_path, storage=storage,
+                                  saved_layers=saved, timeout_s=10,
+                                  policy=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01, jitter=False,
+                                                     wait_max_s=5))
+        result = source.extract(input_ids=list(range(7)), loss_mask=[0] * 3 + [1] * 4, path="s.safetensors",
+                                layer_ids=layers, metadata={"run": "r"}, on_retry=lambda: retries.append("retry"))
+    finally:
+        engine.server.shutdown()
+    return engine, storage, layers, result
+
+
+def test_a_sample_whose_engine_died_after_answering_is_asked_again(tmp_path, tiny_model_dir):
+    """The engine answers, then dies before its writer writes the file (it writes after the answer): the lock is
+    free and no file is there. That was a failed sample (the vLLM pipeline test's one failure in CI); it is
+    asked for again, and the retry counted."""
+    retries: list[str] = []
+    engine, storage, layers, result = died_after_answering(tmp_path, tiny_model_dir, 1, retries)
+    assert len(engine.request_ids) == 2 and retries == ["retry"]
+    verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, hidden_size=64, sha256=result.sha256)
+    assert sorted(p.name for p in storage.iterdir()) == []
+
+
+def test_an_engine_that_never_writes_its_files_fails_the_sample_by_name(tmp_path, tiny_model_dir):
+    with pytest.raises(vllm_source.EngineFileLost, match="no whole engine hidden-state file"):
+        died_after_answering(tmp_path, tiny_model_dir, 3, [])
+    assert not (tmp_path / "s.safetensors").exists()
