@@ -75,4 +75,10 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     for layer in layer_ids:
         if not 0 <= layer < num_layers:
             raise ValueError(f"layer id {layer} is outside the target's {num_layers} layers")
+        if layer == num_layers - 1:
+            # Hugging Face's hidden_states[N] is the last layer's output *after* the final norm, vLLM's id N the
+            # same output before it, and SGLang has no layer N + 1 to capture at: three readings of one id. A
+            # drafter trained on it was served by vLLM at 1.63 where the evaluator measured 1.90 (k = 1).
+            raise ValueError(f"layer id {layer} is the target's last decoder layer, which the engines read "
+                             f"differently (vLLM before the final norm, Hugging Face after it); choose ids below {layer}")
     return list(layer_ids)

@@ -113,6 +113,11 @@ class RunPaths:
     def eval_report(self) -> Path:
         return self.root / "eval.json"
 
+    @property
+    def engine_log(self) -> Path:
+        """The log of the vLLM server an evaluation starts to measure the export (``eval_vllm_command``)."""
+        return self.root / "eval-vllm.log"
+
     def generated(self, sample_id: int) -> Path:
         return self.generated_dir / shard_name(sample_id) / f"{sample_stem(sample_id)}.json"
 

@@ -224,6 +224,21 @@ class TrainerSettings(CommonSettings):
     eval_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="The target's dtype during evaluation; float32 keeps the greedy-equality check tight.",
     )
+    eval_vllm_command: str | None = Field(
+        None, description="The command that starts vLLM's OpenAI server, split as a shell would (e.g. "
+        "'/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server'); draftline adds the target, a loopback port "
+        "and the export as the EAGLE-3 drafter at the run's draft_steps. When set, every evaluation also serves the "
+        "export through it and reports vLLM's own acceptance length beside the evaluator's, on the same prompts.",
+    )
+    eval_vllm_args: str = Field(
+        "", description="More arguments for that server, split as a shell would ('--dtype float32 --enforce-eager' "
+                        "on a CPU, where float32 keeps the greedy texts comparable).")
+    eval_vllm_prompts: int = Field(
+        16, ge=1, description="Prompts of the headline evaluation set that vLLM decodes, one at a time, from the first.")
+    eval_vllm_tolerance: float = Field(
+        0.05, ge=0, description="How far vLLM's acceptance length may lie from the evaluator's on the same prompts "
+                                "before the evaluation fails (EngineAcceptanceMismatch).")
+    eval_vllm_start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for that server's /health.")
 
     @field_validator("train_procs", mode="before")
     @classmethod

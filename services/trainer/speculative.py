@@ -64,6 +64,10 @@ class DrafterProposer:
 class DecodeResult:
     tokens: list[int]  # generated tokens, the prefill's first token included
     accepted: list[int] = field(default_factory=list)  # tokens each verification step emitted
+    # Drafts the target accepted at each step, also those past the reply's end (its budget or an eos) that the
+    # step could not emit: what vLLM counts (vllm:spec_decode_num_accepted_tokens), so its acceptance length
+    # is 1 + sum(matched) / steps, at or above ours by what the last step proposed past the end.
+    matched: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -159,6 +163,7 @@ def speculative_generate(
             result.tokens.append(new[emitted])
             emitted += 1
         result.accepted.append(emitted)
+        result.matched.append(accepted)
         crop_cache(cache, context + accepted + 1)  # keep the newest token and the accepted drafts
         if not finished(result.tokens, max_new_tokens, eos):
             proposer.extend(aux_states(out.hidden_states, layer_ids)[: accepted + 1], new)

@@ -180,6 +180,7 @@ def speculative_generate_batch(
                 results[index].tokens.append(new[emitted])
                 emitted += 1
             results[index].accepted.append(emitted)
+            results[index].matched.append(accepted)
             used.append([j <= accepted for j in range(width)])
             next_ids.append([*new, *[pad] * (width - len(new))])
             tokens.append(new)

@@ -20,3 +20,12 @@ def test_layer_ids_are_checked():
         check_layer_ids([1, 2, 8], 8)
     with pytest.raises(ValueError):
         default_layer_ids(3)
+
+
+def test_the_last_decoder_layer_is_no_auxiliary_layer():
+    """Its output reaches Hugging Face's hidden_states after the final norm and vLLM's aux capture before it:
+    a drafter trained on it would be served on other inputs than it learned (tests/engines/test_vllm_acceptance.py
+    measured that gap before this check)."""
+    assert check_layer_ids([1, 3, 6], 8) == [1, 3, 6]
+    with pytest.raises(ValueError, match="last decoder layer"):
+        check_layer_ids([1, 3, 7], 8)

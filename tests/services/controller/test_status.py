@@ -54,7 +54,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
     assert set(status["stages"]["extract"]) == STAGE_KEYS
     assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding"}
-    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length"}
+    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length",
+                                                 "engine_acceptance_length", "engine_prompts", "engine_error"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}

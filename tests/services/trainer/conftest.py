@@ -77,13 +77,14 @@ def greedy_reply(target: TinyTarget, messages: list[dict], max_new_tokens: int =
 
 
 @torch.inference_mode()
-def make_sample(target: TinyTarget, messages: list[dict]) -> dict[str, torch.Tensor]:
-    reply = target.tokenizer.decode(greedy_reply(target, messages), skip_special_tokens=True)
+def make_sample(target: TinyTarget, messages: list[dict], layer_ids: list[int] = LAYER_IDS,
+                reply_tokens: int = REPLY_TOKENS) -> dict[str, torch.Tensor]:
+    reply = target.tokenizer.decode(greedy_reply(target, messages, reply_tokens), skip_special_tokens=True)
     conversation = [*messages, {"role": "assistant", "content": reply}]
     rendered = target.tokenizer.apply_chat_template(conversation, return_assistant_tokens_mask=True, return_dict=True)
     ids = torch.tensor(rendered["input_ids"], dtype=torch.int64)
     out = target.model(ids[None], output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[eagle3.hf_hidden_index(i)][0] for i in LAYER_IDS], dim=-1)  # (L, 3H)
+    aux = torch.cat([out.hidden_states[eagle3.hf_hidden_index(i)][0] for i in layer_ids], dim=-1)  # (L, 3H)
     return {
         eagle3.INPUT_IDS: ids,
         eagle3.LOSS_MASK: torch.tensor(rendered["assistant_masks"], dtype=torch.uint8),
@@ -129,19 +130,21 @@ def stored(tensors: dict[str, torch.Tensor], storage: str) -> dict[str, torch.Te
 def write_run(
     data: Path, name: str, target: TinyTarget, samples: list[dict[str, torch.Tensor]], eval_messages: list[list[dict]],
     *, train: dict | None = None, evaluate: dict | None = None, storage: str = "target",
+    layer_ids: list[int] | None = None,
 ) -> RunPaths:
-    """A prepared run directory: run.json, one hidden-state file per sample, held-out prompts."""
+    """A prepared run directory: run.json, one hidden-state file per sample, held-out prompts. ``layer_ids``:
+    the samples' auxiliary layers, where they are not the target's default."""
     train_cfg = {"epochs": 2, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3,
                  "draft_vocab_size": 256, "save_every": 4, **(train or {})}
     spec = RunSpec(name=name, dataset="tiny-demo", model=MODEL_NAME, rows=len(samples) + len(eval_messages),
                    train_ids=len(samples), train=TrainConfig(**train_cfg), evaluate=EvalConfig(**(evaluate or {})),
-                   extraction=ExtractionConfig(storage=storage))
+                   extraction=ExtractionConfig(storage=storage, layer_ids=layer_ids))
     spec.save(data)
     paths = RunPaths(data, name)
     for sample_id, tensors in enumerate(samples):
         path = paths.hidden(sample_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(stored(tensors, storage), str(path), metadata=file_metadata(target))
+        save_file(stored(tensors, storage), str(path), metadata=file_metadata(target, layer_ids or LAYER_IDS))
     rows = [{"sample_id": len(samples) + i, "messages": m} for i, m in enumerate(eval_messages)]
     (paths.root / "eval_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
