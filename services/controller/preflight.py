@@ -235,7 +235,7 @@ def check_layer_ids(settings: ControllerSettings, spec: RunSpec | None, facts: F
         eagle3.check_layer_ids(list(wanted), num_layers)
     except ValueError as exc:
         return Check(name, False, ERROR, f"extraction.layer_ids {wanted}: {exc} ({source})",
-                     f"pick three layer ids in 0..{num_layers - 1}, or leave extraction.layer_ids out for the "
+                     f"pick three layer ids in 0..{num_layers - 2}, or leave extraction.layer_ids out for the "
                      f"default {eagle3.default_layer_ids(num_layers) if num_layers >= 4 else '(none: too few layers)'}")
     return Check(name, True, INFO, f"extraction.layer_ids {wanted} exist in the {num_layers}-layer target")
 
