@@ -35,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.errors import DraftlineError
+from services.trainer.evaluate import first_difference
 from services.trainer.vllm_launch import vllm_server
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,8 @@ def serve_and_decode(command: Sequence[str], model_dir: Path, export_dir: Path |
 def first_mismatch(replies: Sequence[list[int]], references: Sequence[list[int]]) -> dict[str, int] | None:
     """The first prompt (index) and position where the two lists of replies part, or None."""
     for index, (mine, theirs) in enumerate(zip(replies, references, strict=True)):
-        if mine != theirs:
-            position = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        position = first_difference(mine, theirs)
+        if position is not None:
             return {"prompt": index, "position": position}
     return None
 

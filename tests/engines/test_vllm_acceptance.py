@@ -24,7 +24,7 @@ from shared.layout import RunPaths
 from shared.runspec import RunSpec
 from services.trainer import vllm_launch
 from services.trainer.engine_acceptance import measure_export, serve_and_decode
-from services.trainer.evalsets import EvalPrompt
+from services.trainer.evalsets import read_eval_prompts
 from services.trainer.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
 from services.trainer.export import export_drafter
 from services.trainer.train import train_drafter
@@ -154,9 +154,7 @@ def test_vllm_text_with_the_drafter_equals_its_text_without_one(job_report, runs
 
 
 def held_out_ids(target: TinyTarget, paths: RunPaths) -> list[tuple[int, list[int]]]:
-    rows = [json.loads(line) for line in paths.eval_prompts.read_text().splitlines()]
-    return [(row["sample_id"], prompt_ids_of(target.tokenizer, EvalPrompt(row["sample_id"], row["messages"])))
-            for row in rows]
+    return [(p.sample_id, prompt_ids_of(target.tokenizer, p)) for p in read_eval_prompts(paths.eval_prompts)]
 
 
 def shift_layers_down(export: Path) -> None:
@@ -189,10 +187,8 @@ def test_a_misread_export_falls_alike_in_both_figures(breakage, job_report, runs
     target, tokenizer = load_target(rule_target.model_dir, torch.device("cpu"))
     drafter = exported_drafter(target, rule_target.model_dir, broken)
     spec = RunSpec.load(runs["served"].data, "served")
-    prompts = [EvalPrompt(sample_id, m) for sample_id, m in
-               ((json.loads(line)["sample_id"], json.loads(line)["messages"])
-                for line in runs["served"].eval_prompts.read_text().splitlines())]
-    report = {**combine_sets({"holdout": evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate)})}
+    prompts = read_eval_prompts(runs["served"].eval_prompts)
+    report = combine_sets({"holdout": evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate)})
     engine = measure_export(vllm_command, rule_target.model_dir, broken, report, held_out_ids(rule_target, runs["served"]),
                             log_path=tmp_path / "vllm.log", engine_args=CPU_ARGS, tolerance=TOLERANCE)
     good = job_report["engine"]["acceptance_length"]

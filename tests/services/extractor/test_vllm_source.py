@@ -156,42 +156,29 @@ class DiesOnce:
 
 
 def test_files_of_a_request_the_engine_died_on_are_removed_once_a_retry_succeeds(tmp_path, tiny_model_dir):
-    from shared.retry import RetryPolicy
-
-    storage = tmp_path / "engine"
-    storage.mkdir()
-    layers = eagle3.default_layer_ids(NUM_LAYERS)
-    saved = eagle3.engine_saved_layers(layers, NUM_LAYERS)
-    engine = DiesOnce(storage, hidden=64, layers=len(saved))
-    try:
-        source = VllmHiddenStates(engine.url, model="tiny", model_dir=tiny_model_dir, data=tmp_path, storage=storage,
-                                  saved_layers=saved, timeout_s=10,
-                                  policy=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01, jitter=False,
-                                                     wait_max_s=5))
-        result = source.extract(input_ids=list(range(7)), loss_mask=[0] * 3 + [1] * 4, path="s.safetensors",
-                                layer_ids=layers, metadata={"run": "r"})
-    finally:
-        engine.server.shutdown()
+    engine, storage, layers, result = extract_from_dying_engine(tmp_path, tiny_model_dir, after_answer=False, deaths=1)
     assert len(engine.request_ids) == 2 and len(set(engine.request_ids)) == 2  # each attempt names its own request
     verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, hidden_size=64, sha256=result.sha256)
     assert sorted(p.name for p in storage.iterdir()) == []  # the dead attempt's lock and half file went too
 
 
-def died_after_answering(tmp_path, model_dir, deaths: int, retries: list[str]):
+def extract_from_dying_engine(tmp_path, model_dir, *, after_answer: bool, deaths: int, retries: list[str] | None = None):
+    """One sample extracted from a ``DiesOnce`` engine, three attempts allowed; (engine, storage, layers, result)."""
     from shared.retry import RetryPolicy
 
     storage = tmp_path / "engine"
     storage.mkdir()
     layers = eagle3.default_layer_ids(NUM_LAYERS)
     saved = eagle3.engine_saved_layers(layers, NUM_LAYERS)
-    engine = DiesOnce(storage, hidden=64, layers=len(saved), after_answer=True, deaths=deaths)
+    engine = DiesOnce(storage, hidden=64, layers=len(saved), after_answer=after_answer, deaths=deaths)
+    on_retry = None if retries is None else (lambda: retries.append("retry"))
     try:
         source = VllmHiddenStates(engine.url, model="tiny", model_dir=model_dir, data=tmp_path, storage=storage,
                                   saved_layers=saved, timeout_s=10,
                                   policy=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01, jitter=False,
                                                      wait_max_s=5))
         result = source.extract(input_ids=list(range(7)), loss_mask=[0] * 3 + [1] * 4, path="s.safetensors",
-                                layer_ids=layers, metadata={"run": "r"}, on_retry=lambda: retries.append("retry"))
+                                layer_ids=layers, metadata={"run": "r"}, on_retry=on_retry)
     finally:
         engine.server.shutdown()
     return engine, storage, layers, result
@@ -202,7 +189,8 @@ def test_a_sample_whose_engine_died_after_answering_is_asked_again(tmp_path, tin
     free and no file is there. That was a failed sample (the vLLM pipeline test's one failure in CI); it is
     asked for again, and the retry counted."""
     retries: list[str] = []
-    engine, storage, layers, result = died_after_answering(tmp_path, tiny_model_dir, 1, retries)
+    engine, storage, layers, result = extract_from_dying_engine(tmp_path, tiny_model_dir, after_answer=True,
+                                                                 deaths=1, retries=retries)
     assert len(engine.request_ids) == 2 and retries == ["retry"]
     verify_hidden_file(tmp_path / "s.safetensors", layer_ids=layers, hidden_size=64, sha256=result.sha256)
     assert sorted(p.name for p in storage.iterdir()) == []
@@ -210,5 +198,5 @@ def test_a_sample_whose_engine_died_after_answering_is_asked_again(tmp_path, tin
 
 def test_an_engine_that_never_writes_its_files_fails_the_sample_by_name(tmp_path, tiny_model_dir):
     with pytest.raises(vllm_source.EngineFileLost, match="no whole engine hidden-state file"):
-        died_after_answering(tmp_path, tiny_model_dir, 3, [])
+        extract_from_dying_engine(tmp_path, tiny_model_dir, after_answer=True, deaths=3)
     assert not (tmp_path / "s.safetensors").exists()
