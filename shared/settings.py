@@ -78,6 +78,16 @@ class InferenceSettings(ServiceSettings):
     batch_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill before it starts.")
     hidden_batch_tokens: int = Field(16384, ge=1, description="Token budget of one hidden-state forward pass.")
     writer_threads: int = Field(4, ge=1, description="Threads writing hidden-state files while the GPU works.")
+    decoder: Literal["auto", "continuous", "per-batch"] = Field(
+        "auto", description="Chat decoding: continuous batching in fixed KV slots, or one batch at a time; auto "
+        "takes continuous on CUDA for a target it runs (Llama, Mistral, Qwen2/3), per-batch otherwise.")
+    decode_slots: int = Field(256, ge=1, description="Most requests the continuous decoder decodes at once.")
+    slot_tokens: int = Field(4096, ge=2, description="Positions (prompt and reply) of one continuous-decoder slot; a "
+                             "longer request is decoded alone by the per-batch decoder.")
+    kv_cache_fraction: float = Field(0.35, gt=0, le=0.9, description="Most of the GPU memory free after loading "
+                                     "that the continuous decoder's KV slots take; fewer slots when they would not fit.")
+    prefill_tokens: int = Field(16384, ge=1, description="Padded prompt tokens the continuous decoder prefills at once.")
+    cuda_graphs: bool = Field(True, description="Capture the continuous decoder's step as CUDA graphs.")
 
 
 class ControllerSettings(SampleQueueSettings):

@@ -11,7 +11,7 @@ BATCH_SIZE = "draftline_inference_batch_size"
 HIDDEN_STATE_BYTES = "draftline_inference_hidden_state_bytes_total"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class InferenceMetrics:
@@ -25,7 +25,8 @@ class InferenceMetrics:
                                 registry=self.registry)
         self.generated_tokens = Counter(GENERATED_TOKENS, "Completion tokens generated.", registry=self.registry)
         self.batch_size = Histogram(
-            BATCH_SIZE, "Requests per batch: chat rows decoded together, samples per hidden-state forward.",
+            BATCH_SIZE, "Requests per batch: chat rows decoded together (per decode step when decoding "
+            "continuously), samples per hidden-state forward.",
             ["endpoint"], buckets=BATCH_BUCKETS, registry=self.registry,
         )
         self.hidden_state_bytes = Counter(HIDDEN_STATE_BYTES, "Bytes of hidden-state files written.",

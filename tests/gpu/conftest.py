@@ -25,6 +25,15 @@ def loaded_cuda(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def loaded_tiny_cuda_fp32(tiny_model_dir: Path):
+    """The tiny target on the GPU in float32: the slot decoder's logits are held to its own full forward."""
+    from services.inference.model import load_model
+    from shared.settings import InferenceSettings
+
+    return load_model(InferenceSettings(model_dir=tiny_model_dir, device="cuda", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
 def loaded_cpu(tiny_model_dir: Path):
     """The same target in float32 on the CPU: the reference the GPU's bf16 results are held to."""
     from services.inference.model import load_model

@@ -24,10 +24,14 @@ def hf_greedy(loaded, prompt_ids: list[int], max_new: int, **kwargs) -> list[int
 
 @pytest.fixture(scope="module")
 def prompt_ids(loaded_tiny) -> list[list[int]]:
+    return chat_prompt_ids(loaded_tiny, PROMPTS)
+
+
+def chat_prompt_ids(loaded, prompts: list[str]) -> list[list[int]]:
     # Chat-formatted, as the server sends them: the taught target then answers at length.
-    tokenizer = loaded_tiny.tokenizer
+    tokenizer = loaded.tokenizer
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"] for p in PROMPTS]
+                                          return_dict=True)["input_ids"] for p in prompts]
 
 
 def test_single_greedy_request_equals_hf_generate(loaded_tiny, prompt_ids):
