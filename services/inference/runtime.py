@@ -49,6 +49,7 @@ def chat_decoder(settings: InferenceSettings, loaded: LoadedModel, metrics: Infe
     if wanted and reason is None:
         slots = affordable_slots(settings, loaded)
         model = SlotModel(loaded, slots=slots, slot_tokens=settings.slot_tokens, cuda_graphs=settings.cuda_graphs)
+        model.capture()
         return ContinuousScheduler(model, prefill_tokens=settings.prefill_tokens, on_step=on_batch)
     if settings.decoder == "continuous":
         raise UnsupportedTarget(f"DRAFTLINE_DECODER=continuous, but {reason}")

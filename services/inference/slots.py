@@ -230,6 +230,25 @@ class SlotModel:
                 return self._decode_eager(n, kv_len)
             return self._graphed(rows, kv_len).logits[:n]
 
+    def capture(self) -> int:
+        """Capture the decode step of every row bucket now (the server does at start, before any request):
+        a capture costs a warm-up step and some memory, better spent before serving than in its first
+        minutes. With the per-row kernel a bucket is a row count alone; without it, the first length bucket
+        (longer ones are captured when met). Returns the graphs held."""
+        if not self.cuda_graphs:
+            return 0
+        kv_len = 0 if self.kernel else min(MIN_KV_BUCKET, self.slot_tokens)
+        rows = 1
+        with torch.inference_mode():
+            self.step_positions.zero_()
+            while True:
+                self._graphed(rows, kv_len)
+                if rows >= self.slots:
+                    break
+                rows = min(2 * rows, self.slots)
+        log.info("captured %d decode graphs (rows 1 to %d)", len(self._graphs), self.slots)
+        return len(self._graphs)
+
     def _graphed(self, rows: int, kv_len: int) -> GraphedStep:
         key = (rows, kv_len)
         step = self._graphs.get(key)
@@ -241,7 +260,9 @@ class SlotModel:
                 self._decode_eager(rows, kv_len)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # Thread-local: the hidden-state pipeline's thread goes on allocating and synchronising meanwhile,
+            # which a global capture would refuse.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self._decode_eager(rows, kv_len)
             step = self._graphs[key] = GraphedStep(graph, logits)
             log.debug("captured the decode step for %d rows over %d positions", rows, kv_len)

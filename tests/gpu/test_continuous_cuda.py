@@ -76,3 +76,32 @@ def test_continuous_greedy_equals_the_per_batch_decoder_on_cuda(loaded_tiny_cuda
     finally:
         scheduler.stop()
     assert got == [generate_batch(loaded, [r])[0].token_ids for r in requests]
+
+
+def test_the_runtime_decodes_continuously_beside_hidden_state_extraction(tiny_model_dir, loaded_cuda, tmp_path):
+    """The server's own set-up on CUDA (dtype auto, bf16): the continuous decoder is chosen and its graphs are
+    captured at start; chat requests and hidden-state jobs then run at once on their two threads."""
+    from services.inference.metrics import InferenceMetrics
+    from services.inference.runtime import start_runtime
+    from shared.hidden_file import verify_hidden_file
+    from shared.settings import InferenceSettings
+    from tests.services.inference.test_hidden import make_job
+
+    settings = InferenceSettings(model_dir=tiny_model_dir, device="cuda", decode_slots=8, slot_tokens=512,
+                                 hidden_batch_tokens=256, writer_threads=2)
+    runtime = start_runtime(settings, loaded_cuda, InferenceMetrics())
+    try:
+        assert isinstance(runtime.scheduler, ContinuousScheduler)
+        assert sorted(runtime.scheduler._model._graphs) == [(1, 0), (2, 0), (4, 0), (8, 0)]
+        prompts = chat_prompt_ids(loaded_cuda, PROMPTS * 3)
+        requests = [GenerationRequest(p, 8 + 3 * i) for i, p in enumerate(prompts)]
+        jobs = [make_job(loaded_cuda, tmp_path, f"{i:08d}", 20 + 7 * i, seed=i) for i in range(12)]
+        chats = [runtime.scheduler.submit(r) for r in requests]
+        states = [runtime.pipeline.submit(job) for job in jobs]
+        replies = [f.result(timeout=120).token_ids for f in chats]
+        written = [f.result(timeout=120) for f in states]
+    finally:
+        runtime.stop()
+    assert replies == [generate_batch(loaded_cuda, [r])[0].token_ids for r in requests]
+    for job, result in zip(jobs, written):
+        verify_hidden_file(job.path, layer_ids=list(job.layer_ids), dtype="BF16", hidden_size=64, sha256=result.sha256)
