@@ -133,7 +133,8 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     drafter = exported_drafter(target, model_dir, paths.export_dir)
     cfg = source.evaluate.model_copy(update={"baselines": False})
     source_paths = RunPaths(data, source.name)
-    sets = load_sets(cfg, eval_prompts=source_paths.eval_prompts, train_prompts=source_paths.prompts)
+    sets = load_sets(cfg, eval_prompts=source_paths.eval_prompts, train_prompts=source_paths.prompts,
+                     turns=source.generation.turns)
     report = evaluate_sets(target, tokenizer, drafter, sets, cfg)
     for set_name, one in report["sets"].items():
         check = one["greedy_check"]

@@ -80,7 +80,7 @@ class TrainConfig(_Frozen):
                             "process only).")
 
 
-EvalSetName = Literal["holdout", "humaneval"]  # services/trainer/evalsets.py loads each
+EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # services/trainer/evalsets.py loads each
 EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
 
 
@@ -90,7 +90,12 @@ class EvalConfig(_Frozen):
     draft_steps: int = Field(3, ge=1, description="Chain length proposed per verification step (the headline).")
     sets: list[EvalSetName] = Field(
         ["holdout", "humaneval"], min_length=1,
-        description="Evaluation sets: the run's held-out rows, HumanEval's prompts (no training row is either).")
+        description="Evaluation sets: the run's held-out rows (their first turns where every turn is regenerated), "
+                    "their second turns after the target's own first reply (holdout_turn2), HumanEval's prompts (no "
+                    "training row is any of them).")
+    earlier_reply_tokens: int = Field(
+        512, ge=1, description="holdout_turn2: most tokens of the target's greedy reply to the first turn, which "
+                               "the second turn follows.")
     humaneval_limit: int | None = Field(None, ge=1, description="The first N HumanEval prompts; None takes all 164.")
     curve_max_steps: int = Field(7, ge=1, le=32, description="Acceptance curve over chain lengths 1..N.")
     baselines: bool = Field(True, description="Also decode without a drafter and with prompt lookup (n-gram).")

@@ -26,7 +26,7 @@ from services.generator.client import (
     MalformedCompletion,
     chat_payload,
 )
-from services.generator.turns import turn_segments
+from shared.conversation_turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.chat_turns import assistant_message

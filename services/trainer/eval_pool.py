@@ -50,7 +50,8 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
         shares = []
         for one in sets:
             measured, reported = SetRun(one["name"]), [0]
-            mine = shard([EvalPrompt(p["sample_id"], p["messages"]) for p in one["prompts"]], index, procs)
+            mine = shard([EvalPrompt(p["sample_id"], p["messages"], tuple(tuple(t) for t in p["earlier"]))
+                          for p in one["prompts"]], index, procs)
 
             def progress(done: int, _: int, reported: list[int] = reported) -> None:
                 if done > reported[0]:  # prompts whose every decode has finished since the last report
@@ -71,7 +72,8 @@ def measure_in_processes(
     """Per set, in order, the shares of every process (``SetRun.to_json`` dicts)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    payload = [{"name": s.name, "prompts": [{"sample_id": p.sample_id, "messages": p.messages} for p in s.prompts]}
+    payload = [{"name": s.name, "prompts": [{"sample_id": p.sample_id, "messages": p.messages,
+                                             "earlier": [list(t) for t in p.earlier]} for p in s.prompts]}
                for s in sets]
     workers = [ctx.Process(target=_worker, name=f"evaluate-{i}", daemon=True,
                            args=(i, procs, str(model_dir), str(export_dir), device, dtype, trust_remote_code, payload,

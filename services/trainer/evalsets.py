@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.conversation_turns import turn_segments
 from shared.errors import DatasetError
 from shared.runspec import EvalConfig
 
@@ -30,7 +31,10 @@ HUMANEVAL_WORDING = "Complete this Python function:\n```python\n{prompt}```"
 @dataclass(frozen=True)
 class EvalPrompt:
     sample_id: int  # the dataset row for holdout; the HumanEval task number for humaneval
-    messages: list[dict]
+    messages: list[dict]  # what the decodes answer: the whole prompt, or its last turn where ``earlier`` is set
+    # Turns the target answers first, greedily, each reply joining the conversation before the next turn and
+    # before ``messages`` (a second turn's context holds the target's own first reply, as in MT-Bench).
+    earlier: tuple[tuple[dict, ...], ...] = ()
 
 
 def read_eval_prompts(path: Path) -> list[EvalPrompt]:
@@ -128,12 +132,33 @@ class EvalSet:
     excluded: list[int]  # sample ids left out because a training prompt overlaps them
 
 
-def load_sets(cfg: EvalConfig, *, eval_prompts: Path, train_prompts: Path) -> list[EvalSet]:
-    """The configured sets in their configured order; ``holdout`` only where the run held rows out."""
+def turn_prompts(prompts: list[EvalPrompt], turn: int) -> list[EvalPrompt]:
+    """Each held-out conversation's ``turn``-th user turn (1-based; conversations with fewer turns are
+    left out), the turns before it to be answered by the target (``EvalPrompt.earlier``)."""
+    out = []
+    for prompt in prompts:
+        segments = turn_segments(prompt.messages, "all")
+        if len(segments) >= turn:
+            out.append(EvalPrompt(prompt.sample_id, segments[turn - 1], tuple(tuple(s) for s in segments[: turn - 1])))
+    return out
+
+
+def load_sets(cfg: EvalConfig, *, eval_prompts: Path, train_prompts: Path, turns: str = "last") -> list[EvalSet]:
+    """The configured sets in their configured order; ``holdout`` only where the run held rows out.
+
+    Where the run regenerates every turn (``turns="all"``), ``holdout`` asks each held-out conversation's first
+    turn and ``holdout_turn2`` its second after the target's own first reply, the two turns of MT-Bench;
+    otherwise ``holdout`` asks the conversation as it is (its last turn, after the dataset's replies)."""
     sets = []
     for name in cfg.sets:
         if name == "holdout" and cfg.holdout > 0:
-            sets.append(EvalSet(name, read_eval_prompts(eval_prompts), []))
+            held = read_eval_prompts(eval_prompts)
+            sets.append(EvalSet(name, turn_prompts(held, 1) if turns == "all" else held, []))
+        elif name == "holdout_turn2" and cfg.holdout > 0:
+            if turns != "all":
+                raise DatasetError("evaluation set holdout_turn2 needs generation.turns = \"all\": the drafter "
+                                   "learns later turns only from the target's own replies")
+            sets.append(EvalSet(name, turn_prompts(read_eval_prompts(eval_prompts), 2), []))
         elif name == "humaneval":
             prompts, excluded = humaneval_prompts(cfg.humaneval_limit, train_prompts=train_prompts)
             sets.append(EvalSet(name, prompts, excluded))

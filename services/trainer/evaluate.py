@@ -208,8 +208,29 @@ def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int]
 
 
 def prompt_ids_of(tokenizer: Any, prompt: EvalPrompt) -> list[int]:
-    return list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+    if prompt.earlier:
+        raise ValueError(f"prompt {prompt.sample_id} has turns the target must answer first (answer_earlier_turns)")
+    return chat_ids(tokenizer, prompt.messages)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"])
+
+
+def answer_earlier_turns(target: Any, tokenizer: Any, prompts: list[EvalPrompt], budget: int) -> list[EvalPrompt]:
+    """Each prompt with its earlier turns answered by the target, greedily, turn by turn (up to ``budget``
+    tokens a reply; the end-of-turn token closes it), as a plain prompt whose messages hold those replies."""
+    conversations = [[] for _ in prompts]
+    for turn in range(max((len(p.earlier) for p in prompts), default=0)):
+        asking = [i for i, p in enumerate(prompts) if len(p.earlier) > turn]
+        for i in asking:
+            conversations[i] += list(prompts[i].earlier[turn])
+        replies = greedy_references(target, [chat_ids(tokenizer, conversations[i]) for i in asking], budget)
+        for i, reply in zip(asking, replies):
+            text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+            conversations[i].append({"role": "assistant", "content": text})
+    return [EvalPrompt(p.sample_id, conversations[i] + p.messages) if p.earlier else p for i, p in enumerate(prompts)]
 
 
 def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
@@ -221,7 +242,8 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts
     measured.tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
     measured.stop_ids = sorted(eos_ids_of(target))
     for start in range(0, len(prompts), cfg.batch_prompts):
-        chunk = prompts[start: start + cfg.batch_prompts]
+        chunk = answer_earlier_turns(target, tokenizer, prompts[start: start + cfg.batch_prompts],
+                                     cfg.earlier_reply_tokens)
         ids = [prompt_ids_of(tokenizer, p) for p in chunk]
         references = greedy_references(target, ids, cfg.max_new_tokens)
         tick = None if progress is None else (lambda f, s=start, n=len(chunk): progress(s + int(f * n), len(prompts)))

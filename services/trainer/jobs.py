@@ -141,7 +141,8 @@ def evaluate(payload: dict) -> dict:
     state.set_meta(evaluate_state="running")
     try:
         spec = RunSpec.load(settings.data, job.run)
-        sets = load_sets(spec.evaluate, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts)
+        sets = load_sets(spec.evaluate, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts,
+                         turns=spec.generation.turns)
         if not sets:
             state.set_meta(evaluate_state="skipped")
             log.info("run %s: no evaluation set (no rows held out), evaluation skipped", job.run)
@@ -174,7 +175,9 @@ def _measure_in_engine(settings: TrainerSettings, paths: RunPaths, sets: list[Ev
     try:
         tokenizer = load_from_target(AutoTokenizer.from_pretrained, settings.model_dir,
                                      trust_remote_code=settings.trust_remote_code)
-        prompts = [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in headline.prompts[: settings.eval_vllm_prompts]]
+        # A prompt whose earlier turns the target answered is left out: its context is the evaluator's decode.
+        asked = [p for p in headline.prompts if not p.earlier][: settings.eval_vllm_prompts]
+        prompts = [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked]
         report["engine"] = measure_export(
             parse_command(settings.eval_vllm_command or ""), settings.model_dir, paths.export_dir, report, prompts,
             log_path=paths.engine_log, engine_args=shlex.split(settings.eval_vllm_args),

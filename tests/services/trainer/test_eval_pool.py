@@ -28,7 +28,9 @@ def export_dir(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
 
 
 def sets_of(eval_messages) -> list[EvalSet]:
-    return [EvalSet("holdout", [EvalPrompt(10 + i, m) for i, m in enumerate(eval_messages[:3])], []),
+    # The last holdout prompt is a second turn: each process answers its first turn itself.
+    second_turn = EvalPrompt(13, eval_messages[3], (tuple(eval_messages[0]),))
+    return [EvalSet("holdout", [*(EvalPrompt(10 + i, m) for i, m in enumerate(eval_messages[:3])), second_turn], []),
             EvalSet("humaneval", [EvalPrompt(i, m) for i, m in enumerate(demo_messages()[:2])], [7])]
 
 
@@ -47,7 +49,7 @@ def test_three_processes_report_what_one_process_reports(export_dir, tiny_target
     many = evaluate_sets_in_processes(model_dir=tiny_target.model_dir, export_dir=export_dir, device="cpu",
                                       dtype="float32", sets=sets_of(eval_messages), cfg=CFG, procs=3,
                                       layer_ids=list(drafter.config.layer_ids), progress=lambda d, t: seen.append((d, t)))
-    assert sorted(seen) == [(d, 5) for d in range(1, 6)]
+    assert sorted(seen) == [(d, 6) for d in range(1, 7)]
     for name in ("holdout", "humaneval"):
         a, b = one["sets"][name], many["sets"][name]
         assert b["processes"] == 3 and a["processes"] == 1

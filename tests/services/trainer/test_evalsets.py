@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from services.trainer.evalsets import HUMANEVAL_SIZE, humaneval_prompts, load_sets, read_humaneval
+from shared.errors import DatasetError
 from shared.runspec import EvalConfig
 
 
@@ -41,3 +44,34 @@ def test_sets_follow_the_config_and_holdout_needs_held_out_rows(tmp_path):
                      train_prompts=missing)
     assert [s.name for s in sets] == ["humaneval"]
     assert load_sets(EvalConfig(holdout=0, sets=["holdout"]), eval_prompts=held, train_prompts=missing) == []
+
+
+def conversation(*turns: str) -> list[dict]:
+    """User turns with the dataset's (another model's) reply after each but the last."""
+    messages = []
+    for number, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if number < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"dataset reply {number}"})
+    return messages
+
+
+def test_regenerated_runs_ask_the_first_turn_and_the_second_after_the_targets_own_reply(tmp_path):
+    held = tmp_path / "eval_prompts.jsonl"
+    rows = [{"sample_id": 7, "messages": conversation("first", "second", "third")},
+            {"sample_id": 8, "messages": conversation("only")}]
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = EvalConfig(holdout=2, sets=["holdout", "holdout_turn2"])
+    first, second = load_sets(cfg, eval_prompts=held, train_prompts=tmp_path / "none", turns="all")
+    assert [(p.sample_id, p.messages, p.earlier) for p in first.prompts] == [
+        (7, [{"role": "user", "content": "first"}], ()), (8, [{"role": "user", "content": "only"}], ())]
+    # The dataset's replies are gone: the target answers the first turn itself before the second is asked.
+    (turn2,) = second.prompts
+    assert (turn2.sample_id, turn2.messages, turn2.earlier) == (
+        7, [{"role": "user", "content": "second"}], (({"role": "user", "content": "first"},),))
+    # A run that keeps the dataset's replies asks the conversation as it is, and has no second-turn set.
+    (kept,) = load_sets(EvalConfig(holdout=2, sets=["holdout"]), eval_prompts=held, train_prompts=tmp_path / "none",
+                        turns="last")
+    assert kept.prompts[0].messages == rows[0]["messages"]
+    with pytest.raises(DatasetError, match="holdout_turn2 needs generation.turns"):
+        load_sets(cfg, eval_prompts=held, train_prompts=tmp_path / "none", turns="last")

@@ -242,3 +242,21 @@ def test_the_logit_gap_is_the_targets_own_preference_between_the_two_tokens(tiny
     other = int(logits.argsort(descending=True)[1])  # the runner-up
     gap = evaluate.logit_gap(tiny_target.model, ids, reference, 2, [*reference[:2], other])
     assert gap == pytest.approx(float(logits[reference[2]] - logits[other]), abs=1e-6) and gap > 0
+
+
+def test_a_second_turn_follows_the_targets_own_greedy_first_reply(trained_drafter, tiny_target, eval_messages):
+    first, second = eval_messages[0], eval_messages[1]
+    prompt = EvalPrompt(40, second, (tuple(first),))
+    with pytest.raises(ValueError, match="answer_earlier_turns"):
+        evaluate.prompt_ids_of(tiny_target.tokenizer, prompt)  # its context is not known before the target answers
+    (answered,) = evaluate.answer_earlier_turns(tiny_target.model, tiny_target.tokenizer, [prompt], 20)
+    reply = tiny_target.tokenizer.decode(greedy_reply(tiny_target, first, 20), skip_special_tokens=True).strip()
+    assert reply and answered.messages == [*first, {"role": "assistant", "content": reply}, *second]
+    assert answered.earlier == ()
+    cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=2, curve_max_steps=2, earlier_reply_tokens=20)
+    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, [prompt], cfg,
+                              name="holdout_turn2")
+    (row,) = report["prompts"]
+    assert row["prompt_tokens"] == len(evaluate.prompt_ids_of(tiny_target.tokenizer, answered))
+    assert row["reply"] == greedy_reply(tiny_target, answered.messages, MAX_NEW)[: len(row["reply"])]
+    assert report["greedy_check"]["mismatches"] == []

@@ -9,7 +9,7 @@ import pytest
 
 from services.controller.submit import submit_run
 from services.generator.jobs import run_generate
-from services.generator.turns import turn_segments
+from shared.conversation_turns import turn_segments
 from shared.jobs import GenerateJob, PromptItem
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
