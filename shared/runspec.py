@@ -29,6 +29,9 @@ class GenerationConfig(_Frozen):
         "all", description="all: the target writes every assistant turn of a conversation, turn by turn, each "
         "answering the conversation so far with its own earlier replies; last: only the reply to the last user "
         "turn, earlier assistant turns kept as the dataset wrote them.")
+    max_turns: int | None = Field(
+        None, ge=1, description="With turns=all: regenerate only a conversation's first N user turns and leave the "
+        "rest out (each turn is a request, and later turns carry ever longer prompts); None: every turn.")
 
 
 # How hidden-state files store the states: in the dtype the target computes them in, or as fp8 (e4m3) with a

@@ -96,7 +96,7 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():
         return "skipped", 0, 0
-    segments = turn_segments(item.messages, spec.generation.turns)
+    segments = turn_segments(item.messages, spec.generation.turns)[: spec.generation.max_turns]
     conversation: list[dict] = []
     turns: list[Turn] = []
     try:

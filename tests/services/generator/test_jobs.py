@@ -150,3 +150,21 @@ def test_a_jobs_saved_replies_are_marked_and_their_bytes_counted_once_for_the_wh
     saved = sum(state.paths.generated(item.sample_id).stat().st_size for item in items)
     assert float(state.meta()["generated_bytes"]) == saved
     assert float(state.meta()["generate_requests"]) == 6
+
+
+def test_max_turns_regenerates_a_conversations_first_turns_only(data_dir, redis_url, redis_conn, tmp_path, server):
+    three = [{"role": "user", "content": "t1"}, {"role": "assistant", "content": "x"},
+             {"role": "user", "content": "t2"}, {"role": "assistant", "content": "y"},
+             {"role": "user", "content": "t3"}]
+    dataset = write_jsonl(tmp_path / "chat.jsonl", [{"messages": three}, {"prompt": "held out"}])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="target-model",
+               generation=GenerationConfig(min_completion_tokens=1, max_turns=2), evaluate=EvalConfig(holdout=1))
+    state = RunState(redis_conn, data_dir, RUN)
+    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
+    server.set_default(Reply("the target's answer"))
+    summary = run_generate(GenerateJob(run=RUN, items=items[:1]), settings(data_dir, redis_url, server), redis_conn)
+    assert summary == {"done": 1}
+    record = json.loads(state.paths.generated(0).read_text())
+    assert [turn["messages"][-1]["content"] for turn in record["turns"]] == ["t1", "t2"]  # t3 is left out
+    assert server.requests_for("t3") == [] and len(server.requests_for("t2")) == 1
+    assert int(state.meta()["generate_requests"]) == 2
