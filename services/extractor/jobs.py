@@ -142,9 +142,10 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
     path = state.paths.generated(sample_id)
     input_ids, loss_mask, unlearned = sample_of(record, tokenizer, turn_end, spec.extraction.max_length, path)
     if unlearned:
-        log.warning("run %s: sample %d: turns %s of %d not learned: the conversation's tokens do not hold them as "
-                    "the target wrote them (its chat template renders earlier turns otherwise)",
-                    state.run, sample_id, ", ".join(map(str, unlearned)), len(record["turns"]))
+        log.warning("run %s: sample %d of %d turns: %s learned, the rest of each left out: from there the "
+                    "conversation's tokens differ from what the target wrote (its chat template or tokenizer "
+                    "renders the reply otherwise)", state.run, sample_id, len(record["turns"]),
+                    "; ".join(map(str, unlearned)))
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},

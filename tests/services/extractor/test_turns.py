@@ -33,7 +33,7 @@ def turns_record(first: str = REPLY1) -> list[dict]:
     return [first_turn, second_turn]
 
 
-def conversation(tokenizer, turns: list[dict]) -> tuple[list[int], list[int], list[int]]:
+def conversation(tokenizer, turns: list[dict]) -> tuple[list[int], list[int], list]:
     turn_end = find_turn_end(tokenizer)
     ids, mask = turn_sample(turns[-1], tokenizer, turn_end, 4096, PATH)
     earlier = [turn_sample(turn, tokenizer, turn_end, UNBOUNDED, PATH) for turn in turns[:-1]]
@@ -70,15 +70,28 @@ def test_engine_ids_of_each_turn_are_learned_where_the_next_prompt_holds_them(to
     assert ids == turns[1]["token_ids"]["prompt"] + turns[1]["token_ids"]["reply"]
 
 
-def test_a_turn_the_conversation_does_not_hold_as_written_is_left_out(tokenizer):
+def test_a_first_reply_the_conversation_holds_otherwise_is_learned_up_to_where_they_part(tokenizer):
     """The second turn's prompt carries another first reply than the first turn recorded (a template that
-    rewrites earlier turns): the first turn is not learned, the last still is."""
+    rewrites earlier turns, a reply whose text tokenizes back otherwise): the first reply is learned up to the
+    first differing token, where context and token are still exactly the target's; the last turn still is."""
+    turn_end = find_turn_end(tokenizer)
     turns = turns_record()
-    turns[0]["reply"]["content"] = "Seven, the lucky prime."
+    turns[0]["reply"]["content"] = "Seven, the lucky prime."  # the conversation holds "Seven is prime."
     ids, mask, unlearned = conversation(tokenizer, turns)
-    assert unlearned == [1]
+    first_ids, first_mask = turn_sample(turns[0], tokenizer, turn_end, UNBOUNDED, PATH)
+    start = first_mask.index(1)
+    part = next(i for i in range(start, len(first_ids)) if first_ids[i] != ids[i])
+    assert tokenizer.decode(first_ids[start:part]) == "Seven"
+    (short,) = unlearned
+    assert (short.turn, short.learned, short.tokens) == (1, part - start, sum(first_mask))
+    assert str(short) == f"turn 1: {part - start} of {sum(first_mask)} reply tokens"
     learned = tokenizer.decode([token for token, bit in zip(ids, mask) if bit])
-    assert learned == f"{REPLY2}<|im_end|>"
+    assert learned == f"Seven{REPLY2}<|im_end|>"
+    # A first reply that differs from its first token on is not learned at all.
+    turns[0]["reply"]["content"] = "Eleven, the lucky prime."
+    _, mask, unlearned = conversation(tokenizer, turns)
+    assert [(s.turn, s.learned) for s in unlearned] == [(1, 0)]
+    assert tokenizer.decode([token for token, bit in zip(ids, mask) if bit]) == f"{REPLY2}<|im_end|>"
 
 
 def test_a_conversation_longer_than_max_length_keeps_its_first_turns(tokenizer):
