@@ -84,6 +84,10 @@ class InferenceSettings(ServiceSettings):
     decode_slots: int = Field(256, ge=1, description="Most requests the continuous decoder decodes at once.")
     slot_tokens: int = Field(4096, ge=2, description="Positions (prompt and reply) of one continuous-decoder slot; a "
                              "longer request is decoded alone by the per-batch decoder.")
+    long_slots: int = Field(4, ge=0, description="Continuous-decoder slots for requests longer than slot_tokens, "
+                            "stepped beside the others; 0: such a request is decoded alone, holding the others up.")
+    long_slot_tokens: int = Field(0, ge=0, description="Positions of a long slot; 0 takes the target's context "
+                                  "length, at most 32768.")
     kv_cache_fraction: float = Field(0.35, gt=0, le=0.9, description="Most of the GPU memory free after loading "
                                      "that the continuous decoder's KV slots take; fewer slots when they would not fit.")
     prefill_tokens: int = Field(16384, ge=1, description="Padded prompt tokens the continuous decoder prefills at once.")

@@ -47,16 +47,32 @@ def chat_decoder(settings: InferenceSettings, loaded: LoadedModel, metrics: Infe
     reason = unsupported_reason(loaded)
     wanted = settings.decoder == "continuous" or (settings.decoder == "auto" and loaded.device.type == "cuda")
     if wanted and reason is None:
+        long = long_pool(settings, loaded)
         slots = affordable_slots(settings, loaded)
         model = SlotModel(loaded, slots=slots, slot_tokens=settings.slot_tokens, cuda_graphs=settings.cuda_graphs)
-        model.capture()
-        return ContinuousScheduler(model, prefill_tokens=settings.prefill_tokens, on_step=on_batch)
+        for pool in (model, long):
+            if pool is not None:
+                pool.capture()
+        return ContinuousScheduler(model, prefill_tokens=settings.prefill_tokens, long=long, on_step=on_batch)
     if settings.decoder == "continuous":
         raise UnsupportedTarget(f"DRAFTLINE_DECODER=continuous, but {reason}")
     if wanted:
         log.info("chat decoding one batch at a time: %s", reason)
     return ChatScheduler(lambda requests: generate_batch(loaded, requests), max_batch_size=settings.max_batch_size,
                          batch_wait_s=settings.batch_wait_ms / 1000.0, on_batch=on_batch)
+
+
+LONG_SLOT_CAP = 32768
+
+
+def long_pool(settings: InferenceSettings, loaded: LoadedModel) -> SlotModel | None:
+    """``long_slots`` slots of ``long_slot_tokens`` (the context length by default, capped) for requests a short
+    slot cannot hold; none where they would be no longer than the short ones. Made first: the short slots
+    take what memory is left."""
+    length = settings.long_slot_tokens or min(loaded.context_length, LONG_SLOT_CAP)
+    if settings.long_slots == 0 or length <= settings.slot_tokens:
+        return None
+    return SlotModel(loaded, slots=settings.long_slots, slot_tokens=length, cuda_graphs=settings.cuda_graphs)
 
 
 def affordable_slots(settings: InferenceSettings, loaded: LoadedModel) -> int:

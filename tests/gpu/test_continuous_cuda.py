@@ -92,7 +92,11 @@ def test_the_runtime_decodes_continuously_beside_hidden_state_extraction(tiny_mo
     runtime = start_runtime(settings, loaded_cuda, InferenceMetrics())
     try:
         assert isinstance(runtime.scheduler, ContinuousScheduler)
-        assert sorted(runtime.scheduler._model._graphs) == [(1, 0), (2, 0), (4, 0), (8, 0)]
+        short, long = (pool.model for pool in runtime.scheduler._pools)
+        assert sorted(short._graphs) == [(1, 0), (2, 0), (4, 0), (8, 0)]
+        # The long pool: 4 slots (the default) of the tiny target's whole context, graphed at start too.
+        assert (long.slots, long.slot_tokens) == (4, loaded_cuda.context_length)
+        assert sorted(long._graphs) == [(1, 0), (2, 0), (4, 0)]
         prompts = chat_prompt_ids(loaded_cuda, PROMPTS * 3)
         requests = [GenerationRequest(p, 8 + 3 * i) for i, p in enumerate(prompts)]
         jobs = [make_job(loaded_cuda, tmp_path, f"{i:08d}", 20 + 7 * i, seed=i) for i in range(12)]

@@ -22,9 +22,9 @@ def prompt_ids(loaded_tiny) -> list[list[int]]:
     return chat_prompt_ids(loaded_tiny, PROMPTS + MORE)
 
 
-def run(loaded, requests, *, slots: int, slot_tokens: int = 256, prefill_tokens: int = 4096):
+def run(loaded, requests, *, slots: int, slot_tokens: int = 256, prefill_tokens: int = 4096, long: SlotModel | None = None):
     scheduler = ContinuousScheduler(SlotModel(loaded, slots=slots, slot_tokens=slot_tokens),
-                                    prefill_tokens=prefill_tokens).start()
+                                    prefill_tokens=prefill_tokens, long=long).start()
     try:
         futures = [scheduler.submit(r) for r in requests]
         return [f.result(timeout=120) for f in futures]
@@ -74,7 +74,22 @@ def test_a_request_longer_than_a_slot_is_decoded_alone_not_cut(loaded_tiny, prom
                   slot_tokens=slot_tokens)
     assert results[0].token_ids == hf_greedy(loaded_tiny, ids, 30)
     assert results[1].token_ids == hf_greedy(loaded_tiny, prompt_ids[2], 4)
-    assert "exceeds a slot" in caplog.text
+    assert "exceeds the longest slot (50 positions)" in caplog.text
+
+
+def test_a_long_request_takes_a_long_slot_while_short_ones_go_on(loaded_tiny, prompt_ids, caplog):
+    """One long slot beside two short ones: the request too long for a short slot decodes in the long pool,
+    stepped in the same loop as the short requests, and nothing is decoded alone."""
+    long_one = prompt_ids[3]
+    slot_tokens = len(long_one) + 4  # the long request's 30 new tokens do not fit a short slot
+    requests = [GenerationRequest(long_one, 30)] + [GenerationRequest(ids, 3) for ids in prompt_ids[:3]]
+    long = SlotModel(loaded_tiny, slots=1, slot_tokens=256)
+    prefilled, prefill = [], long.prefill
+    long.prefill = lambda prompts, slots: prefilled.append([len(p) for p in prompts]) or prefill(prompts, slots)
+    results = run(loaded_tiny, requests, slots=2, slot_tokens=slot_tokens, long=long)
+    assert prefilled == [[len(long_one)]]  # the long pool took the long request, and only it
+    assert [r.token_ids for r in results] == [hf_greedy(loaded_tiny, r.prompt_ids, r.max_new_tokens) for r in requests]
+    assert "decoding it alone" not in caplog.text
 
 
 def test_requests_submitted_from_many_threads_while_it_decodes(loaded_tiny, prompt_ids):
