@@ -132,6 +132,14 @@ class RunSpec(_Frozen):
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
 
+    @model_validator(mode="after")
+    def _second_turns_are_the_targets(self) -> RunSpec:
+        # Refused at submission, not hours later when evaluation starts.
+        if "holdout_turn2" in self.evaluate.sets and self.generation.turns != "all":
+            raise ValueError('evaluation set holdout_turn2 needs generation.turns = "all": the drafter learns '
+                             "later turns only from the target's own replies")
+        return self
+
     @property
     def train_max_length(self) -> int:
         """The tokens of each sample training reads: train.max_length, or all that extraction kept."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -24,11 +23,11 @@ import torch
 
 from services.inference.decode import GenerationRequest, GenerationResult, generate_batch
 from services.inference.sampling import make_generator, next_tokens
+from services.inference.scheduler import STOP, RequestQueue
 from services.inference.slots import SlotModel
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 
 
 @dataclass
@@ -66,7 +65,7 @@ class Pool:
         return any(o is not None for o in self.occupants)
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(RequestQueue):
     def __init__(
         self,
         slots: SlotModel,
@@ -80,26 +79,9 @@ class ContinuousScheduler:
         self._loaded = slots.loaded
         self._prefill_tokens = prefill_tokens
         self._on_step = on_step
-        self._queue: queue.Queue = queue.Queue()
         self._waiting: list[tuple[GenerationRequest, Future]] = []  # taken from the queue, not yet admitted
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="continuous-decoder", daemon=True)
-
-    def start(self) -> ContinuousScheduler:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finish every admitted and queued request, then end the thread."""
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
-
-    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
-        if not request.prompt_ids or request.max_new_tokens < 1:
-            raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
-        future: Future[GenerationResult] = Future()
-        self._queue.put((request, future))
-        return future
+        super().__init__("continuous-decoder")
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -124,7 +106,7 @@ class ContinuousScheduler:
             except queue.Empty:
                 return
             block = False
-            if item is _STOP:
+            if item is STOP:
                 self._stopping = True
                 continue
             request, future = item

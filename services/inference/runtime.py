@@ -13,13 +13,11 @@ from services.inference.decode import generate_batch
 from services.inference.metrics import InferenceMetrics
 from services.inference.model import LoadedModel
 from services.inference.pipeline import HiddenStatePipeline
-from services.inference.scheduler import ChatScheduler
+from services.inference.scheduler import ChatScheduler, RequestQueue
 from services.inference.slots import SlotModel, UnsupportedTarget, kv_bytes_per_token, unsupported_reason
 from shared.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
-
-Decoder = ChatScheduler | ContinuousScheduler
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 HIDDEN_ENDPOINT = "/v1/hidden_states"
@@ -30,7 +28,7 @@ class Runtime:
     settings: InferenceSettings
     loaded: LoadedModel
     metrics: InferenceMetrics
-    scheduler: Decoder
+    scheduler: RequestQueue
     pipeline: HiddenStatePipeline
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -41,7 +39,7 @@ class Runtime:
         log.info("inference runtime stopped")
 
 
-def chat_decoder(settings: InferenceSettings, loaded: LoadedModel, metrics: InferenceMetrics) -> Decoder:
+def chat_decoder(settings: InferenceSettings, loaded: LoadedModel, metrics: InferenceMetrics) -> RequestQueue:
     """The continuous decoder where settings and target allow it, else the per-batch one."""
     on_batch = metrics.batch_size.labels(CHAT_ENDPOINT).observe
     reason = unsupported_reason(loaded)

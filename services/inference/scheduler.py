@@ -18,10 +18,38 @@ from services.inference.decode import GenerationRequest, GenerationResult
 log = logging.getLogger(__name__)
 
 DecodeFn = Callable[[Sequence[GenerationRequest]], list[GenerationResult]]
-_STOP = object()
+STOP = object()  # queued by stop(): the decoding thread finishes what came before it, then ends
 
 
-class ChatScheduler:
+class RequestQueue:
+    """Chat requests queued for one decoding thread (``_loop``, a subclass's); each answered on its future."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the work in progress and every queued request, then end the thread."""
+        self._queue.put(STOP)
+        self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        """Refuses an empty prompt or budget at once, so it never fails the requests decoded beside it."""
+        if not request.prompt_ids or request.max_new_tokens < 1:
+            raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
+        future: Future[GenerationResult] = Future()
+        self._queue.put((request, future))
+        return future
+
+
+class ChatScheduler(RequestQueue):
     def __init__(
         self,
         decode: DecodeFn,
@@ -30,26 +58,11 @@ class ChatScheduler:
         batch_wait_s: float,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
+        super().__init__("chat-scheduler")
         self._decode = decode
         self._max_batch_size = max_batch_size
         self._batch_wait_s = batch_wait_s
         self._on_batch = on_batch
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="chat-scheduler", daemon=True)
-
-    def start(self) -> ChatScheduler:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finish the batch in progress and every queued request, then end the thread."""
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
-
-    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
-        future: Future[GenerationResult] = Future()
-        self._queue.put((request, future))
-        return future
 
     def _loop(self) -> None:
         stopping = False
@@ -61,7 +74,7 @@ class ChatScheduler:
     def _collect(self) -> tuple[list[tuple[GenerationRequest, Future]], bool]:
         """Wait for a first request, then gather more until the batch is full or the wait is over."""
         first = self._queue.get()
-        if first is _STOP:
+        if first is STOP:
             return [], True
         batch = [first]
         deadline = time.monotonic() + self._batch_wait_s
@@ -70,7 +83,7 @@ class ChatScheduler:
                 item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if item is _STOP:
+            if item is STOP:
                 return batch, True
             batch.append(item)
         return batch, False

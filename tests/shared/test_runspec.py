@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared.layout import RunPaths
-from shared.runspec import EvalConfig, ExtractionConfig, RunSpec, TrainConfig
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
 
 # The train section as run.json held it before max_length could be unset and batches grouped by length.
 OLD_TRAIN = {"epochs": 2, "batch_size": 4, "lr": 1e-4, "warmup_ratio": 0.05, "grad_clip": 0.5, "ttt_steps": 7,
@@ -72,3 +72,10 @@ def test_a_run_json_from_before_generation_turns_keeps_regenerating_the_last_tur
     assert RunSpec(name="new", dataset="d.jsonl", model="m").generation.turns == "all"
     RunSpec(name="new", dataset="d.jsonl", model="m").save(tmp_path)
     assert RunSpec.load(tmp_path, "new").generation.turns == "all"
+
+
+def test_second_turns_are_evaluated_only_where_the_target_wrote_the_first():
+    turn2 = EvalConfig(sets=["holdout", "holdout_turn2"])
+    RunSpec(name="r", dataset="d", model="m", evaluate=turn2)  # turns "all", the default
+    with pytest.raises(ValidationError, match='holdout_turn2 needs generation.turns = "all"'):
+        RunSpec(name="r", dataset="d", model="m", generation=GenerationConfig(turns="last"), evaluate=turn2)

@@ -94,3 +94,16 @@ def test_stop_finishes_what_is_queued(loaded_tiny):
     scheduler.start()
     scheduler.stop()
     assert all(f.done() and f.result().token_ids for f in futures)
+
+
+def test_an_empty_prompt_or_budget_is_refused_at_submission_not_in_its_batch(loaded_tiny):
+    decode = RecordingDecode(loaded_tiny)
+    scheduler = ChatScheduler(decode, max_batch_size=4, batch_wait_s=0.2)
+    for bad in (GenerationRequest([], 4), GenerationRequest([1, 2], 0)):
+        with pytest.raises(ValueError, match="non-empty prompt and max_new_tokens >= 1"):
+            scheduler.submit(bad)
+    good = scheduler.submit(request(loaded_tiny, "hello"))
+    scheduler.start()
+    assert len(good.result(30).token_ids) <= 4
+    scheduler.stop()
+    assert decode.sizes == [1]  # nothing refused reached a batch
