@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--data", default="./data", help="data volume for the demo (default ./data)")
     demo.add_argument("--target", default="smollm2", choices=("smollm2", "tiny"),
                       help="smollm2 (SmolLM2-135M-Instruct, the default) or tiny (the built-in test target)")
-    demo.add_argument("--timeout", type=float, default=900.0, help="seconds the run may take")
+    demo.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take (default 1800)")
     demo.set_defaults(func=_demo)
     return parser
 
