@@ -66,9 +66,10 @@ follow() {
   done
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep.log "$WORK"/sweep.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
-  if [ -f "$WORK/pipeline.json" ]; then
-    "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" || echo "plot failed"
-    # The export, to be served by the CPU vLLM here (files come back at 16 MB at most: in parts).
+  [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" || echo "plot failed"; }
+  # The export as soon as training wrote it, to be served by the CPU vLLM here even when the window ends during
+  # evaluation (files come back at 16 MB at most: in parts).
+  if ls "$WORK"/data/runs/*/drafter/export/config.json >/dev/null 2>&1; then
     (cd "$WORK/data" && tar czf "$WORK/export.tgz" runs/*/drafter/export && split -b 15M -d "$WORK/export.tgz" "$OUT/export.tgz.part")
   fi
   tail -40 "$WORK/pipeline.log"
@@ -81,7 +82,10 @@ case "${1:-}" in
   stage)
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    setup_stack && smoke ;;
+    setup_stack && smoke || exit 1
+    # The decoder the run depends on, checked on this GPU before the run spends device time on it.
+    env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
+      "$PY" -m pytest -q -x -m gpu tests/gpu/test_continuous_cuda.py -p no:cacheprovider 2>&1 | tail -15 ;;
   stage-data)
     # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1
