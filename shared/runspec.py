@@ -107,6 +107,12 @@ class EvalConfig(_Frozen):
     batch_prompts: int = Field(
         64, ge=1, description="Prompts decoded together, one row each: a small target's pass costs about the same for "
                               "one row as for many, so larger is faster until the KV cache fills the device.")
+    max_prompt_tokens: int = Field(
+        2048, ge=1, description="Longest prompt measured, in tokens (a second turn's with the target's first reply; "
+                                "lower where the target's context leaves less room for the reply): a longer one is "
+                                "left out of its set, named in the report's too_long, instead of padding a whole "
+                                "batch to its length (one held-out ShareGPT prompt of 33,837 tokens asked a batch of "
+                                "256 for 273 GiB).")
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:

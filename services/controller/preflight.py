@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import redis
 
 from services.controller.base_checkpoint import fetch_checkpoint, verify_checkpoint
 from services.controller.datasets import looks_like_repo_id, resolve_files
+from services.controller.json_array import ArrayReader
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
 from shared.atomic import atomic_write_bytes
@@ -370,10 +372,26 @@ def _file_size(path: Path) -> tuple[int, int]:
     size = path.stat().st_size
     with open(path, "rb") as handle:
         head = handle.read(DATASET_SAMPLE_BYTES)
+    if path.suffix == ".json" and head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+        return _array_rows(head, size), size
     lines = head.count(b"\n") + (0 if head.endswith(b"\n") or not head else 1)
     if size <= len(head) or not lines:
         return lines, size
     return round(size * lines / len(head)), size  # a large file: extrapolate from its first megabytes
+
+
+def _array_rows(head: bytes, size: int) -> int:
+    """Rows of a JSON-array file from its first bytes: its elements, counted where the head holds the whole
+    file, else extrapolated from the complete ones by bytes (its lines say nothing: ShareGPT's file has 571,289
+    lines for 17,671 conversations)."""
+    reader = ArrayReader(io.BytesIO(head), max_record_bytes=len(head) + 1, name="the dataset's head")
+    ends = []
+    for _ in reader:  # a malformed element is a row too: it fails, named, at submission
+        ends.append(reader.offset(reader.pos))
+    if size <= len(head):
+        return len(ends)
+    ends = ends[:-1]  # the head ends inside its last element
+    return round(size * len(ends) / ends[-1]) if ends else 1
 
 
 def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts) -> Check:

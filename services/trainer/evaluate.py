@@ -124,6 +124,18 @@ class SetRun:
     tolerance: float = 0.0  # NEAR_TIE_LOGITS of the target's dtype
     stop_ids: list[int] = field(default_factory=list)  # the tokens a reply ends at (eos and the turn's end)
     seconds: float = 0.0  # spent decoding this set (in parallel shares: the slowest share's)
+    too_long: list[dict] = field(default_factory=list)  # prompts left out: longer than prompt_limit
+
+    def leave_out_long(self, prompts: list[EvalPrompt], ids: list[list[int]],
+                       limit: int) -> tuple[list[EvalPrompt], list[list[int]]]:
+        """The prompts of at most ``limit`` tokens, with their ids; each longer one named in ``too_long``."""
+        kept = [(p, i) for p, i in zip(prompts, ids) if len(i) <= limit]
+        for prompt, prompt_ids in zip(prompts, ids):
+            if len(prompt_ids) > limit:
+                self.too_long.append({"sample_id": prompt.sample_id, "prompt_tokens": len(prompt_ids), "limit": limit})
+                log.warning("evaluation set %s: prompt %d left out: %d tokens, more than the %d measured",
+                            self.name, prompt.sample_id, len(prompt_ids), limit)
+        return [p for p, _ in kept], [i for _, i in kept]
 
     def record(self, prompt: EvalPrompt, method: str, k: int, decoded: DecodeResult, reference: list[int],
                gap: Callable[[int, list[int]], float | None] | None = None) -> None:
@@ -142,7 +154,7 @@ class SetRun:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "rows": self.rows, "checked": self.checked, "mismatches": self.mismatches,
                 "near_ties": self.near_ties, "tolerance": self.tolerance, "stop_ids": self.stop_ids, "seconds": self.seconds,
-                "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()]}
+                "too_long": self.too_long, "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()]}
 
     def merge(self, other: dict[str, Any]) -> None:
         """Add another process's share of the same set (``to_json``'s form)."""
@@ -150,6 +162,7 @@ class SetRun:
         self.checked += other["checked"]
         self.mismatches += other["mismatches"]
         self.near_ties += other["near_ties"]
+        self.too_long += other["too_long"]
         self.tolerance = max(self.tolerance, other["tolerance"])  # a share with no prompt never set it
         self.stop_ids = self.stop_ids or other["stop_ids"]
         self.seconds = max(self.seconds, other["seconds"])  # the shares ran at the same time
@@ -218,19 +231,39 @@ def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
                                               return_dict=True)["input_ids"])
 
 
-def answer_earlier_turns(target: Any, tokenizer: Any, prompts: list[EvalPrompt], budget: int) -> list[EvalPrompt]:
+def answer_earlier_turns(target: Any, tokenizer: Any, prompts: list[EvalPrompt], budget: int,
+                         measured: SetRun | None = None, limit: int | None = None) -> list[EvalPrompt]:
     """Each prompt with its earlier turns answered by the target, greedily, turn by turn (up to ``budget``
-    tokens a reply; the end-of-turn token closes it), as a plain prompt whose messages hold those replies."""
-    conversations = [[] for _ in prompts]
+    tokens a reply; the end-of-turn token closes it), as a plain prompt whose messages hold those replies.
+    With ``limit``, a prompt whose earlier turn is longer is left out, named in ``measured``."""
+    conversations: list[list[dict]] = [[] for _ in prompts]
+    dropped: set[int] = set()
     for turn in range(max((len(p.earlier) for p in prompts), default=0)):
-        asking = [i for i, p in enumerate(prompts) if len(p.earlier) > turn]
+        asking = [i for i, p in enumerate(prompts) if len(p.earlier) > turn and i not in dropped]
         for i in asking:
             conversations[i] += list(prompts[i].earlier[turn])
-        replies = greedy_references(target, [chat_ids(tokenizer, conversations[i]) for i in asking], budget)
+        ids = [chat_ids(tokenizer, conversations[i]) for i in asking]
+        if limit is not None and measured is not None:
+            fitting, _ = measured.leave_out_long([prompts[i] for i in asking], ids, limit)
+            kept = {p.sample_id for p in fitting}
+            dropped.update(i for i in asking if prompts[i].sample_id not in kept)
+            ids = [one for i, one in zip(asking, ids) if i not in dropped]
+            asking = [i for i in asking if i not in dropped]
+        replies = greedy_references(target, ids, budget) if asking else []
         for i, reply in zip(asking, replies):
             text = tokenizer.decode(reply, skip_special_tokens=True).strip()
             conversations[i].append({"role": "assistant", "content": text})
-    return [EvalPrompt(p.sample_id, conversations[i] + p.messages) if p.earlier else p for i, p in enumerate(prompts)]
+    return [EvalPrompt(p.sample_id, conversations[i] + p.messages) if p.earlier else p
+            for i, p in enumerate(prompts) if i not in dropped]
+
+
+def prompt_limit(target: Any, cfg: EvalConfig) -> int:
+    """The longest prompt measured: ``max_prompt_tokens``, less where the target's context leaves no room for
+    the reply and the drafts proposed past its budget."""
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if not context:
+        return cfg.max_prompt_tokens
+    return max(1, min(cfg.max_prompt_tokens, context - cfg.max_new_tokens - max(chain_lengths(cfg)) - 1))
 
 
 def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
@@ -241,12 +274,18 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts
     layer_ids = list(drafter.config.layer_ids)
     measured.tolerance = NEAR_TIE_LOGITS.get(target.dtype, 0.0)
     measured.stop_ids = sorted(eos_ids_of(target))
+    limit = prompt_limit(target, cfg)
     for start in range(0, len(prompts), cfg.batch_prompts):
         chunk = answer_earlier_turns(target, tokenizer, prompts[start: start + cfg.batch_prompts],
-                                     cfg.earlier_reply_tokens)
-        ids = [prompt_ids_of(tokenizer, p) for p in chunk]
+                                     cfg.earlier_reply_tokens, measured, limit)
+        chunk, ids = measured.leave_out_long(chunk, [prompt_ids_of(tokenizer, p) for p in chunk], limit)
+        span = len(prompts[start: start + cfg.batch_prompts])  # a prompt left out counts as settled
+        tick = None if progress is None else (lambda f, s=start, n=span: progress(s + int(f * n), len(prompts)))
+        if not chunk:
+            if tick is not None:
+                tick(1.0)
+            continue
         references = greedy_references(target, ids, cfg.max_new_tokens)
-        tick = None if progress is None else (lambda f, s=start, n=len(chunk): progress(s + int(f * n), len(prompts)))
         decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
         for row, (prompt, prompt_ids, reference) in enumerate(zip(chunk, ids, references)):
             mine = {key: results[row] for key, results in decodes.items()}
@@ -290,6 +329,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[
                          "mismatches": measured.mismatches, "near_ties": measured.near_ties,
                          "near_tie_logits": measured.tolerance},
         "prompts": measured.rows,
+        "too_long": measured.too_long,  # left out, never decoded: longer than prompt_limit
         "steps": head.passes,
         "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,

@@ -246,6 +246,18 @@ def test_a_run_larger_than_the_volume_warns_and_a_volume_below_its_reserve_refus
     assert "less free space than the reserve" in full.message
 
 
+@pytest.mark.parametrize("rows", [40, 3000])  # read whole, and extrapolated from the first 4 MiB
+def test_a_json_array_datasets_rows_are_its_elements_not_its_lines(tmp_path, rows):
+    conversation = {"id": "x", "conversations": [{"from": "human", "value": "a question\nover lines " * 40},
+                                                 {"from": "gpt", "value": "an answer\n" * 60}]}
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([conversation] * rows, indent=2))  # pretty-printed: about 15 lines a row
+    assert path.read_text().count("\n") > 10 * rows
+    assert (path.stat().st_size > pf.DATASET_SAMPLE_BYTES) == (rows == 3000)
+    found = pf.check_disk(settings_for(tmp_path), spec_for(path), pf.Facts(card=TINY_CARD))
+    assert found.ok and f"{rows - 2:,} samples" in found.message  # 2 held out
+
+
 def test_the_projection_of_an_fp8_run_counts_a_byte_a_value_and_its_scales(tmp_path):
     dataset = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a question"} for _ in range(10)])
     projected = {}

@@ -260,3 +260,32 @@ def test_a_second_turn_follows_the_targets_own_greedy_first_reply(trained_drafte
     assert row["prompt_tokens"] == len(evaluate.prompt_ids_of(tiny_target.tokenizer, answered))
     assert row["reply"] == greedy_reply(tiny_target, answered.messages, MAX_NEW)[: len(row["reply"])]
     assert report["greedy_check"]["mismatches"] == []
+
+
+def test_a_prompt_longer_than_the_limit_is_left_out_named_and_the_others_measured(trained_drafter, tiny_target,
+                                                                                   eval_messages):
+    short, other = eval_messages[0], eval_messages[1]
+    long = [{"role": "user", "content": " ".join(["a long prompt"] * 60)}]
+    limit = len(prompt_ids(tiny_target, short)) + 4
+    assert len(prompt_ids(tiny_target, long)) > limit >= len(prompt_ids(tiny_target, other))
+    prompts = [EvalPrompt(0, short), EvalPrompt(1, long), EvalPrompt(2, other),
+               EvalPrompt(3, other, (tuple(long),))]  # a second turn whose first turn is too long to answer
+    cfg = EvalConfig(max_new_tokens=8, draft_steps=2, curve_max_steps=2, earlier_reply_tokens=8,
+                     max_prompt_tokens=limit, batch_prompts=2)
+    seen = []
+    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, cfg,
+                              lambda done, total: seen.append((done, total)))
+    assert [row["sample_id"] for row in report["prompts"]] == [0, 2]
+    assert report["too_long"] == [{"sample_id": 1, "prompt_tokens": len(prompt_ids(tiny_target, long)), "limit": limit},
+                                  {"sample_id": 3, "prompt_tokens": len(prompt_ids(tiny_target, long)), "limit": limit}]
+    assert report["greedy_check"]["mismatches"] == []
+    assert seen[-1] == (4, 4)  # a prompt left out counts as settled
+    assert all(row["reply"] == greedy_reply(tiny_target, p.messages, 8)[: len(row["reply"])]
+               for row, p in zip(report["prompts"], [prompts[0], prompts[2]]))
+
+
+def test_the_prompt_limit_leaves_the_targets_context_room_for_the_reply_and_the_drafts(tiny_target):
+    context = tiny_target.model.config.max_position_embeddings
+    cfg = EvalConfig(max_new_tokens=64, draft_steps=3, curve_max_steps=7, max_prompt_tokens=context)
+    assert evaluate.prompt_limit(tiny_target.model, cfg) == context - 64 - 7 - 1
+    assert evaluate.prompt_limit(tiny_target.model, cfg.model_copy(update={"max_prompt_tokens": 16})) == 16
