@@ -175,8 +175,10 @@ def _measure_in_engine(settings: TrainerSettings, paths: RunPaths, sets: list[Ev
     try:
         tokenizer = load_from_target(AutoTokenizer.from_pretrained, settings.model_dir,
                                      trust_remote_code=settings.trust_remote_code)
-        # A prompt whose earlier turns the target answered is left out: its context is the evaluator's decode.
-        asked = [p for p in headline.prompts if not p.earlier][: settings.eval_vllm_prompts]
+        # A prompt whose earlier turns the target answered is left out: its context is the evaluator's decode;
+        # so is one the evaluator left out as too long (never decoded, nothing to compare).
+        measured = {row["sample_id"] for row in report["sets"][headline.name]["prompts"]}
+        asked = [p for p in headline.prompts if not p.earlier and p.sample_id in measured][: settings.eval_vllm_prompts]
         prompts = [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked]
         report["engine"] = measure_export(
             parse_command(settings.eval_vllm_command or ""), settings.model_dir, paths.export_dir, report, prompts,
