@@ -107,6 +107,10 @@ class EvalConfig(_Frozen):
     batch_prompts: int = Field(
         64, ge=1, description="Prompts decoded together, one row each: a small target's pass costs about the same for "
                               "one row as for many, so larger is faster until the KV cache fills the device.")
+    batch_tokens: int = Field(
+        131072, ge=1, description="Most positions (prompt and reply budget, times rows) decoded together: a batch of "
+                                  "batch_prompts is cut into consecutive parts within it, so long prompts do not "
+                                  "multiply the KV cache and hidden states by the whole batch's row count.")
     max_prompt_tokens: int = Field(
         2048, ge=1, description="Longest prompt measured, in tokens (a second turn's with the target's first reply; "
                                 "lower where the target's context leaves less room for the reply): a longer one is "

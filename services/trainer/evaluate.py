@@ -285,15 +285,41 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts
             if tick is not None:
                 tick(1.0)
             continue
-        references = greedy_references(target, ids, cfg.max_new_tokens)
-        decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
-        for row, (prompt, prompt_ids, reference) in enumerate(zip(chunk, ids, references)):
-            mine = {key: results[row] for key, results in decodes.items()}
-            gap = functools.partial(logit_gap, target, prompt_ids, reference)
-            for (method, k), decoded in mine.items():
-                measured.record(prompt, method, k, decoded, reference, gap)
-            measured.rows.append(prompt_row(prompt, prompt_ids, mine, cfg))
+        for part in token_batches(ids, cfg.batch_tokens, cfg.max_new_tokens):
+            part_tick = None if tick is None else (
+                lambda f, a=part.start, n=len(part), m=len(ids): tick((a + f * n) / m))
+            decode_part(target, drafter, [chunk[i] for i in part], [ids[i] for i in part], cfg, layer_ids,
+                        measured, part_tick)
     measured.seconds += time.monotonic() - started
+
+
+def token_batches(ids: list[list[int]], budget: int, reply_tokens: int) -> list[range]:
+    """Consecutive index ranges of ``ids`` whose rows times their longest prompt plus the reply budget stay
+    within ``budget`` (a range holds one row at least, however long)."""
+    parts, start, longest = [], 0, 0
+    for i, one in enumerate(ids):
+        wider = max(longest, len(one) + reply_tokens)
+        if i > start and (i - start + 1) * wider > budget:
+            parts.append(range(start, i))
+            start, wider = i, len(one) + reply_tokens
+        longest = wider
+    if ids:
+        parts.append(range(start, len(ids)))
+    return parts
+
+
+def decode_part(target: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], ids: list[list[int]],
+                cfg: EvalConfig, layer_ids: list[int], measured: SetRun,
+                tick: Callable[[float], None] | None) -> None:
+    """One batch's decodes, each checked against ``generate``, added to ``measured``."""
+    references = greedy_references(target, ids, cfg.max_new_tokens)
+    decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
+    for row, (prompt, prompt_ids, reference) in enumerate(zip(prompts, ids, references)):
+        mine = {key: results[row] for key, results in decodes.items()}
+        gap = functools.partial(logit_gap, target, prompt_ids, reference)
+        for (method, k), decoded in mine.items():
+            measured.record(prompt, method, k, decoded, reference, gap)
+        measured.rows.append(prompt_row(prompt, prompt_ids, mine, cfg))
 
 
 def evaluate_prompts(

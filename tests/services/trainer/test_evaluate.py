@@ -289,3 +289,23 @@ def test_the_prompt_limit_leaves_the_targets_context_room_for_the_reply_and_the_
     cfg = EvalConfig(max_new_tokens=64, draft_steps=3, curve_max_steps=7, max_prompt_tokens=context)
     assert evaluate.prompt_limit(tiny_target.model, cfg) == context - 64 - 7 - 1
     assert evaluate.prompt_limit(tiny_target.model, cfg.model_copy(update={"max_prompt_tokens": 16})) == 16
+
+
+def test_token_batches_cut_consecutive_rows_within_the_budget():
+    ids = [[0] * n for n in (10, 10, 30, 5, 5, 5, 100)]
+    parts = evaluate.token_batches(ids, budget=80, reply_tokens=10)
+    assert parts == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]  # 2 x 20, 2 x 40, 2 x 15, 110 alone
+    assert [i for part in parts for i in part] == list(range(len(ids)))
+    assert evaluate.token_batches([], budget=80, reply_tokens=10) == []
+
+
+def test_batches_cut_by_tokens_measure_what_one_batch_measures(trained_drafter, tiny_target, eval_messages):
+    prompts = [EvalPrompt(i, m) for i, m in enumerate(eval_messages)]
+    whole = EvalConfig(max_new_tokens=12, draft_steps=2, curve_max_steps=2)
+    widest = max(len(prompt_ids(tiny_target, m)) for m in eval_messages) + 12
+    cut = whole.model_copy(update={"batch_tokens": widest})  # one row a batch
+    reports = [evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, cfg)
+               for cfg in (whole, cut)]
+    assert reports[0]["prompts"] == reports[1]["prompts"]
+    assert reports[0]["methods"] == reports[1]["methods"]
+    assert reports[1]["greedy_check"]["mismatches"] == [] and len(reports[1]["prompts"]) == len(prompts) > 1
