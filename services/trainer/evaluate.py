@@ -126,16 +126,14 @@ class SetRun:
     seconds: float = 0.0  # spent decoding this set (in parallel shares: the slowest share's)
     too_long: list[dict] = field(default_factory=list)  # prompts left out: longer than prompt_limit
 
-    def leave_out_long(self, prompts: list[EvalPrompt], ids: list[list[int]],
-                       limit: int) -> tuple[list[EvalPrompt], list[list[int]]]:
-        """The prompts of at most ``limit`` tokens, with their ids; each longer one named in ``too_long``."""
-        kept = [(p, i) for p, i in zip(prompts, ids) if len(i) <= limit]
-        for prompt, prompt_ids in zip(prompts, ids):
-            if len(prompt_ids) > limit:
-                self.too_long.append({"sample_id": prompt.sample_id, "prompt_tokens": len(prompt_ids), "limit": limit})
-                log.warning("evaluation set %s: prompt %d left out: %d tokens, more than the %d measured",
-                            self.name, prompt.sample_id, len(prompt_ids), limit)
-        return [p for p, _ in kept], [i for _, i in kept]
+    def fits(self, prompt: EvalPrompt, ids: list[int], limit: int) -> bool:
+        """Whether ``prompt`` (``ids``) is at most ``limit`` tokens; a longer one is named in ``too_long``."""
+        if len(ids) <= limit:
+            return True
+        self.too_long.append({"sample_id": prompt.sample_id, "prompt_tokens": len(ids), "limit": limit})
+        log.warning("evaluation set %s: prompt %d left out: %d tokens, more than the %d measured",
+                    self.name, prompt.sample_id, len(ids), limit)
+        return False
 
     def record(self, prompt: EvalPrompt, method: str, k: int, decoded: DecodeResult, reference: list[int],
                gap: Callable[[int, list[int]], float | None] | None = None) -> None:
@@ -231,25 +229,27 @@ def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
                                               return_dict=True)["input_ids"])
 
 
-def answer_earlier_turns(target: Any, tokenizer: Any, prompts: list[EvalPrompt], budget: int,
-                         measured: SetRun | None = None, limit: int | None = None) -> list[EvalPrompt]:
-    """Each prompt with its earlier turns answered by the target, greedily, turn by turn (up to ``budget``
-    tokens a reply; the end-of-turn token closes it), as a plain prompt whose messages hold those replies.
-    With ``limit``, a prompt whose earlier turn is longer is left out, named in ``measured``."""
+def answer_earlier_turns(target: Any, tokenizer: Any, prompts: list[EvalPrompt], cfg: EvalConfig,
+                         measured: SetRun | None = None) -> list[EvalPrompt]:
+    """Each prompt with its earlier turns answered by the target, greedily, turn by turn (up to
+    ``cfg.earlier_reply_tokens`` a reply; the end-of-turn token closes it), as a plain prompt whose messages
+    hold those replies; the replies are decoded in parts of ``cfg.batch_tokens``. With ``measured``, a prompt
+    whose earlier turn is longer than ``prompt_limit`` is left out, named there."""
+    budget = cfg.earlier_reply_tokens
+    limit = prompt_limit(target, cfg)
     conversations: list[list[dict]] = [[] for _ in prompts]
     dropped: set[int] = set()
     for turn in range(max((len(p.earlier) for p in prompts), default=0)):
         asking = [i for i, p in enumerate(prompts) if len(p.earlier) > turn and i not in dropped]
         for i in asking:
             conversations[i] += list(prompts[i].earlier[turn])
-        ids = [chat_ids(tokenizer, conversations[i]) for i in asking]
-        if limit is not None and measured is not None:
-            fitting, _ = measured.leave_out_long([prompts[i] for i in asking], ids, limit)
-            kept = {p.sample_id for p in fitting}
-            dropped.update(i for i in asking if prompts[i].sample_id not in kept)
-            ids = [one for i, one in zip(asking, ids) if i not in dropped]
+        ids = {i: chat_ids(tokenizer, conversations[i]) for i in asking}
+        if measured is not None:
+            dropped.update(i for i in asking if not measured.fits(prompts[i], ids[i], limit))
             asking = [i for i in asking if i not in dropped]
-        replies = greedy_references(target, ids, budget) if asking else []
+        asked = [ids[i] for i in asking]
+        replies = [reply for part in token_batches(asked, cfg.batch_tokens, budget)
+                   for reply in greedy_references(target, asked[part.start: part.stop], budget)]
         for i, reply in zip(asking, replies):
             text = tokenizer.decode(reply, skip_special_tokens=True).strip()
             conversations[i].append({"role": "assistant", "content": text})
@@ -276,9 +276,10 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts
     measured.stop_ids = sorted(eos_ids_of(target))
     limit = prompt_limit(target, cfg)
     for start in range(0, len(prompts), cfg.batch_prompts):
-        chunk = answer_earlier_turns(target, tokenizer, prompts[start: start + cfg.batch_prompts],
-                                     cfg.earlier_reply_tokens, measured, limit)
-        chunk, ids = measured.leave_out_long(chunk, [prompt_ids_of(tokenizer, p) for p in chunk], limit)
+        chunk = answer_earlier_turns(target, tokenizer, prompts[start: start + cfg.batch_prompts], cfg, measured)
+        every_ids = [prompt_ids_of(tokenizer, p) for p in chunk]
+        kept = [i for i, (p, one) in enumerate(zip(chunk, every_ids)) if measured.fits(p, one, limit)]
+        chunk, ids = [chunk[i] for i in kept], [every_ids[i] for i in kept]
         span = len(prompts[start: start + cfg.batch_prompts])  # a prompt left out counts as settled
         tick = None if progress is None else (lambda f, s=start, n=span: progress(s + int(f * n), len(prompts)))
         if not chunk:

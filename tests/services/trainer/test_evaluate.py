@@ -249,7 +249,8 @@ def test_a_second_turn_follows_the_targets_own_greedy_first_reply(trained_drafte
     prompt = EvalPrompt(40, second, (tuple(first),))
     with pytest.raises(ValueError, match="answer_earlier_turns"):
         evaluate.prompt_ids_of(tiny_target.tokenizer, prompt)  # its context is not known before the target answers
-    (answered,) = evaluate.answer_earlier_turns(tiny_target.model, tiny_target.tokenizer, [prompt], 20)
+    (answered,) = evaluate.answer_earlier_turns(tiny_target.model, tiny_target.tokenizer, [prompt],
+                                                EvalConfig(earlier_reply_tokens=20))
     reply = tiny_target.tokenizer.decode(greedy_reply(tiny_target, first, 20), skip_special_tokens=True).strip()
     assert reply and answered.messages == [*first, {"role": "assistant", "content": reply}, *second]
     assert answered.earlier == ()
