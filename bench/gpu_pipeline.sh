@@ -46,33 +46,45 @@ env_vars() {
   export LD_LIBRARY_PATH="$PWD/.gpu/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# SWEEP=FILE (one NAME=JSON per line, bench/bench_train_sweep.py's --variant): once the run's drafter is exported,
-# retrain its files each way and evaluate each export; it starts while the run still evaluates (the GPU is far
-# from full then), so the run's evaluation time is measured beside it.
+# SWEEP=FILE (one NAME=JSON per line, bench/bench_train_sweep.py's --variant): once the run's training starts
+# (its files are all written then), retrain those files each way, one process per variant beside the run's own
+# training and evaluation (a drafter of SmolLM2's size leaves the GPU mostly idle), each export evaluated on the
+# run's sets; the run's stage times are measured with the sweep beside them.
 start_sweep() {
-  local run=$1 args=() line
-  while IFS= read -r line; do [ -n "$line" ] && args+=(--variant "$line"); done < "$SWEEP"
-  printf '%q ' "${args[@]}" > "$WORK/sweep.args"
-  setsid bash -c "while [ ! -f $WORK/data/runs/$run/drafter/export/config.json ] && [ ! -f $WORK/done ]; do sleep 5; done
-    [ -f $WORK/data/runs/$run/drafter/export/config.json ] || exit 1
-    $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
-      --json $WORK/sweep.json $(cat "$WORK/sweep.args") > $WORK/sweep.log 2>&1; echo rc=\$? > $WORK/sweep-done" < /dev/null &
+  local run=$1 line name
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    name=${line%%=*}
+    echo "$name" >> "$WORK/sweep.names"
+    printf '%q ' --variant "$line" > "$WORK/sweep-$name.args"
+    setsid bash -c "while [ ! -f $WORK/data/runs/$run/drafter/train_log.jsonl ] && [ ! -f $WORK/done ]; do sleep 5; done
+      [ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || exit 1
+      $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
+        --json $WORK/sweep-$name.json $(cat "$WORK/sweep-$name.args") > $WORK/sweep-$name.log 2>&1
+      echo rc=\$? > $WORK/sweep-$name.done" < /dev/null &
+  done < "$SWEEP"
+}
+
+sweep_done() {
+  local name
+  [ -f "$WORK/sweep.names" ] || return 0
+  while IFS= read -r name; do [ -f "$WORK/sweep-$name.done" ] || return 1; done < "$WORK/sweep.names"
 }
 
 follow() {
   local minutes=$1 deadline=$(( $(date +%s) + $1 * 60 ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
-    [ -f "$WORK/done" ] && { [ ! -f "$WORK/sweep.args" ] || [ -f "$WORK/sweep-done" ]; } && break
+    [ -f "$WORK/done" ] && sweep_done && break
     sleep 5
   done
-  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep.log "$WORK"/sweep.json "$OUT"/ 2>/dev/null
+  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep-*.log "$WORK"/sweep-*.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" || echo "plot failed"; }
   send_export
   tail -40 "$WORK/pipeline.log"
   [ -f "$WORK/done" ] && cat "$WORK/done"
-  [ -f "$WORK/sweep.log" ] && tail -5 "$WORK/sweep.log"
-  [ -f "$WORK/sweep-done" ] && cat "$WORK/sweep-done"
+  for log in "$WORK"/sweep-*.log; do [ -f "$log" ] && { echo "== $log"; tail -3 "$log"; }; done
+  for done in "$WORK"/sweep-*.done; do [ -f "$done" ] && echo "$done: $(cat "$done")"; done
 }
 
 # The export as soon as training wrote it, to be served by the CPU vLLM here even when the window ends during
