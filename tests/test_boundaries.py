@@ -72,3 +72,61 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones():
     module = REPO / "services" / "controller" / "probe.py"
     source = "def f():\n    from services.trainer.export import verify_export\nfrom ..exporter import gpu\n"
     assert sorted(imported_modules(module, source)) == [(2, "services.trainer.export"), (3, "services.exporter")]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``from a.b import c`` counts as ``a.b.c`` when that is a
+    module, else ``a.b``), every import statement included, deferred ones too."""
+    modules = {module_name(path): path for folder in folders for path in sources(folder)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    found.add(child if child in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle as [a, b, ..., a], or [] when there is none (depth-first, colouring nodes)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_no_import_circle_among_the_project_modules():
+    # A circle means domain code reaches back into a layer above it (preflight into the HTTP API once did).
+    assert find_cycle(import_graph(("services", "shared"))) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []

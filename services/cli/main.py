@@ -180,7 +180,7 @@ def _worker_health(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from services.controller.preflight import preflight_main
+    from services.controller.preflight_command import preflight_main
 
     return preflight_main(args)
 

@@ -12,14 +12,12 @@ fetched there from the Hugging Face Hub) and verifies.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import io
 import json
 import logging
 import os
 import re
-import sys
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -518,43 +516,3 @@ def format_preflight(report: PreflightReport) -> str:
     else:
         verdict = f"preflight failed {len(report.errors)} check(s); fix them or force the run"
     return "\n".join([verdict, *lines])
-
-
-def spec_from_request(settings: ControllerSettings, body: dict) -> RunSpec:
-    """The RunSpec a ``POST /runs`` body would create, built without reading the dataset. Without a model
-    name and without an answering server the model stays empty; the inference check then names the server."""
-    from services.controller.routes.runs import SubmitRequest
-    from services.controller.served import served_model
-    from services.controller.start import draft_spec
-    from shared.errors import InferenceUnavailable
-
-    body = SubmitRequest.model_validate(body)
-    try:
-        model = body.model or served_model(settings.inference_url)
-    except InferenceUnavailable:
-        model = ""
-    return draft_spec(settings, body.run_request(model))
-
-
-def preflight_main(args: argparse.Namespace) -> int:
-    """``draftline preflight [--run-config FILE] [--force] [--json]``: 0 when a run may start, 1 when not."""
-    from shared.settings import load_settings
-
-    settings = load_settings(ControllerSettings)
-    spec = None
-    if getattr(args, "run_config", None):
-        try:
-            body = json.loads(Path(args.run_config).read_text(encoding="utf-8"))
-            spec = spec_from_request(settings, body)
-        except (OSError, ValueError) as exc:
-            raise PreflightConfigError(f"run config {args.run_config}: {exc}") from None
-    report = run_preflight(settings, spec=spec, force=bool(getattr(args, "force", False)))
-    if getattr(args, "json", False):
-        sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
-    else:
-        sys.stdout.write(format_preflight(report) + "\n")
-    return 0 if report.allowed else 1
-
-
-class PreflightConfigError(DraftlineError):
-    """The run configuration given to ``draftline preflight`` cannot be read."""

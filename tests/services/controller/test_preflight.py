@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from services.controller import preflight as pf
+from services.controller import preflight_command
 from shared.atomic import temp_files
 from shared.runspec import (
     EvalConfig,
@@ -406,9 +407,9 @@ def test_preflight_command_prints_each_check_and_fails_until_forced(tmp_path, mo
                         "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
-    assert pf.preflight_main(argparse.Namespace(run_config=str(config), force=False, json=False)) == 1
+    assert preflight_command.preflight_main(argparse.Namespace(run_config=str(config), force=False, json=False)) == 1
     text = capsys.readouterr().out
     assert "[FAIL] inference server" in text and "fix: start the inference server" in text
     assert "[ok  ] redis" in text
-    assert pf.preflight_main(argparse.Namespace(run_config=str(config), force=True, json=True)) == 0
+    assert preflight_command.preflight_main(argparse.Namespace(run_config=str(config), force=True, json=True)) == 0
     assert json.loads(capsys.readouterr().out)["forced"] is True
