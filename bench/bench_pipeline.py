@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_prompts import prompts as offline_prompts  # noqa: E402
 
 from services.cli.pipeline import PipelineSpec, run_pipeline, say, stage_table  # noqa: E402
-from services.inference.targets import ensure_target  # noqa: E402
+from services.cli.target_build import ensure_target  # noqa: E402
 from shared.atomic import atomic_write_text, read_json  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402

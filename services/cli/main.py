@@ -23,7 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from services.inference.tiny_model import make_tiny_model
+    from services.cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(Path(args.dir), seed=args.seed)
     log.info("tiny target ready: %s", path)
@@ -31,7 +31,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_target(args: argparse.Namespace) -> int:
-    from services.inference.targets import ensure_target
+    from services.cli.target_build import ensure_target
 
     ensure_target(args.name, Path(args.dir))  # logs one line: made, or reused
     return 0

@@ -33,7 +33,7 @@ def entry_dir(root: Path | None = None) -> Path:
 
 
 def cached_smollm2(root: Path | None = None) -> Path:
-    from services.inference.targets import ensure_target
+    from services.cli.target_build import ensure_target
 
     return ensure_target(SMOLLM2.name, entry_dir(root))
 

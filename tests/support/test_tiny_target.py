@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inference import tiny_model
+from services.cli import tiny_model
 from shared.atomic import TEMP_PREFIX
 from tests.support import tiny_target
 from tests.support.tiny_target import (

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "DRAFTLINE_TEST_CACHE"
 MODEL_NAME = "tiny"  # the directory's name is the served model name the tests expect
 MANIFEST = "manifest.json"
-KEY_SOURCES = (REPO / "services" / "inference" / "tiny_model.py", REPO / "shared" / "data" / "demo_prompts.jsonl")
+KEY_SOURCES = (REPO / "services" / "cli" / "tiny_model.py", REPO / "shared" / "data" / "demo_prompts.jsonl")
 KEY_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors")
 
 
@@ -129,6 +129,6 @@ def cached_model(entry: Path, model_name: str, make: Callable[[Path], Path]) -> 
 
 def cached_tiny_model(root: Path | None = None) -> Path:
     """The tiny target's directory in the cache, built first if no intact entry exists for this key."""
-    from services.inference.tiny_model import make_tiny_model
+    from services.cli.tiny_model import make_tiny_model
 
     return cached_model(entry_for(root), MODEL_NAME, make_tiny_model)

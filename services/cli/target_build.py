@@ -266,15 +266,15 @@ def _fact_problems(model, tokenizer, facts: ModelFacts) -> list[str]:
 # ---- the tiny built-in target ----------------------------------------------------------------------
 def tiny_identity() -> dict[str, str]:
     """The tiny target's source: the digest of the code and the prompts its builder reads."""
-    from services.inference import tiny_model
+    from services.cli import tiny_model
 
     digest = hashlib.sha256(Path(tiny_model.__file__).read_bytes())
     digest.update(resources.files("shared").joinpath("data/demo_prompts.jsonl").read_bytes())
-    return {"builder": "services.inference.tiny_model", "sha256": digest.hexdigest()}
+    return {"builder": "services.cli.tiny_model", "sha256": digest.hexdigest()}
 
 
 def _build_tiny(out_dir: Path) -> dict[str, Any]:
-    from services.inference.tiny_model import make_tiny_model
+    from services.cli.tiny_model import make_tiny_model
 
     make_tiny_model(out_dir)
     return {"built_with": {name: metadata.version(name) for name in ("torch", "transformers", "tokenizers")}}
