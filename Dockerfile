@@ -40,6 +40,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" ${TORCH_FIND_LINKS:+--find-link
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared
+COPY runtime ./runtime
 COPY services ./services
 # The project without its [test] extra: no pytest or jsonschema in the image.
 RUN pip install . && pip check

@@ -3,7 +3,7 @@
 # the lent GPU machine. That machine reaches no registry; its python3 has torch, transformers, tokenizers,
 # safetensors, httpx, pytest, pytest-timeout, nvidia-ml-py and the rest, but not the packages below, which
 # the GPU tests import (tests/conftest.py needs redis; shared/settings.py pydantic-settings; the trainer rq;
-# the workers sniffio, which shared.retry.preload_http imports).
+# the workers sniffio, which runtime.retry.preload_http imports).
 # It downloads them as wheels for CPython 3.12 on x86-64 into .whl/ (ignored by git; name it in `carry`),
 # each at the version this checkout's venv runs, so both machines test the same code against the same
 # libraries where they can.

@@ -1,5 +1,6 @@
-"""Services meet only through contracts: each service imports the ``shared`` package and its own modules,
-never another service's, and ``shared`` imports no service and no torch.
+"""Services meet only through contracts: each service imports the ``shared`` package (the contracts), the
+``runtime`` package (how services run: workers, retries, Redis outages, the volume) and its own modules, never
+another service's; ``shared`` imports no service, no runtime and no torch; ``runtime`` imports no service.
 
 The walk reads every import statement (top-level or inside a function) with ``ast``, so an import that
 only runs on some path counts too. ``services/cli`` is exempt: it is the one ``draftline`` command that
@@ -58,13 +59,30 @@ def test_a_service_imports_no_other_service(service):
     assert crossing == []
 
 
-def test_shared_imports_no_service_and_no_torch():
+def forbidden_imports(folder: str, roots: tuple[str, ...], heavy: bool) -> list[str]:
+    """Imports in ``folder`` of a package named in ``roots`` (or of torch and its kin, with ``heavy``)."""
     bad = []
-    for path in sources("shared"):
+    for path in sources(folder):
         for line, module in imported_modules(path):
-            if module.split(".")[0] == "services" or module.startswith(HEAVY):
+            if module.split(".")[0] in roots or (heavy and module.startswith(HEAVY)):
                 bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
-    assert bad == []
+    return bad
+
+
+def test_contracts_import_no_service_no_runtime_and_no_torch():
+    assert forbidden_imports("shared", ("services", "runtime"), heavy=True) == []
+
+
+def test_runtime_imports_no_service_and_no_torch():
+    assert forbidden_imports("runtime", ("services",), heavy=True) == []
+
+
+def test_the_rule_finds_a_contract_importing_runtime(tmp_path, monkeypatch):
+    # The rule must be able to fail: a contract module that imports the runtime is named.
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "probe.py").write_text("from runtime.worker import run_worker\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    assert forbidden_imports("shared", ("services", "runtime"), heavy=True) == ["shared/probe.py:1 imports runtime.worker"]
 
 
 def test_the_walk_sees_imports_inside_functions_and_relative_ones():
@@ -123,7 +141,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_circle_among_the_project_modules():
     # A circle means domain code reaches back into a layer above it (preflight into the HTTP API once did).
-    assert find_cycle(import_graph(("services", "shared"))) == []
+    assert find_cycle(import_graph(("services", "shared", "runtime"))) == []
 
 
 def test_the_circle_finder_finds_a_circle():

@@ -23,7 +23,7 @@ import yaml
 
 from shared import eagle3
 from shared.endpoints import parse_endpoints
-from shared.redis_acl import ROLES, role_of
+from runtime.redis_acl import ROLES, role_of
 from shared.services import SERVICE_COMMANDS, SERVICE_NAMES
 from shared.settings import (
     SERVICE_SETTINGS,
@@ -94,7 +94,7 @@ EXAMPLE_ENV = {
     "DRAFTLINE_MODEL_DIR_HOST": "/mnt/nvme/models/target",
     "GRAFANA_ADMIN_PASSWORD": "grafana-pw",
 }
-# The same .env with a password for each Redis role (shared/redis_acl.py).
+# The same .env with a password for each Redis role (runtime/redis_acl.py).
 ROLE_PASSWORDS = {
     "DRAFTLINE_REDIS_CONTROLLER_PASSWORD": "controller-pw-0123",
     "DRAFTLINE_REDIS_WORKER_PASSWORD": "worker-pw-0123",

@@ -30,7 +30,7 @@ from shared.jobs import GENERATE_QUEUE
 from shared.layout import RunPaths
 from shared.queues import queue
 from shared.services import SERVICE_COMMANDS
-from shared.volume import IDENTITY_FILE, VOLUME_KEY
+from runtime.volume import IDENTITY_FILE, VOLUME_KEY
 from tests.support.processes import free_port
 from tests.support.workers import successful_jobs
 

@@ -162,7 +162,7 @@ def _worker_health(args: argparse.Namespace) -> int:
 
     from shared.queues import connect
     from shared.settings import CommonSettings, load_settings
-    from shared.worker import registered_workers
+    from runtime.worker import registered_workers
 
     host = socket.gethostname()
     # Only Redis is needed: a role's full settings would also check what its jobs need, not its health.

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from services.controller.auth import RequireToken
 from services.controller.routes import health, page, preflight, runs
 from services.controller.supervisor import supervise_forever
-from shared.body_limit import BodySizeLimit
+from runtime.body_limit import BodySizeLimit
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

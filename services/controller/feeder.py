@@ -15,7 +15,7 @@ every ``REPASS_INTERVAL_S``; the generate cursor only once none of the run's gen
 runs). No pass duplicates work: generate skips the ids of the run's waiting and running generate jobs;
 the backfill skips the ids that the run's waiting, taken or running extract jobs hold, and those of its
 generate jobs in flight (their generator queues them as they end); job ids are deterministic and
-enqueued with ``unique=True`` (``shared.sample_queue``). A job id that still names a *finished* job
+enqueued with ``unique=True`` (``runtime.sample_queue``). A job id that still names a *finished* job
 (kept ``sample_result_ttl_s``, 0 by default) is replaced, since its samples are evidently not settled.
 
 A run of millions of rows costs Redis a few kilobytes of queue; the volume holds the rest.
@@ -46,7 +46,7 @@ from shared.jobs import (
 from shared.layout import RunPaths
 from shared.queues import queue
 from shared.runstate import RunState
-from shared.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
+from runtime.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

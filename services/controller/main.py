@@ -10,7 +10,7 @@ from services.controller.app import create_app
 from services.controller.auth import check_listen_address
 from shared.queues import connect
 from shared.settings import ControllerSettings, configure_logging, load_settings
-from shared.volume import keep_claimed, try_claim
+from runtime.volume import keep_claimed, try_claim
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
-from shared.gpu import GpuReading
+from runtime.gpu import GpuReading
 from shared.disk import format_bytes
 
 REFRESH_S = 5

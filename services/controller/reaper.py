@@ -14,7 +14,7 @@ prepares the execution. RQ's own maintenance fails such a job after a minute ("s
 queue"); here a job seen there, not started, across ``STUCK_DEQUEUED_S`` is queued again instead.
 
 The requeue itself (front of the queue, counted, failed after ``MAX_REQUEUES``) is
-``shared.requeue``'s, which a worker whose work horse was killed uses too.
+``runtime.requeue``'s, which a worker whose work horse was killed uses too.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from rq.utils import utcparse
 
 from shared.jobs import QUEUES
 from shared.queues import SERIALIZER, queue
-from shared.requeue import requeue_lost
-from shared.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from runtime.requeue import requeue_lost
+from runtime.worker import STALE_HEARTBEAT_S, DraftlineWorker
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
 from services.exporter import names
-from shared.gpu import GpuReader, GpuReading
+from runtime.gpu import GpuReader, GpuReading
 from shared.disk import disk_status
 from shared.jobs import (
     QUEUES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from services.exporter.collector import DraftlineCollector, scrape_connection
-from shared.gpu import GpuReader
+from runtime.gpu import GpuReader
 from services.exporter.server import make_app, serve, stop_event_on_signals
 from shared.settings import ExporterSettings, configure_logging, load_settings
 

@@ -2,7 +2,7 @@
 
 The server writes the safetensors file itself (on the shared volume, at the path we name) and answers
 with what it wrote, so hidden states never cross the network. ``base_url`` names one built-in server or
-several, comma-separated. Trouble is handled as ``shared.retry`` and ``shared.dispatch`` say: transient
+several, comma-separated. Trouble is handled as ``runtime.retry`` and ``runtime.dispatch`` say: transient
 trouble or a down server fails over to another endpoint, else transient trouble is retried with backoff,
 then reported as ``InferenceUnavailable``; when every endpoint is down, or the disk is full (507), the
 request waits without spending attempts, up to the policy's wait cap; any other 4xx is
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from shared.dispatch import Dispatcher, http_timeout
+from runtime.dispatch import Dispatcher, http_timeout
 from shared.errors import DraftlineError
-from shared.retry import Failed, RetryPolicy, post_json, server_root, tls_context
+from runtime.retry import Failed, RetryPolicy, post_json, server_root, tls_context
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from services.extractor.sources import HiddenStateSource, make_source
 from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
-from shared.chat_turns import TurnEnd, find_turn_end
+from runtime.chat_turns import TurnEnd, find_turn_end
 from shared.disk import record_landed, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file

@@ -8,7 +8,7 @@ from services.extractor.jobs import preload
 from services.extractor.sources import make_source
 from shared.jobs import EXTRACT_QUEUE
 from shared.settings import ExtractorSettings, load_settings
-from shared.worker import run_worker
+from runtime.worker import run_worker
 
 
 def main() -> None:

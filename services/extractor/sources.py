@@ -15,7 +15,7 @@ from typing import Protocol
 
 from services.extractor.client import HiddenStatesClient, HiddenStatesResult
 from shared.errors import DraftlineError
-from shared.retry import RetryPolicy
+from runtime.retry import RetryPolicy
 from shared.settings import ExtractorSettings
 
 

@@ -8,7 +8,7 @@ states of the layers named in ``eagle_aux_hidden_state_layer_ids`` go to ``<stor
 path in ``kv_transfer_params.hidden_states_path``. A completions request whose prompt is the token ids
 themselves and which asks for one token covers every token of the sample and re-tokenizes nothing.
 
-Here: send that request (retries and fail-over as every client, ``shared.dispatch``), wait for the
+Here: send that request (retries and fail-over as every client, ``runtime.dispatch``), wait for the
 engine's writer (it holds ``<path>.lock`` exclusively until the file is complete), check the ids are
 the ones sent, take the auxiliary layers and apply the target's final norm to the last layer (vLLM
 saves it before the norm; draftline files hold the input of ``lm_head``), write the sample atomically
@@ -34,11 +34,11 @@ from safetensors import safe_open
 
 from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
 from shared import SCHEMA_VERSION, eagle3
-from shared.dispatch import Dispatcher, http_timeout
+from runtime.dispatch import Dispatcher, http_timeout
 from shared.errors import CheckpointFormatError, DraftlineError
 from shared.fingerprint import model_fingerprint
 from shared.hidden_write import RawTensor, write_safetensors
-from shared.retry import Failed, RetryPolicy, post_json, server_root, tls_context
+from runtime.retry import Failed, RetryPolicy, post_json, server_root, tls_context
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible chat client for the generation server (built-in, vLLM or SGLang), over one endpoint or several.
 
-What each kind of trouble costs follows ``shared.retry`` and ``shared.dispatch``: transient trouble
+What each kind of trouble costs follows ``runtime.retry`` and ``runtime.dispatch``: transient trouble
 (timeouts, 5xx, 408, 429, a connection reset) fails over to another endpoint, else is retried with backoff
 and then reported as ``InferenceUnavailable``; a server that is down (nothing listening, name not
 resolved) fails over too, and when every endpoint is down or the disk is full (507) the request waits,
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.dispatch import Dispatcher, http_timeout
+from runtime.dispatch import Dispatcher, http_timeout
 from shared.errors import DraftlineError
-from shared.retry import (
+from runtime.retry import (
     Failed,
     RetryPolicy,
     answer_trouble,

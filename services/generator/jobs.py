@@ -29,7 +29,7 @@ from services.generator.client import (
 from shared.conversation_turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
-from shared.chat_turns import assistant_message
+from runtime.chat_turns import assistant_message
 from shared.errors import (
     InferenceRejected,
     InferenceUnavailable,
@@ -39,10 +39,10 @@ from shared.errors import (
 )
 from shared.jobs import GenerateJob, PromptItem
 from shared.queues import job_connection
-from shared.retry import RetryPolicy
+from runtime.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
 from shared.runstate import DROPPED, ERROR, GENERATE_REQUESTS, Failure, RunState
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from shared.settings import GeneratorSettings, load_settings
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.generator import jobs
 from shared.jobs import GENERATE_QUEUE
 from shared.settings import GeneratorSettings, load_settings
-from shared.worker import run_worker
+from runtime.worker import run_worker
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from services.inference.model import LoadedModel, load_model
 from services.inference.routes import chat, health, hidden_states, metrics
 from services.inference.routes.errors import install_error_handlers
 from services.inference.runtime import start_runtime
-from shared.body_limit import BodySizeLimit
+from runtime.body_limit import BodySizeLimit
 from shared.settings import InferenceSettings
 
 # A hidden-state request of a 128k-token sample is about 2 MiB of JSON; chat requests are smaller.

@@ -34,7 +34,7 @@ from services.trainer.progress import progress_reporter
 from services.trainer.train import pick_device, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
-from shared.process import die_with_parent
+from runtime.process import die_with_parent
 from shared.queues import connect
 from shared.runspec import RunSpec
 from shared.runstate import RunState

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shared.chat_turns import find_turn_end
+from runtime.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
 from shared.remote_code import load_from_target
 from shared.runspec import EvalConfig

@@ -27,7 +27,7 @@ from services.trainer.distributed import FAILURE_FILE, LOG_FILE
 from services.trainer.train import pick_device
 from shared.atomic import read_json
 from shared.errors import DraftlineError, SettingsError
-from shared.process import die_with_parent, libc_prctl
+from runtime.process import die_with_parent, libc_prctl
 from shared.settings import TrainerSettings
 
 log = logging.getLogger(__name__)

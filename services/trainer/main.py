@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shared.jobs import TRAIN_QUEUE
 from shared.settings import TrainerSettings, load_settings
-from shared.worker import run_worker
+from runtime.worker import run_worker
 
 
 def preload() -> None:

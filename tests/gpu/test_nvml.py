@@ -1,11 +1,11 @@
-"""shared/gpu.py's GpuReader and the controller's preflight GPU check through the real NVML."""
+"""runtime/gpu.py's GpuReader and the controller's preflight GPU check through the real NVML."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.gpu import GpuReader
+from runtime.gpu import GpuReader
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import SERIALIZER, queue
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 
 PICKLE_PROTOCOL_MARK = 0x80  # the first byte of every pickle of protocol 2 or later
 

@@ -27,7 +27,7 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server on a free loopback port, without persistence, owned by the test.
 
-    With ``acl_env`` (REDIS_PASSWORD and any role passwords, shared/redis_acl.py) it starts the way the
+    With ``acl_env`` (REDIS_PASSWORD and any role passwords, runtime/redis_acl.py) it starts the way the
     compose stack's redis service does, through redis/start.sh: the default user's password and one ACL
     user per role password set."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis
 
-from shared.worker import DraftlineWorker
+from runtime.worker import DraftlineWorker
 
 
 def successful_jobs(conn: redis.Redis) -> dict[str, int]:

@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 from services.controller.page import render_page
 from services.controller.routes.deps import ConnDep, SettingsDep
 from services.controller.status import list_status
-from shared.gpu import GpuReader
+from runtime.gpu import GpuReader
 
 router = APIRouter(tags=["page"])
 

@@ -10,7 +10,7 @@ from rq import Worker
 
 from services.cli.main import main
 from shared.queues import queue
-from shared.worker import WORKER_TTL_S, registered_workers, worker_name
+from runtime.worker import WORKER_TTL_S, registered_workers, worker_name
 
 
 def register(conn, role: str, host: str, pid: int) -> Worker:

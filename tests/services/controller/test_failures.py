@@ -16,7 +16,7 @@ from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
 from shared.runstate import DROPPED, Failure, RunState
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from shared.settings import ControllerSettings, ExtractorSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply

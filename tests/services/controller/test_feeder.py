@@ -16,7 +16,7 @@ from shared.jobs import (
     payload_sample_ids,
 )
 from shared.queues import queue
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from shared.runspec import EvalConfig
 from shared.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings

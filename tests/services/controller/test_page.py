@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from services.controller.app import create_app
 from services.controller.status import run_status
-from shared.gpu import GpuReader
+from runtime.gpu import GpuReader
 from shared.runstate import Failure
 from shared.settings import ControllerSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit

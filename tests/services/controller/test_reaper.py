@@ -30,10 +30,10 @@ from shared.jobs import (
     generate_job_id,
 )
 from shared.queues import SERIALIZER, queue
-from shared.requeue import MAX_REQUEUES, REQUEUES_META
+from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runstate import RunState
-from shared.worker import STALE_HEARTBEAT_S, DraftlineWorker
-from tests.shared.test_worker import (
+from runtime.worker import STALE_HEARTBEAT_S, DraftlineWorker
+from tests.runtime.test_worker import (
     RUN,
     gone,
     horse_of,

@@ -20,7 +20,7 @@ from services.exporter.collector import (
     collect_gpus,
     scrape_connection,
 )
-from shared.gpu import GpuReader, GpuReading
+from runtime.gpu import GpuReader, GpuReading
 from shared.jobs import (
     EXTRACT_FUNC,
     EXTRACT_QUEUE,
@@ -220,9 +220,9 @@ def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> Non
 
 
 def start_worker(redis_url: str, queue_name: str, log_path: Path) -> subprocess.Popen:
-    """A real RQ worker started the way every draftline worker service starts (shared.worker)."""
+    """A real RQ worker started the way every draftline worker service starts (runtime.worker)."""
     code = (
-        "from shared.worker import run_worker; from shared.settings import CommonSettings; "
+        "from runtime.worker import run_worker; from shared.settings import CommonSettings; "
         f"run_worker([{queue_name!r}], CommonSettings(), role='probe')"
     )
     return subprocess.Popen(

@@ -9,7 +9,7 @@ import httpx
 import redis
 
 from services.exporter import names
-from shared.gpu import GpuReader
+from runtime.gpu import GpuReader
 from shared.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import parse, value
 from tests.support.processes import RedisServer, ServiceProcess, free_port

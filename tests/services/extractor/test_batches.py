@@ -20,9 +20,9 @@ from shared.manifest import manifest_path, read_manifest
 from shared.queues import queue
 from shared.runspec import EvalConfig
 from shared.runstate import RunState
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from tests.services.controller.test_datasets import write_jsonl
-from tests.shared.test_worker import horse_of, wait_for
+from tests.runtime.test_worker import horse_of, wait_for
 from tests.support.processes import ServiceProcess, free_port
 from tests.support.slow_proxy import SlowProxy
 from tests.support.workers import successful_jobs

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from services.extractor.client import HiddenStatesClient
 from shared.errors import InferenceRejected, InferenceUnavailable
-from shared.retry import RetryPolicy
+from runtime.retry import RetryPolicy
 from tests.support.openai_server import OpenAIServer
 from tests.support.processes import free_port
 
@@ -68,7 +68,7 @@ def test_a_rejected_request_is_sent_once():
 
 
 def test_a_server_that_comes_up_late_is_waited_for_without_spending_attempts(caplog):
-    caplog.set_level(logging.INFO, logger="shared.retry")
+    caplog.set_level(logging.INFO, logger="runtime.retry")
     server = HiddenStandIn((200, WRITTEN))
     timer = threading.Timer(1.0, server.start)
     timer.start()

@@ -20,7 +20,7 @@ from shared.jobs import ExtractJob
 from shared.manifest import manifest_path, read_manifest
 from shared.runspec import EvalConfig, ExtractionConfig
 from shared.runstate import RunState
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from shared.settings import ExtractorSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.processes import ServiceProcess, free_port

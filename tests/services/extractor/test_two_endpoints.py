@@ -12,7 +12,7 @@ from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.runspec import EvalConfig
 from shared.runstate import RunState
-from shared.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract
 from tests.services.controller.test_datasets import write_jsonl
 from tests.services.generator.inference_pair import (
     HIDDEN_ENDPOINT,

@@ -164,7 +164,7 @@ def test_files_of_a_request_the_engine_died_on_are_removed_once_a_retry_succeeds
 
 def extract_from_dying_engine(tmp_path, model_dir, *, after_answer: bool, deaths: int, retries: list[str] | None = None):
     """One sample extracted from a ``DiesOnce`` engine, three attempts allowed; (engine, storage, layers, result)."""
-    from shared.retry import RetryPolicy
+    from runtime.retry import RetryPolicy
 
     storage = tmp_path / "engine"
     storage.mkdir()

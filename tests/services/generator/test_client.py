@@ -10,7 +10,7 @@ import pytest
 
 from services.generator.client import ChatClient, Completion
 from shared.errors import InferenceRejected, InferenceUnavailable, PromptTooLong
-from shared.retry import RetryPolicy
+from runtime.retry import RetryPolicy
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port
 
@@ -51,7 +51,7 @@ def test_transient_answers_are_retried_and_permanent_ones_never(server):
 
 def test_a_server_that_comes_up_late_is_waited_for_without_spending_attempts(caplog):
     server = OpenAIServer()  # its port is fixed now; nothing listens on it yet
-    caplog.set_level(logging.INFO, logger="shared.retry")
+    caplog.set_level(logging.INFO, logger="runtime.retry")
     timer = threading.Timer(1.0, server.start)
     timer.start()
     try:
@@ -85,7 +85,7 @@ def test_with_waiting_off_a_down_server_spends_retries_like_any_transient_troubl
 
 
 def test_a_full_disk_507_is_waited_out_without_spending_attempts(server, caplog):
-    caplog.set_level(logging.INFO, logger="shared.retry")
+    caplog.set_level(logging.INFO, logger="runtime.retry")
     server.script("full", Reply(status=507, error="no space left on the volume"), Reply(status=507), Reply("stored"))
     [answer] = asyncio.run(ask(server.url, NO_RETRIES, "full"))
     assert answer.content == "stored"
@@ -134,7 +134,7 @@ def test_concurrent_requests_spread_over_live_endpoints_and_fail_over_from_a_dea
 
 def test_when_every_endpoint_is_down_concurrent_requests_share_one_poller_until_one_is_back(caplog):
     dead, late = f"http://127.0.0.1:{free_port()}", OpenAIServer()
-    caplog.set_level(logging.INFO, logger="shared.retry")
+    caplog.set_level(logging.INFO, logger="runtime.retry")
     timer = threading.Timer(1.0, late.start)
     timer.start()
     try:

@@ -18,7 +18,7 @@ from shared.runstate import RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
-from tests.shared.test_worker import wait_for
+from tests.runtime.test_worker import wait_for
 from tests.support.processes import ServiceProcess
 from tests.support.queues import extract_batches, queued_extractions
 from tests.support.workers import successful_jobs

@@ -22,7 +22,7 @@ from services.trainer.lock import TrainingInProgress, exclusive_training
 from shared.errors import BaseCheckpointMismatch, SettingsError
 from shared.jobs import evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER
-from shared.requeue import REQUEUES_META
+from runtime.requeue import REQUEUES_META
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from tests.services.trainer.test_jobs import enqueue_train

@@ -25,10 +25,10 @@ from shared.jobs import (
     generate_job_id,
 )
 from shared.queues import SERIALIZER, queue
-from shared.requeue import MAX_REQUEUES, REQUEUES_META
+from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig
 from shared.runstate import RunState
-from shared.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
+from runtime.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
 from tests.services.controller.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import RedisServer, ServiceProcess

@@ -6,12 +6,12 @@ for the controller's reaper to requeue. A worker that dies outright (SIGKILL, a 
 heartbeating; its work horse dies with it, and the reaper requeues the job once the heartbeat is stale.
 
 A worker runs each job in a forked work horse (``job_process = "fork"``, RQ's way) or in its own process
-(``"inline"``, ``shared.inline_jobs``): no fork, and the job's modules, caches, HTTP and Redis clients
+(``"inline"``, ``runtime.inline_jobs``): no fork, and the job's modules, caches, HTTP and Redis clients
 kept from one job to the next. Inline, a thread heartbeats while the job runs, a second SIGTERM cuts the
 job short and leaves it started for the reaper, and a job 60 s past its timeout fails by name and ends the
 worker (whose restart policy brings it back), since nothing can stop a hung job in its own process.
 
-A worker whose data directory is not the controller's volume (``shared.volume``) refuses at start-up and
+A worker whose data directory is not the controller's volume (``runtime.volume``) refuses at start-up and
 before every job: it hands the job it just took back to the front of its queue, stops, and exits with
 ``VolumeMismatch`` naming both volumes, instead of writing files that nobody reads.
 """
@@ -42,15 +42,15 @@ from rq.utils import now
 from rq.worker import WorkerStatus
 
 from shared.errors import ForeignJob
-from shared.inline_jobs import EXIT_OVERRAN, OVERRUN_GRACE_S, ColdStop, JobHeartbeat, end_process, overran_by
+from runtime.inline_jobs import EXIT_OVERRAN, OVERRUN_GRACE_S, ColdStop, JobHeartbeat, end_process, overran_by
 from shared.jobs import JOB_FUNCS
 from shared.outage import REDIS_DOWN, RedisOutage
-from shared.process import die_with_parent
+from runtime.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
-from shared.requeue import requeue_lost
-from shared.retry import preload_http, tls_context
+from runtime.requeue import requeue_lost
+from runtime.retry import preload_http, tls_context
 from shared.settings import CommonSettings, configure_logging
-from shared.volume import VolumeMismatch, verify_volume
+from runtime.volume import VolumeMismatch, verify_volume
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class DraftlineWorker(Worker):
 
     data: Path | None = None  # the data directory to check against the controller's volume; None: no check
     refused: VolumeMismatch | None = None
-    inline: bool = False  # run jobs in this process (shared.inline_jobs) instead of a forked work horse
+    inline: bool = False  # run jobs in this process (runtime.inline_jobs) instead of a forked work horse
     overrun_grace_s: float = OVERRUN_GRACE_S  # inline: how long past its timeout a job may run
 
     def __init__(self, *args, **kwargs) -> None:
@@ -377,7 +377,7 @@ def run_worker(
     verify_volume(settings.data, conn)  # refuse before loading anything: a wrong mount is a setup error
     if preload is not None:
         preload()
-    tls_context()  # built once here, inherited by every job's forked process (shared.retry.tls_context)
+    tls_context()  # built once here, inherited by every job's forked process (runtime.retry.tls_context)
     preload_http()  # and httpx's lazily imported modules, which each job's process would import again
     name = worker_name(role, socket.gethostname(), os.getpid())
     worker = DraftlineWorker(

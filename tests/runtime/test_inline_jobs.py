@@ -16,11 +16,11 @@ import redis
 from rq.job import Job, JobStatus
 
 from services.controller.reaper import requeue_abandoned
-from shared.inline_jobs import EXIT_OVERRAN, JobHeartbeat, overran_by
+from runtime.inline_jobs import EXIT_OVERRAN, JobHeartbeat, overran_by
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, generate_job_id
 from shared.queues import SERIALIZER, queue
-from shared.worker import DraftlineWorker
-from tests.shared.test_worker import RUN, children_of, generator, job_status, make_run, wait_for
+from runtime.worker import DraftlineWorker
+from tests.runtime.test_worker import RUN, children_of, generator, job_status, make_run, wait_for
 from tests.support.openai_server import OpenAIServer, Reply
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ OVERRUN_WORKER = textwrap.dedent("""
     import os, sys
     from shared.jobs import GENERATE_QUEUE
     from shared.queues import SERIALIZER, connect, queue
-    from shared.worker import DraftlineWorker
+    from runtime.worker import DraftlineWorker
 
     class AlarmSwallowed:
         def __init__(self, timeout, exception=None, **kwargs): pass

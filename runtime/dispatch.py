@@ -1,16 +1,16 @@
 """One request's way over a client's inference endpoints: fail over, retry, or wait.
 
 A client hands ``Dispatcher.send`` (sync) or ``Dispatcher.asend`` (async) a function that makes one
-attempt against one endpoint's root URL and returns the answer or a ``shared.retry.Failed``. After a
+attempt against one endpoint's root URL and returns the answer or a ``runtime.retry.Failed``. After a
 failed attempt:
 
 - permanent trouble (any other 4xx, a prompt too long) raises at once and goes to no other endpoint:
   the request itself is wrong;
-- a full disk (507) is waited out as ``shared.retry`` says; the volume is shared, so another endpoint
+- a full disk (507) is waited out as ``runtime.retry`` says; the volume is shared, so another endpoint
   would say the same;
 - any other trouble cools the endpoint down (``shared.endpoints``) and sends the request at once, without
   spending an attempt, to an endpoint this request has not tried and that is not cooling down;
-- when no such endpoint is left the round is over and the one-server rules of ``shared.retry`` apply to
+- when no such endpoint is left the round is over and the one-server rules of ``runtime.retry`` apply to
   the last trouble: a down server is waited for (every endpoint's ``/health`` polled, the first to answer
   gets the request), transient trouble spends an attempt and backs off. With one endpoint this is exactly
   the one-server behaviour.
@@ -29,7 +29,7 @@ from typing import TypeVar
 import httpx
 
 from shared.endpoints import Endpoint, EndpointPool
-from shared.retry import (
+from runtime.retry import (
     AsyncServerWatch,
     Failed,
     Outage,

@@ -23,7 +23,7 @@ from shared.errors import (
     RowError,
     error_class,
 )
-from shared.retry import (
+from runtime.retry import (
     Failed,
     Outage,
     Retrier,
@@ -167,7 +167,7 @@ def test_outage_logs_once_a_minute_and_gives_up_at_its_deadline(caplog):
     policy = RetryPolicy(base_delay_s=1.0, max_delay_s=30.0, jitter=False, wait_max_s=600)
     outage = Outage("http://inference:8000", "is down", "ConnectError: refused", policy, clock=clock)
     deadline = clock.now + policy.wait_max_s
-    caplog.set_level(logging.WARNING, logger="shared.retry")
+    caplog.set_level(logging.WARNING, logger="runtime.retry")
     delays = []
     with pytest.raises(InferenceUnavailable) as gave_up:
         for _ in range(100):
@@ -213,7 +213,7 @@ def test_every_request_of_a_process_shares_one_tls_context(monkeypatch):
     import asyncio
 
     from services.generator.client import ChatClient
-    from shared import retry
+    from runtime import retry
 
     built: list[object] = []
     real = ssl.SSLContext.load_verify_locations
@@ -244,7 +244,7 @@ def test_every_request_of_a_process_shares_one_tls_context(monkeypatch):
 PRELOAD_CHECK = """
 import asyncio, sys
 import httpx
-from shared.retry import preload_http
+from runtime.retry import preload_http
 from tests.support.processes import free_port
 preload_http()
 before = set(sys.modules)

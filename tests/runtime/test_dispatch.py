@@ -8,10 +8,10 @@ import threading
 import httpx
 import pytest
 
-from shared.dispatch import Dispatcher
+from runtime.dispatch import Dispatcher
 from shared.endpoints import EndpointPool
 from shared.errors import InferenceRejected, InferenceUnavailable, PromptTooLong
-from shared.retry import Failed, RetryPolicy, answer_trouble, transport_trouble
+from runtime.retry import Failed, RetryPolicy, answer_trouble, transport_trouble
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port
 
@@ -101,7 +101,7 @@ def test_transient_trouble_fails_over_without_backoff_and_a_rejection_goes_nowhe
 
 def test_when_every_endpoint_is_down_the_request_waits_for_the_first_to_come_back(caplog):
     dead, late = f"http://127.0.0.1:{free_port()}", OpenAIServer()
-    caplog.set_level(logging.INFO, logger="shared.retry")
+    caplog.set_level(logging.INFO, logger="runtime.retry")
     timer = threading.Timer(1.0, late.start)
     timer.start()
     try:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shared.atomic import temp_files
-from shared.volume import (
+from runtime.volume import (
     IDENTITY_FILE,
     VOLUME_KEY,
     VolumeMismatch,

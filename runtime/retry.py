@@ -13,7 +13,7 @@ Four kinds of trouble, told apart by ``classify_status`` and ``classify_error``:
 
 Waiting has one cap per request, ``RetryPolicy.wait_max_s``; past it the request fails as
 ``InferenceUnavailable`` naming how long the server was down. With several endpoints
-(``shared.endpoints``) a request fails over to another endpoint first (``shared.dispatch``); the server
+(``shared.endpoints``) a request fails over to another endpoint first (``runtime.dispatch``); the server
 counts as down, and is waited for, only when every endpoint is.
 """
 
@@ -361,7 +361,7 @@ def transport_trouble(exc: httpx.TransportError, url: str) -> Failed:
 def tls_context() -> ssl.SSLContext:
     """The verifying TLS context every draftline HTTP client of this process shares. httpx builds one for
     each new client, even one that only speaks plain http, and loading the CA bundle costs 5-60 ms on a
-    busy core: more than a whole loopback request. ``shared.worker`` builds it before forking, so each
+    busy core: more than a whole loopback request. ``runtime.worker`` builds it before forking, so each
     job's process inherits it."""
     return httpx.create_ssl_context()
 

@@ -8,8 +8,8 @@ operator's credential (redis-cli, the healthcheck) and the fallback of a role le
 has a password, only the redis container holds it.
 
 The rules are rendered into ``redis/roles.acl``, which ``redis/start.sh`` turns into ``redis-server --user``
-directives at start-up (the redis image runs no Python); ``python -m shared.redis_acl`` prints that file and
-tests/shared/test_redis_acl.py checks the shipped copy is what this module renders.
+directives at start-up (the redis image runs no Python); ``python -m runtime.redis_acl`` prints that file and
+tests/runtime/test_redis_acl.py checks the shipped copy is what this module renders.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def server_arguments(env: Mapping[str, str]) -> list[str]:
 
 def render_roles_file() -> str:
     """redis/roles.acl: ``<role> <password variable> <rules…>`` per line, read by redis/start.sh."""
-    lines = ["# Rendered by `python -m shared.redis_acl > redis/roles.acl`; do not edit by hand.",
+    lines = ["# Rendered by `python -m runtime.redis_acl > redis/roles.acl`; do not edit by hand.",
              "# <role> <password variable> <ACL rules>: redis/start.sh adds a user for each role whose",
              "# password variable is set."]
     lines += [" ".join((role.name, role.password_variable, *role.rules)) for role in ROLES.values()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.chat_turns import eos_candidates, find_turn_end
+from runtime.chat_turns import eos_candidates, find_turn_end
 from tests.support.chat_families import FAMILIES, QWEN25, QWEN25_BASE
 
 

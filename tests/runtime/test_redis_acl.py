@@ -1,4 +1,4 @@
-"""Redis ACL users per role (shared/redis_acl.py, redis/start.sh) on a real redis-server started the way
+"""Redis ACL users per role (runtime/redis_acl.py, redis/start.sh) on a real redis-server started the way
 the compose stack starts it: each role does its work, and is refused what it may not do."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from services.exporter import names
 from shared.errors import SettingsError
 from shared.jobs import GENERATE_QUEUE, generate_job_id
 from shared.queues import queue
-from shared.redis_acl import (
+from runtime.redis_acl import (
     ROLES,
     configured_passwords,
     render_roles_file,
@@ -28,7 +28,7 @@ from shared.settings import ControllerSettings
 from tests.services.controller.test_datasets import write_jsonl
 from tests.services.exporter.scrape import value
 from tests.services.exporter.test_collector import scrape
-from tests.shared.test_worker import wait_for
+from tests.runtime.test_worker import wait_for
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import REPO, RedisServer, ServiceProcess
 from tests.support.workers import successful_jobs
