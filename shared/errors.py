@@ -13,6 +13,10 @@ class SettingsError(DraftlineError):
     """A required setting is missing or invalid."""
 
 
+class UnknownSetting(SettingsError):
+    """A ``DRAFTLINE_`` variable that no draftline component reads (most often a misspelt name) is set."""
+
+
 class DatasetError(DraftlineError):
     """A dataset cannot be read at all (missing file, unknown format, unreachable repo)."""
 

@@ -83,7 +83,7 @@ class TrainConfig(_Frozen):
                             "process only).")
 
 
-EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # services/trainer/evalsets.py loads each
+EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # services/trainer/evaluation/evalsets.py loads each
 EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
 
 

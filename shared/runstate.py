@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import redis
 from shared.atomic import atomic_write_json
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import RunPaths
+from shared.lifecycle import RunPhase, StageState, advance
 
 PREFIX = "draftline"
 
@@ -130,6 +131,30 @@ class RunState:
 
     def set_meta(self, **fields: object) -> None:
         self.conn.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
+
+    def phase(self) -> RunPhase:
+        return RunPhase.of(_s(self.conn.hget(run_key(self.run, "meta"), "state") or ""))
+
+    def set_phase(self, new: RunPhase, **fields: object) -> None:
+        """Move the run to phase ``new`` (IllegalTransition unless ``shared.lifecycle`` allows it), writing
+        ``fields`` in the same HSET."""
+        self._transition("state", RunPhase.of, RunPhase(new), fields)
+
+    def set_stage(self, stage: str, new: StageState, **fields: object) -> None:
+        """Move whole-run ``stage`` (train, evaluate) to ``new``, as ``set_phase`` does the run."""
+        self._transition(f"{stage}_state", StageState.of, StageState(new), fields)
+
+    def _transition(self, field: str, parse: Callable[[str], RunPhase | StageState], new: RunPhase | StageState,
+                    fields: dict[str, object]) -> None:
+        key = run_key(self.run, "meta")
+
+        def check_and_write(pipe: redis.client.Pipeline) -> None:
+            advance(parse(_s(pipe.hget(key, field) or "")), new)
+            pipe.multi()
+            pipe.hset(key, mapping={field: new.value, **{k: str(v) for k, v in fields.items()}})
+
+        # WATCH: two writers (the supervisor and a retry) must not both move from the same state.
+        self.conn.transaction(check_and_write, key)
 
     def incr(self, field: str, amount: int | float = 1) -> float:
         """Add to a numeric meta field (bytes written, tokens seen) atomically."""

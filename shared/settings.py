@@ -1,21 +1,25 @@
 """Typed settings for every service, read from the environment (and a ``.env`` file when present).
 
 Each service builds its settings once at start-up through ``load_settings(cls)``; an invalid value stops
-the service with a message naming the variable. Nothing is created at import time, so tests construct
-settings with explicit values.
+the service with a message naming the variable, and so does a ``DRAFTLINE_`` variable that no draftline
+component reads (a misspelt name would otherwise leave its setting at the default unnoticed). Nothing is
+created at import time, so tests construct settings with explicit values.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsConfigDict
 
 from shared.endpoints import EndpointList
-from shared.errors import SettingsError
+from shared.errors import SettingsError, UnknownSetting
 from shared.jobs import DEFAULT_EXTRACT_BATCH, DEFAULT_SAMPLE_RESULT_TTL_S, MAX_EXTRACT_BATCH
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -184,7 +188,7 @@ class SampleWorkerSettings(RetrySettings):
     job_process: Literal["fork", "inline"] = Field(
         "inline", description="inline: each job runs in the worker's own process, its clients and caches kept "
         "between jobs (bench/RESULTS.md: the fork and its start-up were most of a sample's cost); fork: each job "
-        "in a forked work horse, RQ's default (shared.worker says what each keeps).")
+        "in a forked work horse, RQ's default (runtime.worker says what each keeps).")
 
 
 class GeneratorSettings(SampleWorkerSettings, SampleQueueSettings):
@@ -281,11 +285,38 @@ SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {
     "exporter": ExporterSettings,
 }
 
+# DRAFTLINE_ variables that draftline reads outside the settings classes. One environment (and one .env) is
+# shared by every service and by compose, so each of these must pass every service's start-up check.
+# tests/shared/test_settings.py checks that every DRAFTLINE_ name in the repository is a setting or listed here.
+OTHER_VARIABLES = frozenset({
+    # Read by draftline's own code: the Redis ACL passwords (runtime.redis_acl) and the vLLM CPU environment
+    # (services.cli.demo, tools/vllm_cpu.sh).
+    "DRAFTLINE_REDIS_CONTROLLER_PASSWORD", "DRAFTLINE_REDIS_WORKER_PASSWORD", "DRAFTLINE_REDIS_EXPORTER_PASSWORD",
+    "DRAFTLINE_VLLM_ENV",
+    # Read by compose from .env: images, host paths, ids, ports, GPUs and the engines' options (.env.example).
+    "DRAFTLINE_IMAGE", "DRAFTLINE_REDIS_IMAGE", "DRAFTLINE_PROMETHEUS_IMAGE", "DRAFTLINE_TORCH_VARIANT",
+    "DRAFTLINE_DATA_DIR", "DRAFTLINE_MODEL_DIR_HOST", "DRAFTLINE_UID", "DRAFTLINE_GID",
+    "DRAFTLINE_CONTROLLER_BIND", "DRAFTLINE_CONTROLLER_HOST_PORT", "DRAFTLINE_REDIS_BIND", "DRAFTLINE_REDIS_HOST_PORT",
+    "DRAFTLINE_GENERATION_GPUS", "DRAFTLINE_INFERENCE_GPUS", "DRAFTLINE_TRAINER_GPUS", "DRAFTLINE_GENERATION_TP",
+    "DRAFTLINE_VLLM_EXTRA_ARGS", "DRAFTLINE_VLLM_REASONING_PARSER", "DRAFTLINE_VLLM_TRUST_REMOTE_CODE",
+    # Read by tools/docker-setup.sh, which builds the images.
+    "DRAFTLINE_TAG", "DRAFTLINE_BASE_TAG", "DRAFTLINE_CA_BUNDLE", "DRAFTLINE_DOCKERD_LOG", "DRAFTLINE_TORCH_WHEELS",
+    "DRAFTLINE_WHEEL_PORT",
+    # Read by the test suite and the bench scripts, which start services in their own environment.
+    "DRAFTLINE_REQUIRE_GPU", "DRAFTLINE_TEST_CACHE", "DRAFTLINE_TEST_BRIDGE",
+})
+CHECKED_PREFIX = "DRAFTLINE_"
+
 S = TypeVar("S", bound=BaseSettings)
 
 
 def load_settings(cls: type[S], **overrides: object) -> S:
-    """Build ``cls`` from the environment; turn validation errors into one readable SettingsError."""
+    """Build ``cls`` from the environment; turn validation errors into one readable SettingsError. An unknown
+    ``DRAFTLINE_`` variable in the environment or the ``.env`` file raises UnknownSetting."""
+    check_unknown_variables(os.environ, "the environment")
+    # pydantic-settings' own reader, so the check sees the same .env files, encoding and names the settings do.
+    env_file = {"env_file": overrides["_env_file"]} if "_env_file" in overrides else {}
+    check_unknown_variables(DotEnvSettingsSource(cls, **env_file).env_vars, "the .env file")
     try:
         return cls(**overrides)
     except ValidationError as exc:
@@ -307,6 +338,28 @@ def env_name(cls: type[BaseSettings], field: str) -> str:
 def settings_variables(cls: type[BaseSettings]) -> set[str]:
     """Every environment variable ``cls`` reads."""
     return {env_name(cls, field) for field in cls.model_fields}
+
+
+def known_variables() -> frozenset[str]:
+    """Every DRAFTLINE_ variable draftline reads: each settings class's, and OTHER_VARIABLES."""
+    classes = [value for value in globals().values()
+               if isinstance(value, type) and issubclass(value, BaseSettings) and value.__module__ == __name__]
+    return OTHER_VARIABLES.union(*(settings_variables(cls) for cls in classes))
+
+
+def check_unknown_variables(names: Iterable[str], source: str) -> None:
+    """Raise UnknownSetting naming each DRAFTLINE_ variable in ``names`` that draftline does not read."""
+    known = known_variables()
+    # pydantic-settings matches names regardless of case, so the check does too.
+    unknown = sorted({name.upper() for name in names if name.upper().startswith(CHECKED_PREFIX)} - known)
+    if not unknown:
+        return
+    problems = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {nearest[0]}?" if nearest else "no known name is close"
+        problems.append(f"{name} in {source} is read by no draftline component ({hint})")
+    raise UnknownSetting("; ".join(problems) + "; correct or remove it")
 
 
 def configure_logging(level: str = "INFO") -> None:

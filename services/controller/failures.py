@@ -31,7 +31,6 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from services.controller.reconcile import (
-    TERMINAL_STATES,
     RunBusy,
     finished_path,
     read_failure_file,
@@ -44,6 +43,7 @@ from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES, payload_sample_ids
 from shared.layout import RunPaths
+from shared.lifecycle import RunPhase
 from shared.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
 from shared.runstate import DROPPED, Failure, RunState, run_key
@@ -105,7 +105,7 @@ def _check_not_busy(conn: redis.Redis, state: RunState, finished: bool) -> None:
     if reconciling(conn, state.run):
         raise RunBusy(f"run {state.run!r} is being reconciled right now; retry when the resume is done")
     meta = state.meta()
-    if "train_enqueued_at" in meta and not finished and meta.get("state") not in TERMINAL_STATES:
+    if "train_enqueued_at" in meta and not finished and not RunPhase.of(meta.get("state")).terminal:
         raise RunBusy(f"run {state.run!r} is training or evaluating; retry its failures once it has finished")
 
 
@@ -129,12 +129,12 @@ def retry_failures(data: Path, conn: redis.Redis, run: str, *, stage: str | None
                                          "the row was malformed at submission; fix the dataset and submit a new run"})
     if not retryable:
         return report
-    if finished or state.meta().get("state") in TERMINAL_STATES:
+    if finished or state.phase().terminal:
         report.superseded = reopen(state)
     for failure in retryable:
         _clear(state, failure)
         report.cleared.append({"sample_id": failure.sample_id, "stage": failure.stage})
-    state.set_meta(state="generating", feed_offset=0, extract_cursor=0)
+    state.set_phase(RunPhase.GENERATING, feed_offset=0, extract_cursor=0)
     conn.hdel(run_key(run, "meta"), "feed_pass_at", "extract_pass_at")
     log.info("run %s: %d failures cleared for another attempt", run, len(report.cleared))
     return report

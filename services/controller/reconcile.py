@@ -49,13 +49,13 @@ from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import RunPaths, list_runs
+from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState, advance
 from shared.manifest import MANIFEST_NAME, ManifestEntry, append_entry, check_entry, check_quick, read_manifest
 from shared.runspec import RunSpec
 from shared.runstate import DROPPED, ERROR, Failure, RunState, bitmap_ids, ids_bitmap, known_runs, run_key
 
 log = logging.getLogger(__name__)
 
-TERMINAL_STATES = ("complete", "complete_with_failures", "failed")
 STATE_FILE = "state.json"
 GRACE_S = 300.0  # files younger than this may belong to a worker that is still running
 VERIFY_THREADS = 8
@@ -120,16 +120,18 @@ def read_finished(paths: RunPaths) -> dict | None:
     except (OSError, ValueError) as exc:
         log.warning("%s: unreadable (%s); treating run %s as unfinished", finished_path(paths), exc, paths.run)
         return None
-    return record if isinstance(record, dict) and record.get("state") in TERMINAL_STATES else None
+    return record if isinstance(record, dict) and record.get("state") in TERMINAL_PHASES else None
 
 
-def write_finished(state: RunState, final: str) -> dict:
-    """Mark the run finished on the volume, then in Redis."""
+def write_finished(state: RunState, final: RunPhase) -> dict:
+    """Mark the run finished on the volume, then in Redis; IllegalTransition before either when the run's
+    phase cannot move to ``final``."""
+    final = advance(state.phase(), RunPhase(final))  # checked first: a refused phase reaches neither store
     gen, ext = state.counts("generate"), state.counts("extract")
     record = {"run": state.run, "state": final, "finished_at": time.time(), "expected": state.expected(),
               "generate": asdict(gen), "extract": asdict(ext)}
     atomic_write_json(finished_path(state.paths), record)
-    state.set_meta(state=final, finished_at=record["finished_at"])
+    state.set_phase(final, finished_at=record["finished_at"])
     return record
 
 
@@ -522,32 +524,43 @@ def _done_wins(conn: redis.Redis, paths: RunPaths) -> None:
 # ---- meta ---------------------------------------------------------------------------------------
 
 
-def _phase_fields(paths: RunPaths, meta: dict[str, str], now: float) -> dict[str, object]:
+@dataclass
+class Phase:
+    """Where a rebuilt run stands: its phase, its whole-run stages' states and the meta fields beside them."""
+
+    phase: RunPhase | None = None  # None: Redis's phase stands
+    stages: dict[str, StageState] = field(default_factory=dict)
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+def _phase_fields(paths: RunPaths, meta: dict[str, str], now: float) -> Phase:
     """Where the run stands, from the volume first and from a live trainer's reports second."""
     finished = read_finished(paths)
     if finished is not None:
-        return {"state": finished["state"], "finished_at": finished["finished_at"]}
+        return Phase(RunPhase(finished["state"]), fields={"finished_at": finished["finished_at"]})
     if paths.eval_report.is_file():
         report = read_json(paths.eval_report)
-        return {"state": "evaluating", "train_state": "done", "evaluate_state": "done", "train_enqueued_at": now,
-                "export_path": str(paths.export_dir), "acceptance_length": report.get("acceptance_length", "")}
+        return Phase(RunPhase.EVALUATING, {"train": StageState.DONE, "evaluate": StageState.DONE},
+                     {"train_enqueued_at": now, "export_path": str(paths.export_dir),
+                      "acceptance_length": report.get("acceptance_length", "")})
     if "train_enqueued_at" in meta:
-        return {}
+        return Phase()
     if any(k in meta for k in ("train_state", "train_done", "evaluate_state")):
         # A trainer kept reporting into a Redis that lost the run: it is working, so no second train job.
-        return {"state": "training", "train_enqueued_at": now}
-    return {"state": "generating"}
+        return Phase(RunPhase.TRAINING, fields={"train_enqueued_at": now})
+    return Phase(RunPhase.GENERATING)
 
 
 def restore_meta(state: RunState, spec: RunSpec, ids: RunIds, sizes: dict[str, int], report: ReconcileReport) -> None:
     meta = state.meta()
     report.registered = state.run not in known_runs(state.conn) or "expected" not in meta
     expected = int(np.count_nonzero(ids.expected))
+    where = _phase_fields(state.paths, meta, report.resumed_at)
     fields: dict[str, object] = {
         "dataset": spec.dataset, "train_ids": spec.train_ids,
         "holdout": int(np.count_nonzero(ids.held_out)), "prompts_bytes": ids.prompts_bytes,
         "feed_offset": 0, "fed_until": 0, "extract_cursor": 0, "resumed_at": report.resumed_at, **sizes,
-        **_phase_fields(state.paths, meta, report.resumed_at),
+        **where.fields,
     }
     layers = _recorded_layers(state.paths)
     if "layer_ids" not in meta and layers is not None:
@@ -556,9 +569,16 @@ def restore_meta(state: RunState, spec: RunSpec, ids: RunIds, sizes: dict[str, i
         state.register(expected, created_at=spec.created_at, **fields)
     else:
         state.set_meta(expected=expected, **fields)
+    # The phase and stages are written after the rest: the reconcile lock keeps the supervisor and retries out.
+    if where.phase is not None:
+        state.set_phase(where.phase)
+    for stage, new in where.stages.items():
+        # A state Redis still holds is a live trainer's, later than the report on the volume; a lost one is restored.
+        if f"{stage}_state" not in meta:
+            state.set_stage(stage, new)
     state.conn.hdel(run_key(state.run, "meta"), "feed_pass_at", "extract_pass_at")
     report.expected = expected
-    report.state = str(fields.get("state") or meta.get("state", ""))
+    report.state = str(where.phase or meta.get("state", ""))
 
 
 def _recorded_layers(paths: RunPaths) -> list[int] | None:

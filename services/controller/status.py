@@ -24,33 +24,32 @@ from shared.disk import disk_status, format_bytes, format_disk_pause
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
+from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState
 from shared.runspec import RunSpec
 from shared.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, run_key
 
 FAILURES_SHOWN = 50
-FINISHED = {"done", "complete", "completed", "finished", "succeeded", "success", "skipped"}
-FAILED = {"failed", "error"}
 FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
 
 
 # ---- state --------------------------------------------------------------------------------------
 
 
-def derive_state(meta: dict[str, str], errors: int) -> str:
-    """One of queued, generating, extracting, training, evaluating, complete, complete_with_failures, failed.
+def derive_state(meta: dict[str, str], errors: int) -> RunPhase:
+    """The run's phase from its stored one and its stages': the trainer reports only the stages.
 
     ``errors`` counts the samples that settled without being verified (failed or dropped): a run is
     "complete" only when every expected sample made it through."""
-    stored = meta.get("state") or "queued"
-    train, evaluate = meta.get("train_state", "").lower(), meta.get("evaluate_state", "").lower()
-    if stored == "failed" or train in FAILED or evaluate in FAILED:
-        return "failed"
-    if evaluate in FINISHED or stored in ("complete", "complete_with_failures"):
-        return "complete_with_failures" if errors else "complete"
-    if train in FINISHED or evaluate or stored == "evaluating":
-        return "evaluating"
-    if train or stored == "training":
-        return "training"
+    stored = RunPhase.of(meta.get("state"))
+    train, evaluate = StageState.of(meta.get("train_state")), StageState.of(meta.get("evaluate_state"))
+    if StageState.FAILED in (train, evaluate) or stored is RunPhase.FAILED:
+        return RunPhase.FAILED
+    if evaluate.finished or stored in TERMINAL_PHASES:
+        return RunPhase.COMPLETE_WITH_FAILURES if errors else RunPhase.COMPLETE
+    if train.finished or evaluate is not StageState.PENDING or stored is RunPhase.EVALUATING:
+        return RunPhase.EVALUATING
+    if train is not StageState.PENDING or stored is RunPhase.TRAINING:
+        return RunPhase.TRAINING
     return stored
 
 
@@ -94,9 +93,10 @@ def _float(meta: dict[str, str], key: str) -> float | None:
 
 def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
     done, total = int(float(meta.get(f"{stage}_done", 0))), int(float(meta.get(f"{stage}_total", 0)))
-    default = "queued" if stage == "train" and "train_enqueued_at" in meta else "pending"
-    return {"total": total, "done": done, "percent": _percent(done, total),
-            "state": meta.get(f"{stage}_state") or default,
+    state: str = StageState.of(meta.get(f"{stage}_state"))
+    if state is StageState.PENDING and stage == "train" and "train_enqueued_at" in meta:
+        state = "queued"  # shown only: the train job waits in its queue for a trainer
+    return {"total": total, "done": done, "percent": _percent(done, total), "state": state,
             "error": meta.get(f"{stage}_error") or None}  # "ErrorClass: message" of the job that failed
 
 

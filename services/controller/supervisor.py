@@ -30,7 +30,6 @@ from services.controller.feeder import (
 from services.controller.reaper import requeue_abandoned
 from services.controller.reconcile import (
     REBUILD_BACKOFF_S,
-    TERMINAL_STATES,
     back_off,
     lost_runs,
     reconcile_run,
@@ -42,13 +41,13 @@ from services.controller.status import derive_state
 from shared.atomic import temp_files
 from shared.disk import supervise_disk
 from shared.jobs import RUN_JOB_TTL_S, SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
+from shared.lifecycle import SAMPLE_PHASES, RunPhase
 from shared.outage import REDIS_DOWN, RedisOutage
 from shared.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
 
-SAMPLE_PHASES = ("queued", "generating", "extracting")
 TRAIN_JOB_TIMEOUT = -1  # RQ's "never": training runs for hours and reports its own progress
 
 
@@ -85,11 +84,11 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
     done, extracted = settled(state)
     if done < expected:
         generated = gen.done + gen.failed + gen.dropped >= expected
-        if meta.get("state") == "generating" and feed_finished(meta) and generated:
-            state.set_meta(state="extracting")
+        if RunPhase.of(meta.get("state")) is RunPhase.GENERATING and feed_finished(meta) and generated:
+            state.set_phase(RunPhase.EXTRACTING)
         return
     if extracted == 0:
-        state.set_meta(state="failed", error="no sample made it through extraction; nothing to train on")
+        state.set_phase(RunPhase.FAILED, error="no sample made it through extraction; nothing to train on")
         log.error("run %s: every sample failed before training", state.run)
         return
     # Every sample is settled, so any temp file left in the sample stages is a killed writer's debris.
@@ -97,7 +96,7 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
         log.info("run %s: removed %d temp files left by killed writers", state.run, removed)
     if enqueue_train(state.conn, state.run):
         log.info("run %s: all %d samples settled (%d extracted); train job enqueued", state.run, expected, extracted)
-    state.set_meta(state="training", train_enqueued_at=time.time())
+    state.set_phase(RunPhase.TRAINING, train_enqueued_at=time.time())
 
 
 def finish(state: RunState, meta: dict[str, str]) -> None:
@@ -105,7 +104,7 @@ def finish(state: RunState, meta: dict[str, str]) -> None:
     if "finished_at" in meta:
         return
     final = derive_state(meta, unverified(state))
-    if final in TERMINAL_STATES:
+    if final.terminal:
         for debris in temp_files(state.paths.root):  # no writer of this run remains; a finished run has none
             debris.unlink(missing_ok=True)
         write_finished(state, final)
@@ -117,7 +116,7 @@ def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> 
         return  # a resume is rebuilding this run's state; feeding now would read half-written bitmaps
     state = RunState(conn, settings.data, run)
     meta = state.meta()
-    if meta.get("state", "queued") in SAMPLE_PHASES and "train_enqueued_at" not in meta:
+    if RunPhase.of(meta.get("state")) in SAMPLE_PHASES and "train_enqueued_at" not in meta:
         # A run projected to outgrow the volume stops taking new prompts; extraction waits in the workers.
         if supervise_disk(settings, conn, run).ok:
             feed_run(settings, conn, run)

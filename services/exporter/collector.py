@@ -26,7 +26,7 @@ from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
-from services.exporter import names
+from shared import metrics
 from runtime.gpu import GpuReader, GpuReading
 from shared.disk import disk_status
 from shared.jobs import (
@@ -51,8 +51,8 @@ SCRAPE_SOCKET_TIMEOUT_S = 5.0
 WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
 # The field of an RQ worker's hash holding its state (rq.worker.BaseWorker.refresh reads it).
 WORKER_STATE_FIELD = "state"
-ACCURACY_FIELD = re.compile(rf"{names.META_TRAIN_ACCURACY_PREFIX}(\d+)")
-CURVE_FIELD = re.compile(rf"{re.escape(names.META_ACCEPTANCE_CURVE_PREFIX)}\.([^.]+)\.([^.]+)\.(\d+)")
+ACCURACY_FIELD = re.compile(rf"{metrics.META_TRAIN_ACCURACY_PREFIX}(\d+)")
+CURVE_FIELD = re.compile(rf"{re.escape(metrics.META_ACCEPTANCE_CURVE_PREFIX)}\.([^.]+)\.([^.]+)\.(\d+)")
 
 
 def scrape_connection(url: str) -> redis.Redis:
@@ -103,13 +103,13 @@ class DraftlineCollector(Collector):
         self._redis_up = True  # log changes of Redis' reachability, not every scrape during an outage
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(names.REDIS_UP, "1 when Redis answered this scrape, 0 when it did not.")
+        up = GaugeMetricFamily(metrics.REDIS_UP, "1 when Redis answered this scrape, 0 when it did not.")
         from_redis = Families()
         try:
             self._collect_redis(from_redis)
         except redis.RedisError as exc:
             if self._redis_up:
-                log.warning("redis unreachable; reporting %s 0 until it answers: %s", names.REDIS_UP, exc)
+                log.warning("redis unreachable; reporting %s 0 until it answers: %s", metrics.REDIS_UP, exc)
             self._redis_up = False
             from_redis = Families()  # drop what a scrape that lost Redis midway had half filled
         else:
@@ -133,7 +133,7 @@ class DraftlineCollector(Collector):
             meta = state.meta()
             for stage in SAMPLE_STAGES:
                 _sample_stage(families, state, meta, stage, in_flight[(run, stage)], now)
-            for stage in names.WHOLE_RUN_STAGES:
+            for stage in metrics.WHOLE_RUN_STAGES:
                 _whole_run_stage(families, run, meta, stage, in_flight[(run, stage)])
             _run_meta(families, run, meta)
             _run_disk(families, run, disk_status(self.conn, run))
@@ -148,24 +148,24 @@ def _sample_stage(
     expected = int(_number(meta, "expected") or 0)
     counts = state.counts(stage)
     remaining = max(expected - counts.done - counts.failed - counts.dropped, 0)
-    families.counter(names.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
+    families.counter(metrics.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
         labels, counts.done
     )
     # 0 until the first retry, so the series exists and rate() over it starts from the run's beginning.
     families.counter(
-        names.STAGE_RETRIED, "Attempts repeated after a transient error or a lost job.", RUN_STAGE
+        metrics.STAGE_RETRIED, "Attempts repeated after a transient error or a lost job.", RUN_STAGE
     ).add_metric(labels, _number(meta, retried_field(stage)) or 0)
-    families.gauge(names.STAGE_FAILED, "Samples whose latest attempt failed with a named error.", RUN_STAGE).add_metric(
+    families.gauge(metrics.STAGE_FAILED, "Samples whose latest attempt failed with a named error.", RUN_STAGE).add_metric(
         labels, counts.failed
     )
-    families.gauge(names.STAGE_DROPPED, "Samples filtered out on purpose, each with a reason.", RUN_STAGE).add_metric(
+    families.gauge(metrics.STAGE_DROPPED, "Samples filtered out on purpose, each with a reason.", RUN_STAGE).add_metric(
         labels, counts.dropped
     )
     _progress(families, labels, expected, remaining, in_flight)
     # Absent, not a made-up number, while the recent rate cannot support an ETA (shared.runstate.Throughput).
     eta = state.throughput(stage, now=now).eta_seconds(remaining)
     if eta is not None:
-        families.gauge(names.STAGE_ETA, "Seconds until the stage finishes at its recent rate.", RUN_STAGE).add_metric(
+        families.gauge(metrics.STAGE_ETA, "Seconds until the stage finishes at its recent rate.", RUN_STAGE).add_metric(
             labels, eta
         )
 
@@ -181,29 +181,29 @@ def _whole_run_stage(families: Families, run: str, meta: dict[str, str], stage: 
 
 def _progress(families: Families, labels: list[str], expected: int, remaining: int, in_flight: int) -> None:
     families.gauge(
-        names.STAGE_EXPECTED, "Work items of the stage: samples, or steps for train and evaluate.", RUN_STAGE
+        metrics.STAGE_EXPECTED, "Work items of the stage: samples, or steps for train and evaluate.", RUN_STAGE
     ).add_metric(labels, expected)
-    families.gauge(names.STAGE_REMAINING, "Work items not yet settled (done, failed or dropped).", RUN_STAGE).add_metric(
+    families.gauge(metrics.STAGE_REMAINING, "Work items not yet settled (done, failed or dropped).", RUN_STAGE).add_metric(
         labels, remaining
     )
-    families.gauge(names.STAGE_PROGRESS, "Share of the stage's work items settled, 0 to 1.", RUN_STAGE).add_metric(
+    families.gauge(metrics.STAGE_PROGRESS, "Share of the stage's work items settled, 0 to 1.", RUN_STAGE).add_metric(
         labels, (expected - remaining) / expected if expected else 0.0
     )
-    families.gauge(names.STAGE_IN_FLIGHT, "RQ jobs of the run being worked on now.", RUN_STAGE).add_metric(
+    families.gauge(metrics.STAGE_IN_FLIGHT, "RQ jobs of the run being worked on now.", RUN_STAGE).add_metric(
         labels, in_flight
     )
 
 
 def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
     series = (
-        (names.RUN_HIDDEN_BYTES, names.META_HIDDEN_BYTES, "Bytes of hidden-state files written for the run."),
-        (names.TRAIN_STEP, names.META_TRAIN_STEP, "Optimizer steps the trainer has finished."),
-        (names.TRAIN_EPOCH, names.META_TRAIN_EPOCH, "Epoch (from 0) of the trainer's latest logged step."),
-        (names.TRAIN_LOSS, names.META_TRAIN_LOSS, "The trainer's latest logged loss."),
-        (names.TRAIN_LEARNING_RATE, names.META_TRAIN_LR, "The trainer's learning rate at its latest logged step."),
-        (names.TRAIN_TOKENS_PER_SECOND, names.META_TRAIN_TOKENS_PER_SECOND,
+        (metrics.RUN_HIDDEN_BYTES, metrics.META_HIDDEN_BYTES, "Bytes of hidden-state files written for the run."),
+        (metrics.TRAIN_STEP, metrics.META_TRAIN_STEP, "Optimizer steps the trainer has finished."),
+        (metrics.TRAIN_EPOCH, metrics.META_TRAIN_EPOCH, "Epoch (from 0) of the trainer's latest logged step."),
+        (metrics.TRAIN_LOSS, metrics.META_TRAIN_LOSS, "The trainer's latest logged loss."),
+        (metrics.TRAIN_LEARNING_RATE, metrics.META_TRAIN_LR, "The trainer's learning rate at its latest logged step."),
+        (metrics.TRAIN_TOKENS_PER_SECOND, metrics.META_TRAIN_TOKENS_PER_SECOND,
          "Loss-mask tokens the trainer trains on per second."),
-        (names.ACCEPTANCE_LENGTH, names.META_ACCEPTANCE_LENGTH, "Mean tokens accepted per verification step."),
+        (metrics.ACCEPTANCE_LENGTH, metrics.META_ACCEPTANCE_LENGTH, "Mean tokens accepted per verification step."),
     )
     for metric, field, doc in series:
         value = _number(meta, field)
@@ -221,7 +221,7 @@ def _acceptance_curve(families: Families, run: str, meta: dict[str, str]) -> Non
         value = _number(meta, field)
         if value is not None:
             families.gauge(
-                names.ACCEPTANCE_CURVE, "Tokens per target verification pass with k draft tokens, by set and method.",
+                metrics.ACCEPTANCE_CURVE, "Tokens per target verification pass with k draft tokens, by set and method.",
                 ["run", "set", "method", "k"],
             ).add_metric([run, set_name, method, k], value)
 
@@ -235,17 +235,17 @@ def _train_accuracy(families: Families, run: str, meta: dict[str, str]) -> None:
         value = _number(meta, field)
         if value is not None:
             families.gauge(
-                names.TRAIN_ACCURACY, "Share of draft position k's tokens that match the target, 0 to 1.", ["run", "k"]
+                metrics.TRAIN_ACCURACY, "Share of draft position k's tokens that match the target, 0 to 1.", ["run", "k"]
             ).add_metric([run, str(k)], value)
 
 
 def _run_disk(families: Families, run: str, disk: dict) -> None:
     """The supervisor's last disk verdict for the run: paused or not, and the projected bytes still needed."""
-    families.gauge(names.RUN_DISK_PAUSED, "1 while the run's extraction waits for disk space.", ["run"]).add_metric(
+    families.gauge(metrics.RUN_DISK_PAUSED, "1 while the run's extraction waits for disk space.", ["run"]).add_metric(
         [run], 1 if disk["paused"] else 0
     )
     if disk["projected_bytes"] is not None:
-        families.gauge(names.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
+        families.gauge(metrics.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
                        ["run"]).add_metric([run], disk["projected_bytes"])
 
 
@@ -288,8 +288,8 @@ def _job_id_owners(runs: list[str]) -> dict[str, tuple[str, str]]:
 
 
 def _collect_queues(families: Families, conn: redis.Redis) -> None:
-    jobs = families.gauge(names.QUEUE_JOBS, "Jobs waiting in the queue.", ["queue"])
-    workers = families.gauge(names.QUEUE_WORKERS, "Workers listening on the queue, by state.", ["queue", "state"])
+    jobs = families.gauge(metrics.QUEUE_JOBS, "Jobs waiting in the queue.", ["queue"])
+    workers = families.gauge(metrics.QUEUE_WORKERS, "Workers listening on the queue, by state.", ["queue", "state"])
     for name in QUEUES:
         q = queue(name, conn)
         jobs.add_metric([name], q.count)
@@ -317,18 +317,18 @@ def _collect_volume(families: Families, data: Path) -> None:
     except OSError as exc:
         log.warning("cannot read usage of the data volume %s: %s", data, exc)
         return
-    families.gauge(names.VOLUME_USED, "Bytes used on the filesystem holding the data volume.").add_metric([], usage.used)
-    families.gauge(names.VOLUME_FREE, "Bytes free on the filesystem holding the data volume.").add_metric([], usage.free)
+    families.gauge(metrics.VOLUME_USED, "Bytes used on the filesystem holding the data volume.").add_metric([], usage.used)
+    families.gauge(metrics.VOLUME_FREE, "Bytes free on the filesystem holding the data volume.").add_metric([], usage.free)
 
 
 def collect_gpus(families: Families, readings: list[GpuReading]) -> None:
-    families.gauge(names.GPUS, "GPUs visible through NVML; 0 without a driver or GPUs.").add_metric([], len(readings))
+    families.gauge(metrics.GPUS, "GPUs visible through NVML; 0 without a driver or GPUs.").add_metric([], len(readings))
     series = (
-        (names.GPU_UTILIZATION, "utilization_ratio", "Share of time a kernel ran, 0 to 1."),
-        (names.GPU_MEMORY_USED, "memory_used_bytes", "GPU memory in use."),
-        (names.GPU_MEMORY_TOTAL, "memory_total_bytes", "GPU memory installed."),
-        (names.GPU_TEMPERATURE, "temperature_celsius", "GPU core temperature."),
-        (names.GPU_POWER, "power_watts", "Power drawn by the board."),
+        (metrics.GPU_UTILIZATION, "utilization_ratio", "Share of time a kernel ran, 0 to 1."),
+        (metrics.GPU_MEMORY_USED, "memory_used_bytes", "GPU memory in use."),
+        (metrics.GPU_MEMORY_TOTAL, "memory_total_bytes", "GPU memory installed."),
+        (metrics.GPU_TEMPERATURE, "temperature_celsius", "GPU core temperature."),
+        (metrics.GPU_POWER, "power_watts", "Power drawn by the board."),
     )
     for reading in readings:
         labels = [str(reading.index), reading.name]

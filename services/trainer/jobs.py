@@ -25,16 +25,17 @@ from shared.drafter_format import layer_ids_of, read_config
 from shared.errors import DraftlineError, error_class
 from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
+from shared.lifecycle import StageState
 from shared.queues import connect, queue
 from shared.remote_code import load_from_target
 from shared.runspec import RunSpec
 from shared.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
-from services.trainer.eval_pool import evaluate_sets_in_processes
-from services.trainer.evalsets import EvalSet, load_sets
-from services.trainer.engine_acceptance import measure_export, verify_agreement
-from services.trainer.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
+from services.trainer.evaluation.eval_pool import evaluate_sets_in_processes
+from services.trainer.evaluation.evalsets import EvalSet, load_sets
+from services.trainer.evaluation.engine_acceptance import measure_export, verify_agreement
+from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
@@ -48,7 +49,7 @@ from services.trainer.train import (
     train_drafter,
     trained_from_checkpoint,
 )
-from services.trainer.vllm_launch import parse_command
+from services.trainer.evaluation.vllm_launch import parse_command
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +101,13 @@ def train(payload: dict) -> dict:
     except TrainingInProgress:
         raise  # the run's state belongs to the trainer holding the lock
     except Exception as exc:  # every way out of here but success leaves the run's train stage named failed
-        state.set_meta(train_state="failed", train_error=f"{error_class(exc)}: {exc}")
+        state.set_stage("train", StageState.FAILED, train_error=f"{error_class(exc)}: {exc}")
         raise
     warning = too_small_warning(learned)
     if warning:
         log.warning("run %s: %s", job.run, warning)
-    state.set_meta(train_state="done", export_path=str(paths.export_dir), train_finished_at=time.time(),
-                   train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
+    state.set_stage("train", StageState.DONE, export_path=str(paths.export_dir), train_finished_at=time.time(),
+                    train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
     queue(TRAIN_QUEUE, conn).enqueue_call(
         EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
         timeout=EVALUATE_TIMEOUT_S, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S,
@@ -123,7 +124,7 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     # ranks it would surface as a failed rank).
     check_base_checkpoint(spec.train, data=settings.data, model_dir=settings.model_dir, target_config=target_config,
                           layer_ids=expected_layer_ids(spec, target_config))
-    state.set_meta(train_state="running", train_started_at=time.time(), train_procs=procs)
+    state.set_stage("train", StageState.RUNNING, train_started_at=time.time(), train_procs=procs)
     if procs > 1:
         run_torchrun(spec.name, procs, settings)  # rank 0 reports progress and writes the checkpoints
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
@@ -138,13 +139,13 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
 def evaluate(payload: dict) -> dict:
     job = EvaluateJob.model_validate(payload)
     settings, _, state, paths = _run_context(job.run)
-    state.set_meta(evaluate_state="running")
+    state.set_stage("evaluate", StageState.RUNNING)
     try:
         spec = RunSpec.load(settings.data, job.run)
         sets = load_sets(spec.evaluate, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts,
                          turns=spec.generation.turns)
         if not sets:
-            state.set_meta(evaluate_state="skipped")
+            state.set_stage("evaluate", StageState.SKIPPED)
             log.info("run %s: no evaluation set (no rows held out), evaluation skipped", job.run)
             return {"run": job.run, "acceptance_length": None, "eval_report": None}
         report = _evaluate_export(settings, paths, spec, state, sets)
@@ -158,9 +159,9 @@ def evaluate(payload: dict) -> dict:
         if "engine" in report:
             verify_agreement(report["engine"])
     except Exception as exc:
-        state.set_meta(evaluate_state="failed", evaluate_error=f"{error_class(exc)}: {exc}")
+        state.set_stage("evaluate", StageState.FAILED, evaluate_error=f"{error_class(exc)}: {exc}")
         raise
-    state.set_meta(evaluate_state="done")
+    state.set_stage("evaluate", StageState.DONE)
     log.info("run %s: acceptance length %.3f over %d prompts of %s", job.run, report["acceptance_length"],
              len(report["prompts"]), report["headline_set"])
     return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}
@@ -217,7 +218,7 @@ def curve_meta(report: dict) -> dict[str, float]:
 
 def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState, sets: list[EvalSet]) -> dict:
     """The exported drafter (as the engines will load it) against the target on every evaluation set, in
-    ``eval_procs`` processes (services.trainer.eval_pool) or in this one."""
+    ``eval_procs`` processes (services.trainer.evaluation.eval_pool) or in this one."""
     device = pick_device(settings.device)
     total = sum(len(s.prompts) for s in sets)
     state.set_progress("evaluate", 0, total)

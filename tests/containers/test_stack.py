@@ -19,7 +19,7 @@ import yaml
 
 from services.cli.demo import demo_prompts_path
 from services.controller import datasets
-from services.exporter import names
+from shared import metrics
 from shared.atomic import temp_files
 from shared.errors import RowError
 from shared.hidden_file import verify_hidden_file
@@ -252,7 +252,7 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_query_runs(stack: Stac
     assert {rule["name"] for rule in rules} == shipped
     assert not {rule["name"]: rule.get("lastError") for rule in rules if rule["health"] != "ok"}
     # The run's last numbers (training, evaluation) reach Prometheus on the exporter's next scrape.
-    prom.wait_for(lambda: prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="faults"}}'),
+    prom.wait_for(lambda: prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="faults"}}'),
                   "the faults run's acceptance length in Prometheus", timeout=60)
     end = time.time() + 15  # a range query evaluates at start + k steps: one step past the newest sample
     start = end - 1800

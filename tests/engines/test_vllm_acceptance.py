@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 from shared.drafter_format import CONFIG_FILE, WEIGHTS_FILE, vllm_layer_ids
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
-from services.trainer import vllm_launch
-from services.trainer.engine_acceptance import measure_export, serve_and_decode
-from services.trainer.evalsets import read_eval_prompts
-from services.trainer.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
+from services.trainer.evaluation import vllm_launch
+from services.trainer.evaluation.engine_acceptance import measure_export, serve_and_decode
+from services.trainer.evaluation.evalsets import read_eval_prompts
+from services.trainer.evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
 from services.trainer.export import export_drafter
 from services.trainer.train import train_drafter
 from tests.engines import target_rule

@@ -11,7 +11,7 @@ import torch
 
 from services.trainer import checkpoint as ckpt
 from services.trainer import train as train_module
-from services.trainer.evaluate import EvalPrompt, evaluate_prompts, load_target
+from services.trainer.evaluation.evaluate import EvalPrompt, evaluate_prompts, load_target
 from services.trainer.export import export_drafter, load_drafter
 from services.trainer.train import TrainProgress, train_drafter
 from shared.runspec import EvalConfig, RunSpec

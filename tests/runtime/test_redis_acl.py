@@ -12,7 +12,7 @@ from rq.job import Job
 import redis
 from services.controller.feeder import feed_run
 from services.controller.submit import submit_run
-from services.exporter import names
+from shared import metrics
 from shared.errors import SettingsError
 from shared.jobs import GENERATE_QUEUE, generate_job_id
 from shared.queues import queue
@@ -155,12 +155,12 @@ def test_controller_feeds_a_worker_generates_and_the_exporter_reports_each_as_it
             admin.sadd(f"rq:workers:{GENERATE_QUEUE}", "rq:worker:gone")
             exporter_url = acl.url_for("exporter", PASSWORDS["exporter"])
             # The worker turns idle after its last job is marked finished.
-            wait_for(lambda: value(scrape(exporter_url, data_dir), names.QUEUE_WORKERS, queue=GENERATE_QUEUE,
+            wait_for(lambda: value(scrape(exporter_url, data_dir), metrics.QUEUE_WORKERS, queue=GENERATE_QUEUE,
                                    state="idle") == 1, "the worker reported idle by the exporter", 30, worker)
             samples = scrape(exporter_url, data_dir)
-            assert value(samples, names.REDIS_UP) == 1
-            assert value(samples, names.STAGE_DONE, run="acl", stage="generate") == 4
-            assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
+            assert value(samples, metrics.REDIS_UP) == 1
+            assert value(samples, metrics.STAGE_DONE, run="acl", stage="generate") == 4
+            assert value(samples, metrics.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
             assert admin.sismember(f"rq:workers:{GENERATE_QUEUE}", "rq:worker:gone")
         finally:
             worker.stop()

@@ -1,4 +1,4 @@
-"""Acceptance lengths computed independently of services/trainer/evaluate.py, to check its reports.
+"""Acceptance lengths computed independently of services/trainer/evaluation/evaluate.py, to check its reports.
 
 The reference shares nothing with the decoding loop under test but the two models: the target's greedy
 reply comes from ``generate``; the drafter's proposals after a prefix are recomputed from scratch (one

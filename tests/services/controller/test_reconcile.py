@@ -165,6 +165,21 @@ def test_a_resume_resets_cursors_and_keeps_a_live_trainers_reports(data_dir, red
     assert meta["train_done"] == "3"
 
 
+def test_a_resume_restores_lost_stages_from_the_evaluation_report(data_dir, redis_conn, state):
+    state.paths.eval_report.parent.mkdir(parents=True, exist_ok=True)
+    state.paths.eval_report.write_text(json.dumps({"acceptance_length": 2.5}))
+    redis_conn.flushall()
+    reconcile_run(data_dir, redis_conn, RUN)
+    meta = state.meta()
+    assert (meta["state"], meta["train_state"], meta["evaluate_state"]) == ("evaluating", "done", "done")
+    assert meta["acceptance_length"] == "2.5"
+    # A failure the trainer reported after writing the report is later than the report: it stands.
+    state.set_meta(evaluate_state="failed")
+    reconcile_run(data_dir, redis_conn, RUN)
+    assert state.meta()["evaluate_state"] == "failed"
+    assert run_status(data_dir, redis_conn, RUN)["state"] == "failed"
+
+
 def test_reconcile_of_an_unknown_run_is_named(data_dir, redis_conn):
     with pytest.raises(RunNotFound):
         reconcile_run(data_dir, redis_conn, "nope")

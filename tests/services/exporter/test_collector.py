@@ -13,7 +13,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.exporter import names
+from shared import metrics
 from services.exporter.collector import (
     DraftlineCollector,
     Families,
@@ -58,23 +58,23 @@ def test_sample_stage_counts_progress_and_remaining(redis_url, redis_conn, data_
     populate(redis_conn, data_dir)
     samples = scrape(redis_url, data_dir)
     gen = {"run": "r1", "stage": "generate"}
-    assert value(samples, names.REDIS_UP) == 1
-    assert value(samples, names.STAGE_EXPECTED, **gen) == 10
-    assert value(samples, names.STAGE_DONE, **gen) == 4
-    assert value(samples, names.STAGE_FAILED, **gen) == 1
-    assert value(samples, names.STAGE_DROPPED, **gen) == 1
-    assert value(samples, names.STAGE_REMAINING, **gen) == 4
-    assert value(samples, names.STAGE_PROGRESS, **gen) == pytest.approx(0.6)
-    assert value(samples, names.STAGE_DONE, run="r1", stage="extract") == 1
-    assert value(samples, names.STAGE_REMAINING, run="r1", stage="extract") == 9
+    assert value(samples, metrics.REDIS_UP) == 1
+    assert value(samples, metrics.STAGE_EXPECTED, **gen) == 10
+    assert value(samples, metrics.STAGE_DONE, **gen) == 4
+    assert value(samples, metrics.STAGE_FAILED, **gen) == 1
+    assert value(samples, metrics.STAGE_DROPPED, **gen) == 1
+    assert value(samples, metrics.STAGE_REMAINING, **gen) == 4
+    assert value(samples, metrics.STAGE_PROGRESS, **gen) == pytest.approx(0.6)
+    assert value(samples, metrics.STAGE_DONE, run="r1", stage="extract") == 1
+    assert value(samples, metrics.STAGE_REMAINING, run="r1", stage="extract") == 9
 
 
 def test_a_retried_sample_leaves_the_failed_gauge(redis_url, redis_conn, data_dir) -> None:
     state = populate(redis_conn, data_dir)
     state.mark_done("generate", 5)
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.STAGE_FAILED, run="r1", stage="generate") == 0
-    assert value(samples, names.STAGE_DONE, run="r1", stage="generate") == 5
+    assert value(samples, metrics.STAGE_FAILED, run="r1", stage="generate") == 0
+    assert value(samples, metrics.STAGE_DONE, run="r1", stage="generate") == 5
 
 
 def test_eta_is_remaining_over_the_recent_rate(redis_url, redis_conn, data_dir) -> None:
@@ -88,9 +88,9 @@ def test_eta_is_remaining_over_the_recent_rate(redis_url, redis_conn, data_dir) 
     samples = scrape(redis_url, data_dir, clock=lambda: now)
     rate = state.throughput("generate", now=now).per_second
     assert rate == pytest.approx(40 / 80)
-    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") == pytest.approx(60 / rate)
+    assert value(samples, metrics.STAGE_ETA, run="r1", stage="generate") == pytest.approx(60 / rate)
     # One extraction is not enough for an ETA: absent rather than a made-up one.
-    assert value(samples, names.STAGE_ETA, run="r1", stage="extract") is None
+    assert value(samples, metrics.STAGE_ETA, run="r1", stage="extract") is None
 
 
 def test_a_burst_is_no_eta(redis_url, redis_conn, data_dir) -> None:
@@ -99,8 +99,8 @@ def test_a_burst_is_no_eta(redis_url, redis_conn, data_dir) -> None:
     for sample_id in range(50):  # one batch landing at once, moments ago
         state.mark_done("generate", sample_id)
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.STAGE_REMAINING, run="r1", stage="generate") == 50
-    assert value(samples, names.STAGE_ETA, run="r1", stage="generate") is None
+    assert value(samples, metrics.STAGE_REMAINING, run="r1", stage="generate") == 50
+    assert value(samples, metrics.STAGE_ETA, run="r1", stage="generate") is None
 
 
 def test_eta_is_zero_once_nothing_remains(redis_url, redis_conn, data_dir) -> None:
@@ -108,8 +108,8 @@ def test_eta_is_zero_once_nothing_remains(redis_url, redis_conn, data_dir) -> No
     state.register(1)
     state.mark_done("generate", 0)
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.STAGE_ETA, run="small", stage="generate") == 0
-    assert value(samples, names.STAGE_PROGRESS, run="small", stage="generate") == 1
+    assert value(samples, metrics.STAGE_ETA, run="small", stage="generate") == 0
+    assert value(samples, metrics.STAGE_PROGRESS, run="small", stage="generate") == 1
 
 
 def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> None:
@@ -120,15 +120,15 @@ def test_whole_run_stages_and_meta_tallies(redis_url, redis_conn, data_dir) -> N
     state.set_meta(acceptance_length=2.75)
     samples = scrape(redis_url, data_dir)
     train = {"run": "r1", "stage": "train"}
-    assert value(samples, names.STAGE_EXPECTED, **train) == 200
-    assert value(samples, names.STAGE_REMAINING, **train) == 175
-    assert value(samples, names.STAGE_PROGRESS, **train) == pytest.approx(0.125)
-    assert value(samples, names.TRAIN_STEP, run="r1") == 25
-    assert value(samples, names.TRAIN_LOSS, run="r1") == 2.5
-    assert value(samples, names.RUN_HIDDEN_BYTES, run="r1") == 5120
-    assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 2.75
+    assert value(samples, metrics.STAGE_EXPECTED, **train) == 200
+    assert value(samples, metrics.STAGE_REMAINING, **train) == 175
+    assert value(samples, metrics.STAGE_PROGRESS, **train) == pytest.approx(0.125)
+    assert value(samples, metrics.TRAIN_STEP, run="r1") == 25
+    assert value(samples, metrics.TRAIN_LOSS, run="r1") == 2.5
+    assert value(samples, metrics.RUN_HIDDEN_BYTES, run="r1") == 5120
+    assert value(samples, metrics.ACCEPTANCE_LENGTH, run="r1") == 2.75
     # Evaluation has not started: no series rather than a zero that reads as "nothing to do".
-    assert value(samples, names.STAGE_EXPECTED, run="r1", stage="evaluate") is None
+    assert value(samples, metrics.STAGE_EXPECTED, run="r1", stage="evaluate") is None
 
 
 def test_the_acceptance_curve_is_one_series_per_set_method_and_k(redis_url, redis_conn, data_dir) -> None:
@@ -139,7 +139,7 @@ def test_the_acceptance_curve_is_one_series_per_set_method_and_k(redis_url, redi
                       "evaluate_accept.holdout.drafter.x": 9, "evaluate_accept.broken": 9})
     samples = scrape(redis_url, data_dir)
     found = {dict(labels)["set"] + "." + dict(labels)["method"] + "." + dict(labels)["k"]: v
-             for (name, labels), v in samples.items() if name == names.ACCEPTANCE_CURVE}
+             for (name, labels), v in samples.items() if name == metrics.ACCEPTANCE_CURVE}
     assert found == {"holdout.drafter.1": 1.5, "holdout.drafter.7": 2.25, "humaneval.lookup.3": 1.75,
                      "holdout.no_drafter.0": 1.0}
 
@@ -148,17 +148,17 @@ def test_retries_count_per_stage_and_start_at_zero(redis_url, redis_conn, data_d
     state = populate(redis_conn, data_dir)
     samples = scrape(redis_url, data_dir)
     # No retry yet: the series exists at 0, so rate() and the dashboards see the run from its start.
-    assert value(samples, names.STAGE_RETRIED, run="r1", stage="generate") == 0
-    assert value(samples, names.STAGE_RETRIED, run="r1", stage="extract") == 0
+    assert value(samples, metrics.STAGE_RETRIED, run="r1", stage="generate") == 0
+    assert value(samples, metrics.STAGE_RETRIED, run="r1", stage="extract") == 0
     state.note_retry("extract")
     state.note_retry("extract")
     state.note_retry("generate")
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.STAGE_RETRIED, run="r1", stage="extract") == 2
-    assert value(samples, names.STAGE_RETRIED, run="r1", stage="generate") == 1
+    assert value(samples, metrics.STAGE_RETRIED, run="r1", stage="extract") == 2
+    assert value(samples, metrics.STAGE_RETRIED, run="r1", stage="generate") == 1
     # Retries are attempts, not outcomes: the done and failed counts do not move.
-    assert value(samples, names.STAGE_DONE, run="r1", stage="extract") == 1
-    assert value(samples, names.STAGE_FAILED, run="r1", stage="generate") == 1
+    assert value(samples, metrics.STAGE_DONE, run="r1", stage="extract") == 1
+    assert value(samples, metrics.STAGE_FAILED, run="r1", stage="generate") == 1
 
 
 def test_trainer_epoch_accuracy_per_position_lr_and_tokens_per_second(redis_url, redis_conn, data_dir) -> None:
@@ -167,21 +167,21 @@ def test_trainer_epoch_accuracy_per_position_lr_and_tokens_per_second(redis_url,
     accs = {f"acc{k}": a for k, a in enumerate([0.61, 0.42, 0.3, 0.21, 0.15, 0.11, 0.08, 0.06, 0.05, 0.04, 0.03])}
     state.set_progress("train", 40, 120, loss=1.75, epoch=1, lr=0.0005, tokens_per_s=812.5, **accs)
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.TRAIN_STEP, run="r1") == 40
-    assert value(samples, names.TRAIN_EPOCH, run="r1") == 1
-    assert value(samples, names.TRAIN_LOSS, run="r1") == 1.75
-    assert value(samples, names.TRAIN_LEARNING_RATE, run="r1") == 0.0005
-    assert value(samples, names.TRAIN_TOKENS_PER_SECOND, run="r1") == 812.5
+    assert value(samples, metrics.TRAIN_STEP, run="r1") == 40
+    assert value(samples, metrics.TRAIN_EPOCH, run="r1") == 1
+    assert value(samples, metrics.TRAIN_LOSS, run="r1") == 1.75
+    assert value(samples, metrics.TRAIN_LEARNING_RATE, run="r1") == 0.0005
+    assert value(samples, metrics.TRAIN_TOKENS_PER_SECOND, run="r1") == 812.5
     # Two-digit positions too: k is the number after the prefix, not a character of it.
     for k, acc in enumerate(accs.values()):
-        assert value(samples, names.TRAIN_ACCURACY, run="r1", k=str(k)) == acc
-    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="11") is None
+        assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k=str(k)) == acc
+    assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k="11") is None
 
 
 def test_trainer_series_are_absent_before_training_starts(redis_url, redis_conn, data_dir) -> None:
     populate(redis_conn, data_dir)
     samples = scrape(redis_url, data_dir)
-    for metric in (names.TRAIN_EPOCH, names.TRAIN_ACCURACY, names.TRAIN_LEARNING_RATE, names.TRAIN_TOKENS_PER_SECOND):
+    for metric in (metrics.TRAIN_EPOCH, metrics.TRAIN_ACCURACY, metrics.TRAIN_LEARNING_RATE, metrics.TRAIN_TOKENS_PER_SECOND):
         assert not any(name == metric for name, _ in samples), metric
 
 
@@ -191,13 +191,13 @@ def test_a_malformed_meta_field_is_skipped_not_fatal(redis_url, redis_conn, data
     broken = populate(redis_conn, data_dir, "broken")
     broken.set_meta(expected="")
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.TRAIN_LOSS, run="r1") is None
-    assert value(samples, names.ACCEPTANCE_LENGTH, run="r1") == 3.0
-    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="0") is None
-    assert value(samples, names.TRAIN_ACCURACY, run="r1", k="1") == 0.5
-    assert value(samples, names.STAGE_EXPECTED, run="broken", stage="generate") == 0
-    assert value(samples, names.STAGE_DONE, run="broken", stage="generate") == 4
-    assert value(samples, names.REDIS_UP) == 1
+    assert value(samples, metrics.TRAIN_LOSS, run="r1") is None
+    assert value(samples, metrics.ACCEPTANCE_LENGTH, run="r1") == 3.0
+    assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k="0") is None
+    assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k="1") == 0.5
+    assert value(samples, metrics.STAGE_EXPECTED, run="broken", stage="generate") == 0
+    assert value(samples, metrics.STAGE_DONE, run="broken", stage="generate") == 4
+    assert value(samples, metrics.REDIS_UP) == 1
 
 
 def test_every_run_in_redis_is_reported(redis_url, redis_conn, data_dir) -> None:
@@ -205,7 +205,7 @@ def test_every_run_in_redis_is_reported(redis_url, redis_conn, data_dir) -> None
     populate(redis_conn, data_dir, "beta")
     samples = scrape(redis_url, data_dir)
     for run in ("alpha", "beta"):
-        assert value(samples, names.STAGE_DONE, run=run, stage="generate") == 4
+        assert value(samples, metrics.STAGE_DONE, run=run, stage="generate") == 4
 
 
 def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> None:
@@ -214,9 +214,9 @@ def test_queue_depth_counts_waiting_jobs(redis_url, redis_conn, data_dir) -> Non
         extract.enqueue_call(EXTRACT_FUNC, args=({"run": "r1", "sample_id": sample_id},),
                              job_id=extract_job_id("r1", sample_id))
     samples = scrape(redis_url, data_dir)
-    assert value(samples, names.QUEUE_JOBS, queue=EXTRACT_QUEUE) == 3
-    assert value(samples, names.QUEUE_JOBS, queue=GENERATE_QUEUE) == 0
-    assert value(samples, names.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="idle") == 0
+    assert value(samples, metrics.QUEUE_JOBS, queue=EXTRACT_QUEUE) == 3
+    assert value(samples, metrics.QUEUE_JOBS, queue=GENERATE_QUEUE) == 0
+    assert value(samples, metrics.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="idle") == 0
 
 
 def start_worker(redis_url: str, queue_name: str, log_path: Path) -> subprocess.Popen:
@@ -261,9 +261,9 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
         def settled() -> Samples | None:
             samples = scrape(redis_url, data_dir)
             ready = (
-                value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="busy") == 1
-                and value(samples, names.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="busy") == 1
-                and value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
+                value(samples, metrics.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="busy") == 1
+                and value(samples, metrics.QUEUE_WORKERS, queue=EXTRACT_QUEUE, state="busy") == 1
+                and value(samples, metrics.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="idle") == 1
             )
             return samples if ready else None
 
@@ -273,13 +273,13 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
         # the transaction that marks its worker busy, and these jobs never end: a scrape begun after both
         # workers were seen busy counts both jobs.
         samples = scrape(redis_url, data_dir)
-        assert value(samples, names.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="idle") == 0
-        assert value(samples, names.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="busy") == 0
-        assert value(samples, names.QUEUE_JOBS, queue=TRAIN_QUEUE) == 0
-        assert value(samples, names.STAGE_IN_FLIGHT, run="r1", stage="train") == 1
-        assert value(samples, names.STAGE_IN_FLIGHT, run="my_run.v2", stage="extract") == 1
-        assert value(samples, names.STAGE_IN_FLIGHT, run="r1", stage="extract") == 0
-        assert value(samples, names.STAGE_IN_FLIGHT, run="my_run.v2", stage="generate") == 0
+        assert value(samples, metrics.QUEUE_WORKERS, queue=TRAIN_QUEUE, state="idle") == 0
+        assert value(samples, metrics.QUEUE_WORKERS, queue=GENERATE_QUEUE, state="busy") == 0
+        assert value(samples, metrics.QUEUE_JOBS, queue=TRAIN_QUEUE) == 0
+        assert value(samples, metrics.STAGE_IN_FLIGHT, run="r1", stage="train") == 1
+        assert value(samples, metrics.STAGE_IN_FLIGHT, run="my_run.v2", stage="extract") == 1
+        assert value(samples, metrics.STAGE_IN_FLIGHT, run="r1", stage="extract") == 0
+        assert value(samples, metrics.STAGE_IN_FLIGHT, run="my_run.v2", stage="generate") == 0
     finally:
         for proc in workers:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -288,24 +288,24 @@ def test_busy_and_idle_workers_and_jobs_in_flight(redis_url, redis_conn, data_di
 
 def test_redis_down_is_a_reading_not_a_failed_scrape(data_dir) -> None:
     samples = scrape(f"redis://127.0.0.1:{free_port()}/0", data_dir)
-    assert value(samples, names.REDIS_UP) == 0
+    assert value(samples, metrics.REDIS_UP) == 0
     assert not any(name.startswith(("draftline_stage_", "draftline_queue_")) for name, _ in samples)
-    assert value(samples, names.VOLUME_FREE) > 0
-    assert value(samples, names.GPUS) == 0
+    assert value(samples, metrics.VOLUME_FREE) > 0
+    assert value(samples, metrics.GPUS) == 0
 
 
 def test_volume_usage_is_that_of_the_filesystem_holding_the_data(redis_url, data_dir) -> None:
     samples = scrape(redis_url, data_dir)
     usage = os.statvfs(data_dir)
-    assert value(samples, names.VOLUME_USED) > 0
+    assert value(samples, metrics.VOLUME_USED) > 0
     # Free space moves while the test runs; the scrape and statvfs agree to within a gigabyte.
-    assert value(samples, names.VOLUME_FREE) == pytest.approx(usage.f_bavail * usage.f_frsize, abs=1 << 30)
+    assert value(samples, metrics.VOLUME_FREE) == pytest.approx(usage.f_bavail * usage.f_frsize, abs=1 << 30)
 
 
 def test_a_missing_data_directory_drops_only_the_volume_series(redis_url, tmp_path) -> None:
     samples = scrape(redis_url, tmp_path / "absent")
-    assert value(samples, names.VOLUME_FREE) is None
-    assert value(samples, names.REDIS_UP) == 1
+    assert value(samples, metrics.VOLUME_FREE) is None
+    assert value(samples, metrics.REDIS_UP) == 1
 
 
 def test_no_nvml_means_zero_gpus_without_an_error(redis_url, data_dir) -> None:
@@ -313,7 +313,7 @@ def test_no_nvml_means_zero_gpus_without_an_error(redis_url, data_dir) -> None:
     if gpus.available and gpus.read():
         pytest.skip("this machine has GPUs")
     samples = scrape(redis_url, data_dir, gpus=gpus)
-    assert value(samples, names.GPUS) == 0
+    assert value(samples, metrics.GPUS) == 0
     assert not any(name.startswith("draftline_gpu_") for name, _ in samples)
 
 
@@ -325,11 +325,11 @@ def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -
     families = Families()
     collect_gpus(families, readings)
     samples = {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
-    assert value(samples, names.GPUS) == 2
-    assert value(samples, names.GPU_UTILIZATION, gpu="0", name="NVIDIA H200") == 0.5
-    assert value(samples, names.GPU_MEMORY_TOTAL, gpu="1", name="NVIDIA H200") == 141 << 30
-    assert value(samples, names.GPU_POWER, gpu="0", name="NVIDIA H200") == 300.0
-    assert value(samples, names.GPU_POWER, gpu="1", name="NVIDIA H200") is None
+    assert value(samples, metrics.GPUS) == 2
+    assert value(samples, metrics.GPU_UTILIZATION, gpu="0", name="NVIDIA H200") == 0.5
+    assert value(samples, metrics.GPU_MEMORY_TOTAL, gpu="1", name="NVIDIA H200") == 141 << 30
+    assert value(samples, metrics.GPU_POWER, gpu="0", name="NVIDIA H200") == 300.0
+    assert value(samples, metrics.GPU_POWER, gpu="1", name="NVIDIA H200") is None
 
 
 def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_conn, data_dir) -> None:
@@ -337,10 +337,10 @@ def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_
     from shared.settings import ControllerSettings
 
     populate(redis_conn, data_dir)
-    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 0
+    assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 0
     headroom = supervise_disk(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn, "r1")
-    assert value(scrape(redis_url, data_dir), names.RUN_PROJECTED_BYTES, run="r1") == headroom.projected_bytes
+    assert value(scrape(redis_url, data_dir), metrics.RUN_PROJECTED_BYTES, run="r1") == headroom.projected_bytes
     set_paused(redis_conn, "r1", "projected 2 TiB, 1 TiB free")
-    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 1
+    assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 1
     clear_paused(redis_conn, "r1")
-    assert value(scrape(redis_url, data_dir), names.RUN_DISK_PAUSED, run="r1") == 0
+    assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.exporter import names
+from shared import metrics
 from services.inference import metrics as inference_metrics
 from tests.services.exporter import dashboards
 from tests.services.exporter.dashboards import BUILTIN_VARIABLES, DATASOURCE_UID
@@ -28,7 +28,7 @@ ids = [path.name for path in ALL]
 
 def known_metrics() -> set[str]:
     """Names the exporter publishes, plus every sample name of the inference server's registry."""
-    found = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v.startswith("draftline_")}
+    found = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str) and v.startswith("draftline_")}
     registry = inference_metrics.InferenceMetrics().registry
     for family in registry.collect():
         found.add(family.name)
@@ -74,9 +74,9 @@ def test_every_variable_used_is_defined_or_a_grafana_builtin(path: Path) -> None
 @pytest.mark.parametrize("path", ALL, ids=ids)
 def test_run_labelled_series_are_filtered_by_the_run_variable(path: Path) -> None:
     """Where a panel shows a per-run series, the run picker applies to it."""
-    per_run = {names.STAGE_PROGRESS, names.STAGE_EXPECTED, names.STAGE_DONE, names.STAGE_REMAINING,
-               names.STAGE_FAILED, names.STAGE_RETRIED, names.TRAIN_LOSS, names.ACCEPTANCE_LENGTH,
-               names.TRAIN_ACCURACY, names.RUN_HIDDEN_BYTES, names.RUN_PROJECTED_BYTES}
+    per_run = {metrics.STAGE_PROGRESS, metrics.STAGE_EXPECTED, metrics.STAGE_DONE, metrics.STAGE_REMAINING,
+               metrics.STAGE_FAILED, metrics.STAGE_RETRIED, metrics.TRAIN_LOSS, metrics.ACCEPTANCE_LENGTH,
+               metrics.TRAIN_ACCURACY, metrics.RUN_HIDDEN_BYTES, metrics.RUN_PROJECTED_BYTES}
     for query in dashboards.queries(ALL[path]):
         for metric in set(METRIC.findall(query.expr)) & per_run:
             assert re.search(rf'{metric}\{{[^}}]*run=~"\$run"', query.expr), str(query)
@@ -108,8 +108,8 @@ def test_every_panel_but_rows_has_a_query_and_every_query_is_unique_by_ref_id() 
 
 def test_inference_server_metrics_have_a_place() -> None:
     shown = {m for dash in ALL.values() for q in dashboards.queries(dash) for m in METRIC.findall(q.expr)}
-    for metric in (inference_metrics.REQUEST_DURATION + "_bucket", inference_metrics.GENERATED_TOKENS,
-                   inference_metrics.HIDDEN_STATE_BYTES):
+    for metric in (metrics.INFERENCE_REQUEST_DURATION + "_bucket", metrics.INFERENCE_GENERATED_TOKENS,
+                   metrics.INFERENCE_HIDDEN_STATE_BYTES):
         assert metric in shown, metric
 
 

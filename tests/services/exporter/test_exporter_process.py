@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from services.exporter import names
+from shared import metrics
 from runtime.gpu import GpuReader
 from shared.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import parse, value
@@ -50,20 +50,20 @@ def test_scrape_reports_a_run_populated_through_runstate(redis_url, redis_conn, 
     proc, base = exporter(redis_url, data_dir, tmp_path / "logs")
     with proc:
         samples = scrape(base)
-        assert value(samples, names.REDIS_UP) == 1
-        assert value(samples, names.STAGE_EXPECTED, run="demo", stage="generate") == 20
-        assert value(samples, names.STAGE_DONE, run="demo", stage="generate") == 6
-        assert value(samples, names.STAGE_FAILED, run="demo", stage="generate") == 1
-        assert value(samples, names.STAGE_DROPPED, run="demo", stage="generate") == 1
-        assert value(samples, names.STAGE_REMAINING, run="demo", stage="generate") == 12
-        assert value(samples, names.STAGE_DONE, run="demo", stage="extract") == 1
-        assert value(samples, names.RUN_HIDDEN_BYTES, run="demo") == 123_456
-        assert value(samples, names.VOLUME_FREE) > 0
-        assert value(samples, names.GPUS) == visible_gpus()
+        assert value(samples, metrics.REDIS_UP) == 1
+        assert value(samples, metrics.STAGE_EXPECTED, run="demo", stage="generate") == 20
+        assert value(samples, metrics.STAGE_DONE, run="demo", stage="generate") == 6
+        assert value(samples, metrics.STAGE_FAILED, run="demo", stage="generate") == 1
+        assert value(samples, metrics.STAGE_DROPPED, run="demo", stage="generate") == 1
+        assert value(samples, metrics.STAGE_REMAINING, run="demo", stage="generate") == 12
+        assert value(samples, metrics.STAGE_DONE, run="demo", stage="extract") == 1
+        assert value(samples, metrics.RUN_HIDDEN_BYTES, run="demo") == 123_456
+        assert value(samples, metrics.VOLUME_FREE) > 0
+        assert value(samples, metrics.GPUS) == visible_gpus()
 
         # Read at scrape time: work done after start-up shows in the next scrape.
         state.mark_done("generate", 8)
-        assert value(scrape(base), names.STAGE_DONE, run="demo", stage="generate") == 7
+        assert value(scrape(base), metrics.STAGE_DONE, run="demo", stage="generate") == 7
 
 
 def test_scrape_answers_with_redis_up_zero_while_redis_is_gone(data_dir, tmp_path) -> None:
@@ -71,20 +71,20 @@ def test_scrape_answers_with_redis_up_zero_while_redis_is_gone(data_dir, tmp_pat
     try:
         proc, base = exporter(server.url, data_dir, tmp_path / "logs")
         with proc:
-            assert value(scrape(base), names.REDIS_UP) == 1
+            assert value(scrape(base), metrics.REDIS_UP) == 1
             server.stop()
             for _ in range(2):
                 samples = scrape(base)
-                assert value(samples, names.REDIS_UP) == 0
-                assert value(samples, names.VOLUME_USED) > 0
-                assert value(samples, names.GPUS) == visible_gpus()
+                assert value(samples, metrics.REDIS_UP) == 0
+                assert value(samples, metrics.VOLUME_USED) > 0
+                assert value(samples, metrics.GPUS) == visible_gpus()
             assert proc.alive()
             # The same Redis back on its port: the next scrape reconnects without a restart.
             server = RedisServer(tmp_path / "redis", port=server.port).start()
             RunState(redis.Redis.from_url(server.url), data_dir, "after").register(3)
             samples = scrape(base)
-            assert value(samples, names.REDIS_UP) == 1
-            assert value(samples, names.STAGE_EXPECTED, run="after", stage="extract") == 3
+            assert value(samples, metrics.REDIS_UP) == 1
+            assert value(samples, metrics.STAGE_EXPECTED, run="after", stage="extract") == 3
             assert proc.log().count("redis unreachable") == 1  # one line per outage, not per scrape
     finally:
         server.stop()

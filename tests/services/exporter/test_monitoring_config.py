@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.exporter import names
+from shared import metrics
 from services.inference import metrics as inference_metrics
 from tests.support.processes import REPO
 
@@ -23,7 +23,7 @@ needs_promtool = pytest.mark.needs_package("prometheus")
 
 
 def exported() -> set[str]:
-    return {value for key, value in vars(names).items() if key.isupper() and isinstance(value, str) and value.startswith("draftline_")}
+    return {value for key, value in vars(metrics).items() if key.isupper() and isinstance(value, str) and value.startswith("draftline_")}
 
 
 def alert_rules() -> list[dict]:
@@ -70,7 +70,8 @@ def all_metric_names() -> dict[str, str]:
 
 
 def test_metric_names_follow_prometheus_conventions() -> None:
-    counters = {names.STAGE_DONE, names.STAGE_RETRIED}
+    counters = {metrics.STAGE_DONE, metrics.STAGE_RETRIED, metrics.INFERENCE_REQUESTS, metrics.INFERENCE_GENERATED_TOKENS,
+                metrics.INFERENCE_HIDDEN_STATE_BYTES}
     for name in exported():
         assert name.endswith("_total") == (name in counters), f"{name}: _total is for counters only"
     for name, kind in all_metric_names().items():

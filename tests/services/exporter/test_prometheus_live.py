@@ -16,7 +16,7 @@ import yaml
 
 from services.cli.demo import demo_prompts_path
 from services.cli.stack import LocalStack, StackConfig
-from services.exporter import names
+from shared import metrics
 from tests.services.exporter import dashboards
 from tests.support.processes import REPO
 from tests.support.prometheus import (
@@ -91,7 +91,7 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
         assert response.status_code == 201, response.text
         status = wait_terminal(stack, RUN, timeout=240.0)
         # The run's last numbers reach Prometheus on the next scrape of the exporter.
-        prom.wait_for(lambda: prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="{RUN}"}}'),
+        prom.wait_for(lambda: prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="{RUN}"}}'),
                       "the acceptance length in Prometheus", timeout=30)
         # A range query evaluates at start + k steps; end one step past the newest sample so it is seen.
         yield {"prom": prom, "stack": stack, "status": status, "start": started, "end": time.time() + 2}
@@ -110,11 +110,11 @@ def test_the_run_completes_under_observation(observed) -> None:
 def test_prometheus_holds_the_numbers_the_controller_reports(observed) -> None:
     prom, status = observed["prom"], observed["status"]
     for stage in ("generate", "extract"):
-        (series,) = prom.query(f'{names.STAGE_DONE}{{run="{RUN}",stage="{stage}"}}')
+        (series,) = prom.query(f'{metrics.STAGE_DONE}{{run="{RUN}",stage="{stage}"}}')
         assert float(series["value"][1]) == status["stages"][stage]["done"] > 0
-    (expected,) = prom.query(f'{names.STAGE_EXPECTED}{{run="{RUN}",stage="train"}}')
+    (expected,) = prom.query(f'{metrics.STAGE_EXPECTED}{{run="{RUN}",stage="train"}}')
     assert float(expected["value"][1]) == status["stages"]["train"]["total"] > 0
-    (acceptance,) = prom.query(f'{names.ACCEPTANCE_LENGTH}{{run="{RUN}"}}')
+    (acceptance,) = prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="{RUN}"}}')
     assert float(acceptance["value"][1]) == pytest.approx(status["drafter"]["acceptance_length"])
 
 

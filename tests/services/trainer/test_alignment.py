@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.trainer.data import collate
-from services.trainer.speculative import DrafterProposer, aux_states
+from services.trainer.evaluation.speculative import DrafterProposer, aux_states
 from services.trainer.model import DrafterConfig, Eagle3Drafter
 from services.trainer.target_head import load_target_head, read_target_config
 from services.trainer.train import Targets, TTTObjective, make_targets

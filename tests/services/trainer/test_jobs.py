@@ -111,7 +111,7 @@ def test_a_run_that_held_nothing_out_skips_evaluation(job_settings, make_run, re
 def test_a_decode_that_departs_from_greedy_fails_the_job_after_the_report_is_written(
     job_settings, make_run, redis_conn, data_dir, tiny_target, monkeypatch
 ):
-    from services.trainer import speculative_batch
+    from services.trainer.evaluation import speculative_batch
     from services.trainer.export import export_drafter
     from services.trainer.model import DrafterConfig, Eagle3Drafter
     from services.trainer.target_head import load_target_head, read_target_config

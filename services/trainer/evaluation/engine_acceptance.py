@@ -35,8 +35,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.errors import DraftlineError
-from services.trainer.evaluate import first_difference
-from services.trainer.vllm_launch import vllm_server
+from services.trainer.evaluation.evaluate import first_difference
+from services.trainer.evaluation.vllm_launch import vllm_server
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.eval_pool import EvaluationProcessFailed, evaluate_sets_in_processes, shard
-from services.trainer.evalsets import EvalPrompt, EvalSet
-from services.trainer.evaluate import evaluate_sets, load_target
+from services.trainer.evaluation.eval_pool import EvaluationProcessFailed, evaluate_sets_in_processes, shard
+from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
+from services.trainer.evaluation.evaluate import evaluate_sets, load_target
 from services.trainer.export import export_drafter, load_drafter
 from services.trainer.train import train_drafter
 from shared.runspec import EvalConfig, RunSpec

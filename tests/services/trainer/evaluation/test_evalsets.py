@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.trainer.evalsets import HUMANEVAL_SIZE, humaneval_prompts, load_sets, read_humaneval
+from services.trainer.evaluation.evalsets import HUMANEVAL_SIZE, humaneval_prompts, load_sets, read_humaneval
 from shared.errors import DatasetError
 from shared.runspec import EvalConfig
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.trainer.lookup import LookupProposer, NoProposer
-from services.trainer.speculative import DrafterProposer, speculative_generate
-from services.trainer.speculative_batch import (
+from services.trainer.evaluation.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation.speculative import DrafterProposer, speculative_generate
+from services.trainer.evaluation.speculative_batch import (
     BatchDrafterProposer,
     RowProposers,
     prefill_batch,
     speculative_generate_batch,
 )
 from tests.services.trainer.conftest import LAYER_IDS, demo_messages, greedy_reply, prompt_ids
-from tests.services.trainer.test_evaluate import OracleProposer
+from tests.services.trainer.evaluation.test_evaluate import OracleProposer
 
 MAX_NEW = 40  # longer than several of the tiny target's replies: some rows stop at eos, others at the budget
 

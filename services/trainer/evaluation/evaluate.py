@@ -35,12 +35,12 @@ from runtime.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
 from shared.remote_code import load_from_target
 from shared.runspec import EvalConfig
-from services.trainer.evalsets import EvalPrompt, EvalSet
-from services.trainer.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
+from services.trainer.evaluation.lookup import LookupProposer, NoProposer
 from services.trainer.model import Eagle3Drafter
-from services.trainer.speculative import DecodeResult, eos_ids_of
+from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
 from services.trainer.train import avoid_cudnn_attention
-from services.trainer.speculative_batch import (
+from services.trainer.evaluation.speculative_batch import (
     BatchDrafterProposer,
     RowProposers,
     left_pad,

@@ -1,4 +1,5 @@
-"""Metric names the exporter publishes; alerts, dashboards and tests refer to these.
+"""Metric names draftline publishes, the exporter's and the inference server's; alerts, dashboards and tests
+refer to these.
 
 Conventions: a ``draftline_`` prefix, base units in the name (``_bytes``, ``_seconds``, ``_celsius``,
 ``_watts``), ``_total`` on counters, ratios in 0..1.
@@ -63,3 +64,10 @@ META_TRAIN_ACCURACY_PREFIX = "train_acc"  # train_acc0, train_acc1, …: one fie
 META_ACCEPTANCE_LENGTH = "acceptance_length"
 META_ACCEPTANCE_CURVE_PREFIX = "evaluate_accept"  # evaluate_accept.<set>.<method>.<k>, one field per point
 WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total
+
+# ---- the built-in inference server's own /metrics (services/inference/metrics.py) -------------------------
+INFERENCE_REQUEST_DURATION = "draftline_inference_request_duration_seconds"  # histogram, label endpoint
+INFERENCE_REQUESTS = "draftline_inference_requests_total"  # labels endpoint, status
+INFERENCE_GENERATED_TOKENS = "draftline_inference_generated_tokens_total"
+INFERENCE_BATCH_SIZE = "draftline_inference_batch_size"  # histogram, label endpoint
+INFERENCE_HIDDEN_STATE_BYTES = "draftline_inference_hidden_state_bytes_total"

@@ -20,7 +20,7 @@ from typing import Any
 
 from shared.errors import DraftlineError
 from shared.runspec import EvalConfig
-from services.trainer.evalsets import EvalPrompt, EvalSet
+from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
     try:
         import torch
 
-        from services.trainer.evaluate import SetRun, load_evaluated, measure_prompts
+        from services.trainer.evaluation.evaluate import SetRun, load_evaluated, measure_prompts
 
         torch.set_num_threads(1)
         config = EvalConfig.model_validate(cfg)
@@ -119,7 +119,7 @@ def evaluate_sets_in_processes(
     layer_ids: list[int], progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
-    from services.trainer.evaluate import SetRun, combine_sets, set_report
+    from services.trainer.evaluation.evaluate import SetRun, combine_sets, set_report
 
     shares = measure_in_processes(model_dir=model_dir, export_dir=export_dir, device=device, dtype=dtype, sets=sets,
                                   cfg=cfg, procs=procs, progress=progress, trust_remote_code=trust_remote_code)

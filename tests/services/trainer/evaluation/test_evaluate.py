@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer import evaluate, speculative, speculative_batch
-from services.trainer.evalsets import EvalSet
-from services.trainer.evaluate import EvalPrompt, evaluate_prompts, evaluate_sets, first_difference, verify_greedy_equality
-from services.trainer.speculative import DrafterProposer, accepted_prefix, speculative_generate
-from services.trainer.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation import evaluate, speculative, speculative_batch
+from services.trainer.evaluation.evalsets import EvalSet
+from services.trainer.evaluation.evaluate import EvalPrompt, evaluate_prompts, evaluate_sets, first_difference, verify_greedy_equality
+from services.trainer.evaluation.speculative import DrafterProposer, accepted_prefix, speculative_generate
+from services.trainer.evaluation.lookup import LookupProposer, NoProposer
 from shared.errors import SpeculativeMismatch
 from services.trainer.export import load_drafter
 from shared.runspec import EvalConfig

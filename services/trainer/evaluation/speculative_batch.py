@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from services.trainer.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation.lookup import LookupProposer, NoProposer
 from services.trainer.model import Eagle3Drafter, MaskedKVCache
-from services.trainer.speculative import DecodeResult, accepted_prefix, cache_kwarg, eos_ids_of, finished
+from services.trainer.evaluation.speculative import DecodeResult, accepted_prefix, cache_kwarg, eos_ids_of, finished
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.lookup import LookupProposer, NoProposer, lookup_proposal
+from services.trainer.evaluation.lookup import LookupProposer, NoProposer, lookup_proposal
 
 
 def test_the_tokens_after_the_earlier_occurrence_of_the_suffix_are_proposed():
