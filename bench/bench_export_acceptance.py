@@ -4,7 +4,7 @@ vLLM's own acceptance for the same export on the first of those prompts, counted
 
 It serves an export that came back from the GPU machine (bench/gpu_pipeline.sh brings ``export.tgz`` parts)
 to the CPU vLLM here. The held-out conversations are the ones the run held out, found by the controller's
-rule (services/controller/submit.py: the last ``--holdout`` valid rows of the rows read), so none of them
+rule (services/controller/runs/submit.py: the last ``--holdout`` valid rows of the rows read), so none of them
 was trained on; ``--prompts`` takes the first N of them.
 
     python bench/bench_export_acceptance.py --export /tmp/sg/runs/bench-smollm2-sharegpt-all/drafter/export \\
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from services.cli.demo import VLLM_CPU_ARGS, installed_vllm_cpu  # noqa: E402
-from services.controller.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
-from services.controller.submit import prompt_line  # noqa: E402
+from services.controller.runs.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
+from services.controller.runs.submit import prompt_line  # noqa: E402
 from services.cli.target_build import ensure_target  # noqa: E402
 from services.trainer.evaluation.engine_acceptance import measure_export  # noqa: E402
 from services.trainer.evaluation.evalsets import EvalSet, read_eval_prompts, turn_prompts  # noqa: E402

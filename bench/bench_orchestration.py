@@ -55,12 +55,12 @@ from rq import Worker  # noqa: E402
 from rq.suspension import resume, suspend  # noqa: E402
 from rq.worker import WorkerStatus  # noqa: E402
 
-from services.controller.feeder import feed_run  # noqa: E402
-from services.controller.submit import submit_run  # noqa: E402
+from services.controller.loop.feeder import feed_run  # noqa: E402
+from services.controller.runs.submit import submit_run  # noqa: E402
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids  # noqa: E402
 from shared.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
-from shared.runstate import RunState  # noqa: E402
+from runtime.runstate import RunState  # noqa: E402
 from shared.settings import ControllerSettings, GeneratorSettings, configure_logging  # noqa: E402
 from tests.support.hidden_server import HiddenStateServer  # noqa: E402
 from tests.support.openai_server import OpenAIServer, Reply  # noqa: E402

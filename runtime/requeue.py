@@ -21,7 +21,7 @@ from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 
 from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC, payload_sample_ids
-from shared.runstate import RunState
+from runtime.runstate import RunState
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import redis
 
 from shared.atomic import TEMP_PREFIX, atomic_write_json, fsync_dir, read_json
 from shared.errors import DraftlineError
-from shared.runstate import PREFIX
+from runtime.runstate import PREFIX
 
 log = logging.getLogger(__name__)
 

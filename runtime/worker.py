@@ -44,7 +44,7 @@ from rq.worker import WorkerStatus
 from shared.errors import ForeignJob
 from runtime.inline_jobs import EXIT_OVERRAN, OVERRUN_GRACE_S, ColdStop, JobHeartbeat, end_process, overran_by
 from shared.jobs import JOB_FUNCS
-from shared.outage import REDIS_DOWN, RedisOutage
+from runtime.outage import REDIS_DOWN, RedisOutage
 from runtime.process import die_with_parent
 from shared.queues import SERIALIZER, connect, queue
 from runtime.requeue import requeue_lost

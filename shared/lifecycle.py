@@ -4,8 +4,8 @@ The run's phase is the ``state`` field of its Redis meta; the train and evaluate
 ``train_state`` and ``evaluate_state``. The values are the strings stored today, so meta already in
 Redis and ``state.json`` records already on the volume read back as members. Every write of these
 fields goes through ``advance``, which refuses a transition the tables below do not list;
-``shared.runstate.RunState.set_phase`` and ``set_stage`` are the writers. The one write outside them is
-a submission's ``register``, which creates the run as ``generating`` (queued -> generating).
+``runtime.runstate.RunState.set_phase`` and ``set_stage`` are the writers. The one write outside them is
+a submission's ``register``, which creates the run as ``RunPhase.GENERATING`` (queued -> generating).
 """
 
 from __future__ import annotations

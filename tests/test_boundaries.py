@@ -148,3 +148,22 @@ def test_the_circle_finder_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+# The controller's rooms: the API (api/) and the background loop (loop/) both use the run's domain (runs/);
+# starting a run never reaches into either, and the loop never into the API. The API assembles the loop.
+CONTROLLER_ROOMS = {"runs": ("api", "loop"), "loop": ("api",)}
+
+
+@pytest.mark.parametrize("room", sorted(CONTROLLER_ROOMS))
+def test_controller_rooms_import_only_downwards(room):
+    above = tuple(f"services.controller.{name}" for name in CONTROLLER_ROOMS[room])
+    reaching = [f"{path.relative_to(REPO)}:{line} imports {module}"
+                for path in sources(f"services/controller/{room}")
+                for line, module in imported_modules(path) if module.startswith(above)]
+    assert reaching == []
+
+
+def test_controller_modules_live_in_a_room():
+    loose = {p.name for p in (REPO / "services" / "controller").glob("*.py")} - {"__init__.py", "main.py"}
+    assert loose == set()  # a new module goes into api/, runs/ or loop/

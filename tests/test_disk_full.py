@@ -17,7 +17,7 @@ import redis
 from services.cli.demo import demo_prompts_path
 from services.cli.stack import LocalStack, StackConfig
 from shared.atomic import temp_files
-from shared.disk import disk_status
+from runtime.disk import disk_status
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from tests.support.tmpfs import mounted_tmpfs

@@ -102,7 +102,7 @@ def sharegpt_rows(count: int = SHAREGPT_CONVERSATIONS, max_chars: int = SHAREGPT
     """The first ``count`` ShareGPT conversations (in the packaged file's order) that the dataset reader takes
     as two user turns with a reply between them, of at most ``max_chars`` of text, as JSON lines. None where
     the package is not installed: the demo then runs the shipped prompts alone."""
-    from services.controller.datasets import iter_rows, packaged_dataset
+    from services.controller.runs.datasets import iter_rows, packaged_dataset
     from shared.errors import DatasetError, RowError
 
     try:

@@ -46,9 +46,9 @@ def _settings():
 def _run(args: argparse.Namespace) -> int:
     if args.controller:
         return _run_through_api(args)
-    from services.controller.preflight import format_preflight
-    from services.controller.served import served_model
-    from services.controller.start import PreflightFailed, RunRequest, start_run
+    from services.controller.runs.preflight import format_preflight
+    from services.controller.runs.served import served_model
+    from services.controller.runs.start import PreflightFailed, RunRequest, start_run
     from shared.queues import connect
     from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
 
@@ -180,7 +180,7 @@ def _worker_health(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from services.controller.preflight_command import preflight_main
+    from services.controller.api.preflight_command import preflight_main
 
     return preflight_main(args)
 
@@ -188,7 +188,7 @@ def _preflight(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from services.controller.status import format_status, list_status, run_status
+    from services.controller.runs.status import format_status, list_status, run_status
     from shared.queues import connect
 
     settings = _settings()
@@ -233,7 +233,7 @@ def _pick_run(data: Path, run: str | None) -> str:
 def _resume(args: argparse.Namespace) -> int:
     import json
 
-    from services.controller.reconcile import reconcile_run
+    from services.controller.loop.reconcile import reconcile_run
     from shared.queues import connect
 
     settings = _settings()
@@ -261,7 +261,7 @@ def _resume(args: argparse.Namespace) -> int:
 def _failures(args: argparse.Namespace) -> int:
     import json
 
-    from services.controller.failures import failure_dict, format_failures, list_failures
+    from services.controller.loop.failures import failure_dict, format_failures, list_failures
 
     settings = _settings()
     run = _pick_run(settings.data, args.run)
@@ -274,7 +274,7 @@ def _failures(args: argparse.Namespace) -> int:
 
 
 def _retry(args: argparse.Namespace) -> int:
-    from services.controller.failures import retry_failures
+    from services.controller.loop.failures import retry_failures
     from shared.queues import connect
 
     settings = _settings()

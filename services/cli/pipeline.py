@@ -113,7 +113,7 @@ def run_pipeline(spec: PipelineSpec) -> PipelineResult:
 
 def follow(stack: LocalStack, api: ControllerClient, name: str, clock: StageClock, *, timeout_s: float) -> dict:
     """Print a progress line whenever it changes, until the run reaches a terminal state."""
-    from services.controller.status import format_status
+    from services.controller.runs.status import format_status
 
     deadline = time.monotonic() + timeout_s
     last = ""

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from services.controller.status import format_status
+from services.controller.runs.status import format_status
 
 TERMINAL_STATES = {"complete", "complete_with_failures", "failed"}
 BAR_WIDTH = 30

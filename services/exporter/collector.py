@@ -28,7 +28,7 @@ from rq.worker import WorkerStatus
 
 from shared import metrics
 from runtime.gpu import GpuReader, GpuReading
-from shared.disk import disk_status
+from runtime.disk import disk_status
 from shared.jobs import (
     QUEUES,
     SAMPLE_STAGES,
@@ -38,7 +38,7 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import SERIALIZER, queue
-from shared.runstate import RunState, known_runs, retried_field
+from runtime.runstate import RunState, known_runs, retried_field
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def _sample_stage(
         labels, counts.dropped
     )
     _progress(families, labels, expected, remaining, in_flight)
-    # Absent, not a made-up number, while the recent rate cannot support an ETA (shared.runstate.Throughput).
+    # Absent, not a made-up number, while the recent rate cannot support an ETA (runtime.runstate.Throughput).
     eta = state.throughput(stage, now=now).eta_seconds(remaining)
     if eta is not None:
         families.gauge(metrics.STAGE_ETA, "Seconds until the stage finishes at its recent rate.", RUN_STAGE).add_metric(

@@ -31,15 +31,15 @@ from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
 from runtime.chat_turns import TurnEnd, find_turn_end
-from shared.disk import record_landed, wait_for_headroom
+from runtime.disk import record_landed, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import job_connection
-from shared.remote_code import load_from_target
+from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
-from shared.runstate import Failure, RunState, run_key
+from runtime.runstate import Failure, RunState, run_key
 from shared.settings import ExtractorSettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def worker_settings() -> ExtractorSettings:
 @lru_cache(maxsize=2)
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     """The target's tokenizer, loaded once per process (the worker preloads it before forking); code the
-    directory ships runs only with ``trust_remote_code`` (``shared.remote_code``)."""
+    directory ships runs only with ``trust_remote_code`` (``runtime.remote_code``)."""
     from transformers import AutoTokenizer
 
     return load_from_target(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=trust_remote_code)

@@ -41,7 +41,7 @@ from shared.jobs import GenerateJob, PromptItem
 from shared.queues import job_connection
 from runtime.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
-from shared.runstate import DROPPED, ERROR, GENERATE_REQUESTS, Failure, RunState
+from runtime.runstate import DROPPED, ERROR, GENERATE_REQUESTS, Failure, RunState
 from runtime.sample_queue import enqueue_extract
 from shared.settings import GeneratorSettings, load_settings
 

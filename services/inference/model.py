@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from runtime.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
-from shared.remote_code import load_from_target
+from runtime.remote_code import load_from_target
 from shared.settings import InferenceSettings
 
 log = logging.getLogger(__name__)

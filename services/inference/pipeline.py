@@ -33,7 +33,7 @@ import torch
 
 from services.inference.hidden import HiddenJob, WrittenSample, forward_hidden, stored_states, write_stored
 from services.inference.model import LoadedModel
-from shared.disk import format_bytes, volume_usage
+from runtime.disk import format_bytes, volume_usage
 from shared.errors import DraftlineError
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from shared.errors import SettingsError, error_class
 from runtime.process import die_with_parent
 from shared.queues import connect
 from shared.runspec import RunSpec
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 
 log = logging.getLogger(__name__)

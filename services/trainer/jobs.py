@@ -27,9 +27,9 @@ from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, 
 from shared.layout import RunPaths
 from shared.lifecycle import StageState
 from shared.queues import connect, queue
-from shared.remote_code import load_from_target
+from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.evaluation.eval_pool import evaluate_sets_in_processes

@@ -6,7 +6,7 @@ Both trainers use it: the train job when it trains in its own process, and rank 
 from __future__ import annotations
 
 from services.trainer.train import ProgressFn, TrainProgress
-from shared.runstate import RunState
+from runtime.runstate import RunState
 
 
 def progress_reporter(state: RunState) -> ProgressFn:

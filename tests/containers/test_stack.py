@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from services.cli.demo import demo_prompts_path
-from services.controller import datasets
+from services.controller.runs import datasets
 from shared import metrics
 from shared.atomic import temp_files
 from shared.errors import RowError

@@ -133,7 +133,7 @@ def test_vllm_counts_the_acceptance_the_evaluator_reports(job_report, runs, redi
 def test_the_status_shows_vllm_figure_beside_the_evaluator(job_report, redis_server, runs):
     import redis
 
-    from services.controller.status import format_status, run_status
+    from services.controller.runs.status import format_status, run_status
 
     conn = redis.Redis.from_url(redis_server.url)
     status = run_status(runs["served"].data, conn, "served")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.extractor.jobs import load_tokenizer, run_extract
 from services.extractor.sources import SourceMisconfigured, make_source
 from shared import SCHEMA_VERSION, eagle3
@@ -18,10 +18,10 @@ from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.runspec import EvalConfig, ExtractionConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import ExtractorSettings
 from tests.engines import target64
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.processes import ServiceProcess, free_port
 from tests.support.vllm_server import CPU_ARGS, hidden_state_args, vllm_server
 

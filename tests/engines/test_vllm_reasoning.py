@@ -22,7 +22,7 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.extractor.jobs import load_tokenizer, run_extract
 from services.extractor.sources import make_source
 from services.generator.jobs import run_generate
@@ -30,10 +30,10 @@ from shared import eagle3
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob, GenerateJob, PromptItem
 from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import ExtractorSettings, GeneratorSettings
 from tests.engines import target_think
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.vllm_server import CPU_ARGS, VLLMTarget, hidden_state_args, vllm_server
 
 pytestmark = pytest.mark.slow

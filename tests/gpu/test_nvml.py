@@ -56,7 +56,7 @@ def test_close_leaves_a_reader_that_reports_no_gpus():
 
 
 def test_preflight_sees_the_gpu_when_the_device_is_cuda(monkeypatch, tmp_path):
-    from services.controller.preflight import check_gpu, visible_gpus
+    from services.controller.runs.preflight import check_gpu, visible_gpus
     from shared.settings import ControllerSettings
 
     names, why = visible_gpus()

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from rq.job import Job, JobStatus
 
-from services.controller.reaper import requeue_abandoned
+from services.controller.loop.reaper import requeue_abandoned
 from runtime.inline_jobs import EXIT_OVERRAN, JobHeartbeat, overran_by
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, generate_job_id
 from shared.queues import SERIALIZER, queue

@@ -10,8 +10,8 @@ import pytest
 from rq.job import Job
 
 import redis
-from services.controller.feeder import feed_run
-from services.controller.submit import submit_run
+from services.controller.loop.feeder import feed_run
+from services.controller.runs.submit import submit_run
 from shared import metrics
 from shared.errors import SettingsError
 from shared.jobs import GENERATE_QUEUE, generate_job_id
@@ -23,9 +23,9 @@ from runtime.redis_acl import (
     server_arguments,
 )
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import ControllerSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.services.exporter.scrape import value
 from tests.services.exporter.test_collector import scrape
 from tests.runtime.test_worker import wait_for

@@ -9,7 +9,7 @@ from rq.job import JobStatus
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id, payload_sample_ids
 from shared.queues import SERIALIZER, queue
 from runtime.sample_queue import batches, enqueue_extract, held_sample_ids
-from tests.services.controller.test_reaper import take
+from tests.services.controller.loop.test_reaper import take
 
 
 def held(conn, run: str) -> set[int]:

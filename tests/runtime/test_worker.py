@@ -15,8 +15,8 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 
-from services.controller.reaper import requeue_abandoned
-from services.controller.submit import submit_run
+from services.controller.loop.reaper import requeue_abandoned
+from services.controller.runs.submit import submit_run
 from shared.jobs import (
     GENERATE_FUNC,
     GENERATE_QUEUE,
@@ -27,9 +27,9 @@ from shared.jobs import (
 from shared.queues import SERIALIZER, queue
 from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from runtime.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import RedisServer, ServiceProcess
 
@@ -258,7 +258,7 @@ def test_a_job_whose_record_redis_loses_while_it_runs_finishes_and_is_not_failed
                                                                                 tmp_path, job_process):
     """Redis is flushed (or restarts empty) while a job runs: the job ends on the volume, and its worker
     writes no failed record of it into the new Redis, which the controller would take for a failure of its
-    samples after its rebuild had sent them back to be redone (tests/services/controller/test_redis_loss.py
+    samples after its rebuild had sent them back to be redone (tests/services/controller/loop/test_redis_loss.py
     met exactly that)."""
     # Deleted as it ends, as the controller queues sample jobs (DRAFTLINE_SAMPLE_RESULT_TTL_S, default 0).
     state = make_run(data_dir, redis_conn, tmp_path, ["while redis is flushed"], result_ttl=0)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.generator.jobs import run_generate
 from shared.conversation_turns import turn_segments
 from shared.jobs import GenerateJob, PromptItem
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
-from tests.services.controller.test_datasets import write_jsonl
+from runtime.runstate import RunState
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.services.generator.test_jobs import FAST_RETRIES, settings
 from tests.support.openai_server import OpenAIServer, Reply
 

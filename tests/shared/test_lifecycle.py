@@ -13,7 +13,7 @@ from shared.lifecycle import (
     StageState,
     advance,
 )
-from shared.runstate import RunState
+from runtime.runstate import RunState
 
 # The strings written to Redis meta and to runs/<run>/state.json before the enums existed.
 STORED_PHASES = ["queued", "generating", "extracting", "training", "evaluating", "complete",

@@ -10,8 +10,8 @@ import zlib
 import pytest
 from rq.serializers import JSONSerializer
 
-from services.controller.feeder import enqueue_generate
-from services.controller.supervisor import enqueue_train
+from services.controller.loop.feeder import enqueue_generate
+from services.controller.loop.supervisor import enqueue_train
 from shared.jobs import (
     EXTRACT_FUNC,
     GENERATE_FUNC,

@@ -33,7 +33,7 @@ import torch
 
 from runtime.chat_turns import find_turn_end
 from shared.errors import SpeculativeMismatch
-from shared.remote_code import load_from_target
+from runtime.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
@@ -408,7 +408,7 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
                 trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The target for evaluation (float32 unless told otherwise: the greedy-equality check is tightest there)
     and its tokenizer; decoding stops at the chat template's end-of-turn token as well as at eos, as the
-    built-in server does. Code the directory ships runs only with ``trust_remote_code`` (``shared.remote_code``)."""
+    built-in server does. Code the directory ships runs only with ``trust_remote_code`` (``runtime.remote_code``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.type == "cuda":

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shared.runstate import DROPPED, Failure, RunState, known_runs
+from runtime.runstate import DROPPED, Failure, RunState, known_runs
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.processes import REPO
 

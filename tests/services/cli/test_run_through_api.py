@@ -10,8 +10,8 @@ import redis
 
 from services.cli.main import main
 from shared.runspec import RunSpec
-from tests.services.controller.test_api_auth import TOKEN, start_controller
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.api.test_api_auth import TOKEN, start_controller
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
 
 

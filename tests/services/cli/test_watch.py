@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from services.cli.watch import bar, render, watch
-from services.controller.reconcile import write_finished
-from services.controller.status import run_status
+from runtime.runstate import write_finished
+from services.controller.runs.status import run_status
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.processes import REPO
 

@@ -14,13 +14,13 @@ import numpy as np
 import redis
 from safetensors.numpy import save
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from shared import SCHEMA_VERSION, eagle3
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, ManifestEntry
 from shared.runspec import EvalConfig
-from shared.runstate import RunState
-from tests.services.controller.test_datasets import write_jsonl
+from runtime.runstate import RunState
+from tests.services.controller.runs.test_datasets import write_jsonl
 
 LAYERS = [1, 3, 4]
 

@@ -31,9 +31,9 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import queue
-from shared.runstate import DROPPED, Failure, RunState
+from runtime.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import Samples, parse, value
-from tests.services.controller.test_reaper import take
+from tests.services.controller.loop.test_reaper import take
 from tests.support.processes import REPO, free_port
 
 
@@ -333,7 +333,7 @@ def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -
 
 
 def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_conn, data_dir) -> None:
-    from shared.disk import clear_paused, set_paused, supervise_disk
+    from runtime.disk import clear_paused, set_paused, supervise_disk
     from shared.settings import ControllerSettings
 
     populate(redis_conn, data_dir)

@@ -10,7 +10,7 @@ import redis
 
 from shared import metrics
 from runtime.gpu import GpuReader
-from shared.runstate import DROPPED, Failure, RunState
+from runtime.runstate import DROPPED, Failure, RunState
 from tests.services.exporter.scrape import parse, value
 from tests.support.processes import RedisServer, ServiceProcess, free_port
 

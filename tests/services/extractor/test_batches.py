@@ -10,8 +10,8 @@ import signal
 import pytest
 from rq.job import Job
 
-from services.controller.reaper import requeue_abandoned
-from services.controller.submit import submit_run
+from services.controller.loop.reaper import requeue_abandoned
+from services.controller.runs.submit import submit_run
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
@@ -19,9 +19,9 @@ from shared.jobs import EXTRACT_QUEUE, extract_job_id
 from shared.manifest import manifest_path, read_manifest
 from shared.queues import queue
 from shared.runspec import EvalConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.runtime.test_worker import horse_of, wait_for
 from tests.support.processes import ServiceProcess, free_port
 from tests.support.slow_proxy import SlowProxy

@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.extractor.client import HiddenStatesClient
 from services.extractor.jobs import load_tokenizer, run_extract
 from services.extractor.tokenize import build_sample
@@ -19,10 +19,10 @@ from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import manifest_path, read_manifest
 from shared.runspec import EvalConfig, ExtractionConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
 from shared.settings import ExtractorSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.processes import ServiceProcess, free_port
 
 REPLIES = {

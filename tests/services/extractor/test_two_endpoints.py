@@ -7,13 +7,13 @@ import signal
 
 import pytest
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.runspec import EvalConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.services.generator.inference_pair import (
     HIDDEN_ENDPOINT,
     inference_pair,

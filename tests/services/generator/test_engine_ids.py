@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.generator.client import MalformedCompletion, parse_completion
 from services.generator.jobs import run_generate
 from shared.jobs import GenerateJob, PromptItem
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import GeneratorSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.processes import ServiceProcess, free_port
 
 

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from services.controller.submit import submit_run
+from services.controller.runs.submit import submit_run
 from services.generator.jobs import run_generate
 from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
 from shared.queues import queue
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import GeneratorSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.queues import extract_batches
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port

@@ -8,12 +8,12 @@ from dataclasses import astuple
 
 import pytest
 
-from services.controller.feeder import feed_run
-from services.controller.submit import submit_run
+from services.controller.loop.feeder import feed_run
+from services.controller.runs.submit import submit_run
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import ControllerSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.services.generator.inference_pair import (
     CHAT_ENDPOINT,
     inference_pair,

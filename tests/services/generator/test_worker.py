@@ -8,15 +8,15 @@ import time
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry
 
-from services.controller.failures import name_failed_jobs
-from services.controller.feeder import enqueue_once, feed_run
-from services.controller.submit import submit_run
+from services.controller.loop.failures import name_failed_jobs
+from services.controller.loop.feeder import enqueue_once, feed_run
+from services.controller.runs.submit import submit_run
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runspec import EvalConfig, GenerationConfig
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import ControllerSettings
-from tests.services.controller.test_datasets import write_jsonl
+from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.runtime.test_worker import wait_for
 from tests.support.processes import ServiceProcess

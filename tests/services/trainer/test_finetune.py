@@ -16,7 +16,7 @@ from services.trainer.vocab import build_mapping, count_tokens
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from tests.support.published_drafter import BOTH, NONE, SGLANG, VLLM, YARN, Published, published_mapping, write_published_drafter
 
 ONE_STEP = {"epochs": 1, "batch_size": 16, "save_every": 1000}  # 16 training files: one optimizer step

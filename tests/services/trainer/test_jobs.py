@@ -15,7 +15,7 @@ from services.trainer.jobs import too_small_warning
 from shared.atomic import temp_files
 from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER, queue
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import ServiceProcess
 

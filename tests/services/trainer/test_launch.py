@@ -23,7 +23,7 @@ from shared.errors import BaseCheckpointMismatch, SettingsError
 from shared.jobs import evaluate_job_id, train_job_id
 from shared.queues import SERIALIZER
 from runtime.requeue import REQUEUES_META
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from tests.services.trainer.test_jobs import enqueue_train
 from tests.support.processes import ServiceProcess

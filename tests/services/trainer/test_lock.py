@@ -13,7 +13,7 @@ import pytest
 
 from services.trainer.lock import TrainingInProgress, exclusive_training, lock_path
 from shared.layout import RunPaths
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from tests.support.processes import REPO
 
 HOLD = """

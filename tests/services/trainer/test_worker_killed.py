@@ -16,7 +16,7 @@ from shared.atomic import temp_files
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
 from shared.queues import SERIALIZER, queue
-from shared.runstate import RunState
+from runtime.runstate import RunState
 from tests.services.trainer.test_jobs import enqueue_train, wait_for, worker
 
 # 16 samples in batches of 4 over 12 epochs: 48 optimizer steps, a checkpoint every 2. The steps after the

@@ -1,0 +1,347 @@
+"""Disk headroom of a run: what its hidden states still need against what the volume has free.
+
+Hidden-state files dominate a run's footprint (4 × hidden × dtype bytes per token), so the projection
+covers them only:
+
+    bytes still to come = samples not yet settled × tokens per sample × bytes per token
+
+Both factors are *measured* once samples land (the extractor tallies ``hidden_bytes`` and
+``hidden_tokens`` in the run's meta through ``record_landed``). Before the first sample lands they are
+*estimated* by a stated rule:
+
+    tokens per sample ≈ min(prompt bytes per row / 4 + generation.max_tokens, extraction.max_length)
+    bytes per token   = 4 × hidden_size × dtype bytes + 9      (3 auxiliary layers + the last layer,
+                                                               plus an int64 token id and a uint8 mask)
+                      = 4 × hidden_size + 8 + 9                 (fp8 storage: 1 byte a value, and four
+                                                               bf16 scales a token)
+
+Four bytes per prompt token is the usual size of English BPE text (JSON overhead makes it an
+over-estimate, which is the safe side), and ``max_tokens`` is the longest reply a sample can get.
+
+When the *measured* projection exceeds free space less a reserve, or free space drops below the
+reserve, the controller's supervisor sets the run's pause flag; extraction jobs then wait in
+``wait_for_headroom`` instead of failing, and the flag clears by itself once the projection fits again
+(space freed, volume grown). The estimate alone never pauses a run: ``max_tokens`` bounds replies that
+are often much shorter, and a run paused on an over-estimate would wait for space it does not need
+before measuring anything. Preflight warns about it instead. Everything here is torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import redis
+
+from shared.errors import DraftlineError, RunNotFound
+from shared.runspec import RunSpec
+from runtime.runstate import RunState, run_key
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_PROMPT_TOKEN = 4.0
+HIDDEN_TENSORS_PER_TOKEN = 4  # three auxiliary layers and the last layer
+TOKEN_OVERHEAD_BYTES = 9  # the int64 token id and the uint8 loss-mask entry
+DEFAULT_DTYPE_BYTES = 2  # bf16, what real targets are served in
+FP8_SCALE_BYTES = 2  # fp8 storage: one bf16 scale per token and stored layer
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+WAIT_LOG_EVERY_S = 60.0
+
+# Fields of the run's meta hash.
+HIDDEN_BYTES = "hidden_bytes"
+HIDDEN_TOKENS = "hidden_tokens"
+PAUSED = "disk_paused"  # the reason; present only while the run is paused
+PAUSED_AT = "disk_paused_at"
+BYTES_PER_TOKEN_ESTIMATE = "disk_bytes_per_token_estimate"  # recorded at submission, used until samples land
+LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
+              "disk_checked_at")
+
+
+class DiskPaused(DraftlineError):
+    """A run stayed paused for disk space longer than its job may wait."""
+
+    permanent = False
+
+
+class _DiskSettings(Protocol):
+    """What ``supervise_disk`` reads from the controller's settings."""
+
+    data: Path
+    disk_reserve_bytes: int
+    disk_reserve_fraction: float
+    model_dir: Path | None
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """One assessment of a run's disk needs against its volume."""
+
+    free_bytes: int
+    projected_bytes: int  # hidden-state bytes the run still needs; 0 when nothing to project from yet
+    reserve_bytes: int
+    bytes_per_token: float | None
+    ok: bool
+    message: str
+    remaining_samples: int = 0
+    measured: bool = False  # True once the numbers come from landed samples rather than the estimate
+
+
+# ---- the volume --------------------------------------------------------------------------------
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest existing parent: a volume not yet created is measured where it would live."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def volume_usage(path: Path) -> tuple[int, int]:
+    """``(free, total)`` bytes of the file system holding ``path`` (free as an unprivileged writer sees it)."""
+    usage = shutil.disk_usage(existing_ancestor(path))
+    return usage.free, usage.total
+
+
+def reserve_for(total: int, reserve_bytes: int, reserve_fraction: float) -> int:
+    """Bytes kept free: the larger of a fixed amount and a fraction of the volume."""
+    return max(int(reserve_bytes), int(reserve_fraction * total))
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---- the estimate before any sample lands -------------------------------------------------------
+
+
+def hidden_bytes_per_token(hidden_size: int, dtype: str | None = None, storage: str = "target") -> int:
+    """Bytes one token costs in a hidden-state file of a target with ``hidden_size`` in ``dtype``, its
+    states stored as ``storage`` (a run's ``extraction.storage``) says."""
+    if storage == "fp8":
+        return HIDDEN_TENSORS_PER_TOKEN * (hidden_size + FP8_SCALE_BYTES) + TOKEN_OVERHEAD_BYTES
+    width = DTYPE_BYTES.get(dtype or "", DEFAULT_DTYPE_BYTES)
+    return HIDDEN_TENSORS_PER_TOKEN * hidden_size * width + TOKEN_OVERHEAD_BYTES
+
+
+def target_bytes_per_token(model_dir: Path, storage: str = "target") -> int | None:
+    """The estimate from a target's ``config.json`` (hidden size, dtype); None when it cannot be read."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    hidden = text.get("hidden_size") or config.get("hidden_size")
+    if not isinstance(hidden, int):
+        return None
+    return hidden_bytes_per_token(hidden, str(config.get("torch_dtype") or config.get("dtype") or ""), storage)
+
+
+def estimate_sample_tokens(prompt_bytes_per_row: float, max_tokens: int, max_length: int) -> float:
+    """Tokens of one sample before any is measured (the rule in the module docstring)."""
+    return float(min(prompt_bytes_per_row / BYTES_PER_PROMPT_TOKEN + max_tokens, max_length))
+
+
+# ---- tallies -------------------------------------------------------------------------------------
+
+
+def record_landed(state: RunState, nbytes: int, tokens: int, *, pipe: redis.client.Pipeline | None = None) -> None:
+    """Count one verified hidden-state file: its bytes and its tokens, together. Given a transaction
+    ``pipe``, the counts join it (the caller executes it), so they cost no round trip of their own."""
+    meta = run_key(state.run, "meta")
+    own = pipe is None
+    pipe = state.conn.pipeline() if own else pipe
+    pipe.hincrbyfloat(meta, HIDDEN_BYTES, nbytes)
+    pipe.hincrbyfloat(meta, HIDDEN_TOKENS, tokens)
+    if own:
+        pipe.execute()
+
+
+def _number(meta: dict[str, str], key: str) -> float:
+    try:
+        return float(meta.get(key, 0) or 0)
+    except ValueError:
+        return 0.0
+
+
+def remaining_samples(state: RunState, expected: int) -> int:
+    """Samples that may still get a hidden-state file: expected less those settled either way."""
+    gen, ext = state.counts("generate"), state.counts("extract")
+    settled = gen.failed + gen.dropped + ext.done + ext.failed + ext.dropped
+    return max(expected - settled, 0)
+
+
+# ---- the assessment ------------------------------------------------------------------------------
+
+
+def assess(
+    data: Path,
+    conn: redis.Redis,
+    run: str,
+    *,
+    reserve_bytes: int = 0,
+    reserve_fraction: float = 0.0,
+    bytes_per_token_hint: float | None = None,
+) -> Headroom:
+    """Project what ``run`` still needs on ``data`` and compare it with free space less the reserve."""
+    state = RunState(conn, data, run)
+    meta = state.meta()
+    free, total = volume_usage(data)
+    reserve = reserve_for(total, reserve_bytes, reserve_fraction)
+    remaining = remaining_samples(state, int(_number(meta, "expected")))
+    landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
+    done = state.counts("extract").done
+    measured = landed_tokens > 0 and done > 0
+    if measured:
+        per_token, per_sample = landed_bytes / landed_tokens, landed_tokens / done
+    else:
+        per_token = _number(meta, BYTES_PER_TOKEN_ESTIMATE) or bytes_per_token_hint
+        per_sample = _estimated_sample_tokens(data, run, meta)
+    projected = int(remaining * per_sample * per_token) if per_token and per_sample else 0
+    return _verdict(data, free, reserve, projected, per_token or None, remaining, measured)
+
+
+def _estimated_sample_tokens(data: Path, run: str, meta: dict[str, str]) -> float | None:
+    try:
+        spec = RunSpec.load(data, run)
+    except (RunNotFound, OSError, ValueError):
+        return None
+    rows = max(int(_number(meta, "expected")), 1)
+    return estimate_sample_tokens(_number(meta, "prompts_bytes") / rows, spec.generation.max_tokens,
+                                  spec.extraction.max_length)
+
+
+def _verdict(data: Path, free: int, reserve: int, projected: int, per_token: float | None,
+             remaining: int, measured: bool) -> Headroom:
+    basis = "measured" if measured else "estimated"
+    rate = f"{per_token:,.0f} bytes/token {basis}" if per_token else "no size per token known yet"
+    facts = (f"{format_bytes(projected)} still needed for {remaining:,} samples ({rate}); "
+             f"{format_bytes(free)} free on {data}, {format_bytes(reserve)} kept in reserve")
+    if free < reserve:
+        message = (f"the volume {data} has {format_bytes(free)} free, less than the "
+                   f"{format_bytes(reserve)} reserve; free space on it or grow it (or lower "
+                   f"DRAFTLINE_DISK_RESERVE_BYTES / DRAFTLINE_DISK_RESERVE_FRACTION)")
+        ok = False
+    elif projected > free - reserve and measured:
+        message = (f"{facts}; short by {format_bytes(projected - (free - reserve))}: free space "
+                   f"on {data} or grow the volume, and extraction resumes by itself")
+        ok = False
+    elif projected > free - reserve:
+        message = (f"{facts}; the estimate is short by {format_bytes(projected - (free - reserve))}, "
+                   "the run pauses if the sizes measured as samples land agree")
+        ok = True
+    else:
+        message = facts
+        ok = True
+    return Headroom(free, projected, reserve, per_token, ok, message, remaining, measured)
+
+
+# ---- the pause flag ------------------------------------------------------------------------------
+
+
+def _s(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def set_paused(conn: redis.Redis, run: str, reason: str) -> None:
+    """Pause the run's extraction for lack of disk space (the first pause time is kept)."""
+    key = run_key(run, "meta")
+    pipe = conn.pipeline()
+    pipe.hset(key, PAUSED, reason)
+    pipe.hsetnx(key, PAUSED_AT, str(time.time()))
+    pipe.execute()
+
+
+def clear_paused(conn: redis.Redis, run: str) -> None:
+    conn.hdel(run_key(run, "meta"), PAUSED, PAUSED_AT)
+
+
+def paused_reason(conn: redis.Redis, run: str) -> str | None:
+    """Why the run is paused for disk space, or None when it is not."""
+    return _s(conn.hget(run_key(run, "meta"), PAUSED))
+
+
+def wait_for_headroom(
+    conn: redis.Redis,
+    data: Path,
+    run: str,
+    *,
+    poll_s: float = 2.0,
+    timeout_s: float | None = None,
+    log_every_s: float = WAIT_LOG_EVERY_S,
+) -> None:
+    """Block while the run is paused for disk space, logging once a minute what it waits for.
+
+    Returns at once when the run is not paused. With ``timeout_s``, raises DiskPaused after waiting that
+    long, so a job can end before its queue's own timeout kills it."""
+    started = time.monotonic()
+    logged_at: float | None = None
+    while (reason := paused_reason(conn, run)) is not None:
+        waited = time.monotonic() - started
+        if logged_at is None or time.monotonic() - logged_at >= log_every_s:
+            free, _ = volume_usage(data)
+            log.warning("run %s: extraction waits for disk space (%.0fs so far, %s free on %s): %s",
+                        run, waited, format_bytes(free), data, reason)
+            logged_at = time.monotonic()
+        if timeout_s is not None and waited >= timeout_s:
+            raise DiskPaused(f"run {run}: still paused for disk space after {waited:.0f}s: {reason}")
+        time.sleep(poll_s)
+    if logged_at is not None:
+        log.info("run %s: disk space is back after %.0fs; extraction continues", run, time.monotonic() - started)
+
+
+# ---- the supervisor's step and the status -------------------------------------------------------
+
+
+def supervise_disk(settings: _DiskSettings, conn: redis.Redis, run: str) -> Headroom:
+    """Assess ``run``; pause it when its projection does not fit, un-pause it when it does again."""
+    hint = target_bytes_per_token(settings.model_dir) if settings.model_dir else None
+    headroom = assess(settings.data, conn, run, reserve_bytes=settings.disk_reserve_bytes,
+                      reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint)
+    values = (headroom.projected_bytes, headroom.bytes_per_token or "", headroom.free_bytes,
+              headroom.reserve_bytes, time.time())
+    conn.hset(run_key(run, "meta"), mapping={k: str(v) for k, v in zip(LAST_CHECK, values)})
+    was_paused = paused_reason(conn, run) is not None
+    if not headroom.ok:
+        set_paused(conn, run, headroom.message)
+        if not was_paused:
+            log.warning("run %s: %s; extraction paused", run, headroom.message)
+    elif was_paused:
+        clear_paused(conn, run)
+        log.info("run %s: %s; extraction resumes", run, headroom.message)
+    return headroom
+
+
+def disk_status(conn: redis.Redis, run: str) -> dict:
+    """The pause and the last projection, from the run's meta only (cheap at any run size)."""
+    fields = (PAUSED, PAUSED_AT, HIDDEN_BYTES, HIDDEN_TOKENS, *LAST_CHECK)
+    meta = dict(zip(fields, (_s(v) for v in conn.hmget(run_key(run, "meta"), fields))))
+    landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
+    if landed_tokens > 0:
+        per_token: float | None = landed_bytes / landed_tokens
+    else:
+        per_token = _number(meta, "disk_bytes_per_token") or None
+    return {
+        "paused": meta[PAUSED] is not None,
+        "reason": meta[PAUSED],
+        "paused_at": _number(meta, PAUSED_AT) or None,
+        "projected_bytes": int(_number(meta, "disk_projected_bytes")) if meta["disk_checked_at"] else None,
+        "bytes_per_token": round(per_token, 1) if per_token else None,
+        "checked_at": _number(meta, "disk_checked_at") or None,
+    }
+
+
+def format_disk_pause(disk: dict) -> str | None:
+    """The operator line for a run paused for disk space (``disk`` holds ``disk_status``'s keys), else None."""
+    if not disk.get("paused"):
+        return None
+    return f"  PAUSED    extraction waits for disk space: {disk.get('reason')}"

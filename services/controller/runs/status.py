@@ -1,0 +1,283 @@
+"""A run's progress as one dict (the API's and ``draftline status --json``'s answer) and as operator text.
+
+Everything comes from Redis counters and meta: a status call never walks the run directory, so it
+costs the same for ten samples and for a million.
+
+A stage's ``samples_per_second`` averages the samples it settled (done, failed or dropped) over
+``rate_window_seconds``, at most the last ``RATE_WINDOW_SECONDS``; ``eta_seconds`` is remaining over
+that rate. Both are None ("unknown") rather than a number the data cannot support: the rate until the
+stage has been observed for ``RATE_MIN_SPAN_SECONDS``, the ETA also until ``ETA_MIN_SETTLED`` samples
+settled in the window (``runtime.runstate.Throughput`` states the rule and its error bound).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import redis
+
+from runtime.runstate import read_finished
+from runtime.disk import disk_status, format_bytes, format_disk_pause
+from shared.errors import RunNotFound
+from shared.jobs import SAMPLE_STAGES
+from shared.layout import list_runs
+from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState
+from shared.runspec import RunSpec
+from runtime.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, run_key
+
+FAILURES_SHOWN = 50
+FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
+
+
+# ---- state --------------------------------------------------------------------------------------
+
+
+def derive_state(meta: dict[str, str], errors: int) -> RunPhase:
+    """The run's phase from its stored one and its stages': the trainer reports only the stages.
+
+    ``errors`` counts the samples that settled without being verified (failed or dropped): a run is
+    "complete" only when every expected sample made it through."""
+    stored = RunPhase.of(meta.get("state"))
+    train, evaluate = StageState.of(meta.get("train_state")), StageState.of(meta.get("evaluate_state"))
+    if StageState.FAILED in (train, evaluate) or stored is RunPhase.FAILED:
+        return RunPhase.FAILED
+    if evaluate.finished or stored in TERMINAL_PHASES:
+        return RunPhase.COMPLETE_WITH_FAILURES if errors else RunPhase.COMPLETE
+    if train.finished or evaluate is not StageState.PENDING or stored is RunPhase.EVALUATING:
+        return RunPhase.EVALUATING
+    if train is not StageState.PENDING or stored is RunPhase.TRAINING:
+        return RunPhase.TRAINING
+    return stored
+
+
+# ---- per-stage numbers --------------------------------------------------------------------------
+
+
+def _percent(part: float, total: float) -> float:
+    return round(100.0 * part / total, 1) if total > 0 else 0.0
+
+
+def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts, now: float | None = None) -> dict:
+    settled = counts.done + counts.failed + counts.dropped
+    remaining = max(total - settled, 0)
+    throughput = state.throughput(stage, now=now, finished=remaining == 0)
+    rate, eta = throughput.per_second, throughput.eta_seconds(remaining)
+    return {
+        "total": total,
+        "done": counts.done,
+        "failed": counts.failed,
+        "dropped": counts.dropped,
+        "remaining": remaining,
+        "percent": _percent(settled, total),
+        "samples_per_second": None if rate is None else round(rate, 3),
+        "rate_window_seconds": round(throughput.span_s, 1),
+        "eta_seconds": None if eta is None else round(eta),
+    }
+
+
+def overall_eta(stages: list[dict]) -> int | None:
+    """The slowest stage's ETA; unknown when any stage's is (a known one is then only a lower bound)."""
+    etas = [s["eta_seconds"] for s in stages]
+    return None if None in etas else max(etas)
+
+
+def _float(meta: dict[str, str], key: str) -> float | None:
+    try:
+        return float(meta[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
+    done, total = int(float(meta.get(f"{stage}_done", 0))), int(float(meta.get(f"{stage}_total", 0)))
+    state: str = StageState.of(meta.get(f"{stage}_state"))
+    if state is StageState.PENDING and stage == "train" and "train_enqueued_at" in meta:
+        state = "queued"  # shown only: the train job waits in its queue for a trainer
+    return {"total": total, "done": done, "percent": _percent(done, total), "state": state,
+            "error": meta.get(f"{stage}_error") or None}  # "ErrorClass: message" of the job that failed
+
+
+# ---- errors and failures -------------------------------------------------------------------------
+
+
+def first_failures(conn: redis.Redis, run: str, limit: int = FAILURES_SHOWN) -> list[dict]:
+    """The first ``limit`` failures by stage order, then sample id; reads only field names plus ``limit`` values."""
+    key = run_key(run, "failures")
+    fields = [f.decode() if isinstance(f, bytes) else f for f in conn.hkeys(key)]
+    order = {stage: i for i, stage in enumerate(SAMPLE_STAGES)}
+
+    def sort_key(field: str) -> tuple[int, int]:
+        stage, _, sample_id = field.partition(":")
+        return order.get(stage, len(order)), int(sample_id) if sample_id.isdigit() else -1
+
+    chosen = sorted(fields, key=sort_key)[:limit]
+    values = conn.hmget(key, chosen) if chosen else []
+    return [{k: json.loads(v)[k] for k in FAILURE_FIELDS} for v in values if v is not None]
+
+
+def errors_since(conn: redis.Redis, run: str, since: float) -> int:
+    """Errors (not drops) recorded after ``since``; scans the failure records, so only for resumed runs."""
+    count = 0
+    for _, raw in conn.hscan_iter(run_key(run, "failures"), count=1000):
+        record = json.loads(raw)
+        count += record.get("kind") == ERROR and float(record.get("at", 0)) > since
+    return count
+
+
+def error_summary(conn: redis.Redis, run: str, meta: dict[str, str], gen: StageCounts, ext: StageCounts) -> dict:
+    total = gen.failed + ext.failed
+    resumed_at = _float(meta, "resumed_at")
+    since = total if resumed_at is None else errors_since(conn, run, resumed_at)
+    return {"total": total, "since_resume": since, "dropped": gen.dropped + ext.dropped}
+
+
+# ---- disk ----------------------------------------------------------------------------------------
+
+
+def disk_usage(data: Path, meta: dict[str, str]) -> dict:
+    path = Path(data)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return {"path": str(data), "used_bytes": usage.used, "free_bytes": usage.free, "total_bytes": usage.total,
+            "run_bytes": int(float(meta.get("hidden_bytes", 0)))}
+
+
+# ---- the whole answer ----------------------------------------------------------------------------
+
+
+def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None) -> dict:
+    """Status of ``run`` at ``now`` (default: the present); RunNotFound when neither Redis nor the volume knows it."""
+    now = time.time() if now is None else now
+    state = RunState(conn, data, run)
+    meta = state.meta()
+    if not meta and not state.paths.spec.is_file():
+        raise RunNotFound(f"no run {run!r}")
+    finished = read_finished(state.paths) if "expected" not in meta else None
+    if finished is not None:  # Redis lost a finished run: its record on the volume has the final numbers
+        meta = {**meta, "expected": finished["expected"], "state": finished["state"]}
+    expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
+    gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
+    generate = sample_stage(state, "generate", expected, gen, now)
+    generate.update(generate_requests(meta, gen))
+    extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
+    train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
+    train["loss"] = _float(meta, "train_loss")
+    train["padding"] = _float(meta, "train_epoch_padding")  # share of the epoch's computed positions
+    evaluate["acceptance_length"] = _float(meta, "acceptance_length")
+    # vLLM's own figure for the export on the first prompts of the same set, where the trainer has one configured
+    evaluate["engine_acceptance_length"] = _float(meta, "evaluate_engine_acceptance")
+    evaluate["engine_prompts"] = int(float(meta["evaluate_engine_prompts"])) if meta.get("evaluate_engine_prompts") else None
+    evaluate["engine_error"] = meta.get("evaluate_engine_error") or None
+    errors = error_summary(conn, run, meta, gen, ext)
+    return {
+        "run": run,
+        "state": derive_state(meta, errors["total"] + errors["dropped"]),
+        "expected": expected,
+        "stages": {"generate": generate, "extract": extract, "train": train, "evaluate": evaluate},
+        "errors": errors,
+        "failures": first_failures(conn, run),
+        "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
+        "eta_seconds": overall_eta([generate, extract]),
+        "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"],
+                    "warning": meta.get("train_warning") or None},
+        "updated_at": now,
+    }
+
+
+def generate_requests(meta: dict[str, str], counts: StageCounts) -> dict:
+    """The generation's cost: requests the target answered (one per turn of a conversation; a retry of the
+    same turn is not another) and their mean per settled sample, None before any settled."""
+    requests = int(float(meta.get(GENERATE_REQUESTS, 0) or 0))
+    settled = counts.done + counts.failed + counts.dropped
+    return {"requests": requests, "requests_per_sample": round(requests / settled, 3) if settled else None}
+
+
+def _counts(state: RunState, finished: dict | None, stage: str) -> StageCounts:
+    if finished is not None and isinstance(finished.get(stage), dict):
+        return StageCounts(**{k: int(finished[stage].get(k, 0)) for k in ("done", "failed", "dropped")})
+    return state.counts(stage)
+
+
+def list_status(data: Path, conn: redis.Redis) -> list[dict]:
+    """Status of every run Redis or the volume knows, by name."""
+    return [run_status(data, conn, run) for run in sorted(set(known_runs(conn)) | set(list_runs(data)))]
+
+
+# ---- text ----------------------------------------------------------------------------------------
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+def _rate(s: dict) -> str:
+    """``5.02 samples/s over 4m55s``, ``0.00 samples/s`` or ``unknown samples/s``."""
+    rate = s["samples_per_second"]
+    if rate is None:
+        return "unknown samples/s"
+    window = f" over {_duration(s['rate_window_seconds'])}" if rate else ""
+    return f"{rate:.2f} samples/s{window}"
+
+
+def _sample_line(name: str, s: dict) -> str:
+    per_sample = s.get("requests_per_sample")
+    cost = f"  {per_sample:.2f} requests/sample" if per_sample is not None else ""
+    return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
+            f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
+
+
+def _whole_line(name: str, s: dict, extra: str) -> str:
+    error = f"\n  {'':<9} {s['error']}" if s["state"] == "failed" and s["error"] else ""
+    return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
+
+
+def _acceptance_text(evaluate: dict) -> str:
+    """The evaluator's headline and, where vLLM measured the export too, vLLM's figure beside it."""
+    accept, engine = evaluate["acceptance_length"], evaluate.get("engine_acceptance_length")
+    if accept is None:
+        return ""
+    text = f"  acceptance length {accept:.2f}"
+    if engine is not None:
+        text += f" (vLLM {engine:.2f} on its first {evaluate['engine_prompts']} prompts)"
+    elif evaluate.get("engine_error"):
+        text += f" (vLLM failed: {evaluate['engine_error']})"
+    return text
+
+
+def format_status(status: dict) -> str:
+    """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
+    stages, errors, disk = status["stages"], status["errors"], status["disk"]
+    loss = stages["train"]["loss"]
+    lines = [
+        f"run {status['run']}: {status['state']} ({status['expected']:,} samples expected)",
+        _sample_line("generate", stages["generate"]),
+        _sample_line("extract", stages["extract"]),
+        _whole_line("train", stages["train"], (f"  loss {loss:.4f}" if loss is not None else "")
+                    + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")),
+        _whole_line("evaluate", stages["evaluate"], _acceptance_text(stages["evaluate"])),
+        f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
+        f"{errors['dropped']:,} dropped",
+        f"  ETA       {_duration(status['eta_seconds'])}",
+        f"  disk      {format_bytes(disk['used_bytes'])} used, {format_bytes(disk['free_bytes'])} free of "
+        f"{format_bytes(disk['total_bytes'])} ({disk['path']}); this run {format_bytes(disk['run_bytes'])}",
+    ]
+    if pause := format_disk_pause(disk):
+        lines.append(pause)
+    if status["drafter"]["export_path"]:
+        lines.append(f"  drafter   {status['drafter']['export_path']}")
+    if status["drafter"].get("warning"):
+        lines.append(f"  warning   {status['drafter']['warning']}")
+    if status["failures"]:
+        lines.append(f"  failures (first {len(status['failures'])}):")
+        lines += [f"    {f['stage']:<8} sample {f['sample_id']:<8} {f['kind']:<7} {f['error_class']}: {f['message']}"
+                  for f in status["failures"]]
+    return "\n".join(lines)

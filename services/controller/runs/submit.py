@@ -1,0 +1,166 @@
+"""Submit a run: read the dataset once, write the normalized prompts, register the run's to-do list.
+
+Held-out rule: the **last ``evaluate.holdout`` valid rows of the rows read** (after ``limit``) go to
+``eval_prompts.jsonl`` and never through generate, extract or training. Their ids are the highest
+valid ids, so ``train_ids`` (the first held-out id) splits the id range: every valid id below it is
+trained on. Malformed rows are named generate-stage failures wherever they sit, also among or after
+the held-out rows, so ``expected`` = rows read − held-out rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import redis
+
+from services.controller.runs.datasets import iter_rows
+from shared.atomic import atomic_write
+from shared.errors import DatasetError, RowError, RunExists, error_class
+from shared.layout import RunPaths, check_run_name
+from shared.lifecycle import RunPhase
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
+from runtime.runstate import Failure, RunState, known_runs
+
+log = logging.getLogger(__name__)
+
+SUBMIT_LOCK_TTL_S = 3600
+
+
+def prompt_line(sample_id: int, messages: list[dict]) -> bytes:
+    return (json.dumps({"sample_id": sample_id, "messages": messages}, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def default_run_name(dataset: str) -> str:
+    """``<dataset stem>-<UTC timestamp>``, reduced to the characters a run name allows."""
+    stem = Path(dataset.rstrip("/")).name.split(".")[0] or "run"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._")[:60] or "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+@dataclass
+class _Split:
+    """What streaming the dataset produced."""
+
+    rows: int = 0
+    valid: int = 0
+    first_problem: str = ""
+    holdout: deque = field(default_factory=deque)
+
+
+def submit_run(
+    data: Path,
+    conn: redis.Redis,
+    *,
+    dataset: str,
+    name: str | None = None,
+    limit: int | None = None,
+    model: str,
+    split: str = "train",
+    generation: GenerationConfig | None = None,
+    extraction: ExtractionConfig | None = None,
+    train: TrainConfig | None = None,
+    evaluate: EvalConfig | None = None,
+) -> RunSpec:
+    """Create run ``name`` from ``dataset``; RunExists if it exists, DatasetError if nothing can be read."""
+    data = Path(data)
+    name = check_run_name(name or default_run_name(str(dataset)))
+    spec = RunSpec(
+        name=name, dataset=str(dataset), split=split, limit=limit, model=model,
+        generation=generation or GenerationConfig(), extraction=extraction or ExtractionConfig(),
+        train=train or TrainConfig(), evaluate=evaluate or EvalConfig(),
+    )
+    with _submission_lock(conn, name):
+        _refuse_existing(data, conn, name)
+        paths, state = RunPaths(data, name), RunState(conn, data, name)
+        try:
+            return _create(spec, paths, state)
+        except BaseException:
+            _discard(paths, state)
+            raise
+
+
+def _create(spec: RunSpec, paths: RunPaths, state: RunState) -> RunSpec:
+    rows = iter_rows(spec.dataset, split=spec.split, limit=spec.limit)
+    result = _Split(holdout=deque())
+    atomic_write(paths.prompts, lambda handle: _stream_prompts(rows, handle, result, spec.evaluate.holdout, state))
+    _check_usable(spec, result)
+    held_out = [prompt_line(i, m) for i, m in result.holdout]
+    atomic_write(paths.eval_prompts, lambda handle: handle.writelines(held_out))
+    train_ids = result.holdout[0][0] if result.holdout else result.rows
+    spec = spec.model_copy(update={"rows": result.rows, "train_ids": train_ids})
+    spec.save(paths.data)
+    expected = result.rows - len(result.holdout)
+    state.register(
+        expected, state=RunPhase.GENERATING, dataset=spec.dataset, train_ids=train_ids, holdout=len(result.holdout),
+        feed_offset=0, fed_until=0, prompts_bytes=paths.prompts.stat().st_size, hidden_bytes=0, generated_bytes=0,
+    )
+    log.info("run %s: %d rows, %d valid, %d held out, %d expected", spec.name, result.rows, result.valid,
+             len(result.holdout), expected)
+    return spec
+
+
+def _stream_prompts(rows: Iterable, handle: BinaryIO, result: _Split, holdout: int, state: RunState) -> None:
+    """Write valid rows to ``handle``, keeping the last ``holdout`` of them back; name every bad row."""
+    for sample_id, item in rows:
+        result.rows += 1
+        if isinstance(item, RowError):
+            _record_bad_row(state, sample_id, item, result)
+            continue
+        result.valid += 1
+        result.holdout.append((sample_id, item))
+        if len(result.holdout) > holdout:
+            handle.write(prompt_line(*result.holdout.popleft()))
+
+
+def _record_bad_row(state: RunState, sample_id: int, exc: RowError, result: _Split) -> None:
+    if not result.first_problem:
+        result.first_problem = f"row {sample_id}: {error_class(exc)}: {exc}"
+    state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
+                              error_class=error_class(exc), message=str(exc)), count_in_rate=False)
+
+
+def _check_usable(spec: RunSpec, result: _Split) -> None:
+    if result.valid == 0:
+        detail = f"; first problem: {result.first_problem}" if result.first_problem else ""
+        raise DatasetError(
+            f"dataset {spec.dataset!r} (split {spec.split!r}): no valid rows among {result.rows} read{detail}"
+        )
+    if result.valid <= spec.evaluate.holdout:
+        raise DatasetError(
+            f"dataset {spec.dataset!r} has {result.valid} valid rows; holding out {spec.evaluate.holdout} for "
+            "evaluation leaves none to train on (lower evaluate.holdout or read more rows)"
+        )
+
+
+def _refuse_existing(data: Path, conn: redis.Redis, name: str) -> None:
+    if RunPaths(data, name).spec.exists() or name in known_runs(conn):
+        raise RunExists(f"run {name!r} already exists; choose another name")
+
+
+def _discard(paths: RunPaths, state: RunState) -> None:
+    """Remove what a failed submission left behind (never a published run: those are refused earlier)."""
+    state.delete()
+    if paths.root.is_dir() and not paths.spec.exists():
+        shutil.rmtree(paths.root, ignore_errors=True)
+
+
+@contextmanager
+def _submission_lock(conn: redis.Redis, name: str) -> Iterator[None]:
+    """Two submissions of one name race between the existence check and registration; one waits out."""
+    key = f"draftline:submit-lock:{name}"
+    if not conn.set(key, str(time.time()), nx=True, ex=SUBMIT_LOCK_TTL_S):
+        raise RunExists(f"run {name!r} is being submitted right now")
+    try:
+        yield
+    finally:
+        conn.delete(key)

@@ -1,0 +1,56 @@
+"""The status page shows the numbers ``draftline status --json`` gives, escapes what runs write, refreshes."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.testclient import TestClient
+
+from services.controller.api.app import create_app
+from services.controller.runs.status import run_status
+from runtime.gpu import GpuReader
+from runtime.runstate import Failure
+from shared.settings import ControllerSettings
+from tests.services.controller.volume import finish_samples, prompt_rows, submit
+
+
+def test_the_page_shows_the_status_numbers_and_the_failed_ids(data_dir, redis_conn, redis_url, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, "page", prompt_rows(10, bad=(3,)))
+    finish_samples(state, generated=[0, 1, 2, 4, 5], extracted=[0, 1])
+    state.mark_failed(Failure("page", "extract", 4, "HiddenStateFileError", "<script>alert(1)</script> truncated"))
+    status = run_status(data_dir, redis_conn, "page")
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        response = client.get("/status")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    html = response.text
+    assert re.search(r"http-equiv='refresh' content='\d+'", html)
+    for stage in ("generate", "extract"):
+        row = re.search(rf"<tr data-stage='{stage}'>.*?</tr>", html).group(0)
+        s = status["stages"][stage]
+        assert f"<td data-key='done'>{s['done']} / {s['total']}</td>" in row
+    assert f"<b data-key='errors.total'>{status['errors']['total']}</b>" in html
+    assert {int(i) for i in re.findall(r"data-sample='(\d+)'", html)} == {f["sample_id"] for f in status["failures"]}
+    assert {3, 4} <= {f["sample_id"] for f in status["failures"]}
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    if not GpuReader().available:
+        assert "0 GPUs visible" in html  # no NVML here: said, not an error
+
+
+def test_a_rate_or_eta_the_data_cannot_support_reads_unknown(data_dir, redis_conn, redis_url, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, "burst", prompt_rows(60))
+    for sample_id in range(50):  # one batch landing at once: no rate and no ETA yet
+        state.mark_done("generate", sample_id)
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    rows = {stage: re.search(rf"<tr data-stage='{stage}'>.*?</tr>", html).group(0) for stage in ("generate", "extract")}
+    assert "<td data-key='samples_per_second'>unknown</td><td data-key='eta_seconds'>unknown</td>" in rows["generate"]
+    assert "<td data-key='samples_per_second'>0.00</td><td data-key='eta_seconds'>unknown</td>" in rows["extract"]
+
+
+def test_without_runs_the_page_says_how_to_start_one(data_dir, redis_conn, redis_url):
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    assert "No runs yet" in html and "draftline run" in html

@@ -1,0 +1,239 @@
+"""Run status: every field, the numbers behind them, the derived state, and the operator text."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from services.controller.runs.status import derive_state, first_failures, format_status, list_status, run_status
+from services.controller.runs.submit import submit_run
+from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
+from shared.errors import RunNotFound
+from shared.runspec import EvalConfig
+from runtime.runstate import DROPPED, Failure, RunState
+from tests.services.controller.runs.test_datasets import write_jsonl
+
+RUN = "stat"
+STAGE_KEYS = {"total", "done", "failed", "dropped", "remaining", "percent", "samples_per_second",
+              "rate_window_seconds", "eta_seconds"}
+T0 = 1_700_000_002.5
+BURST, EVERY = 50, 10.0  # a true rate of 5 samples/s, landing in bursts
+
+
+def fail(state: RunState, stage: str, sample_id: int, cls: str = "InferenceRejected", kind: str = "error") -> None:
+    state.mark_failed(Failure(run=state.run, stage=stage, sample_id=sample_id, error_class=cls,
+                              message=f"{cls} on {sample_id}", kind=kind))
+
+
+@pytest.fixture()
+def state(data_dir, redis_conn, tmp_path) -> RunState:
+    """12 rows, row 2 malformed, rows 10-11 held out; generation settled, extraction under way."""
+    rows = [{"prompt": f"q{i}"} for i in range(12)]
+    rows[2] = "{bad"
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=2))
+    state = RunState(redis_conn, data_dir, RUN)
+    for sample_id in (0, 1, 3, 4, 5, 6, 7):
+        state.mark_done("generate", sample_id)
+    fail(state, "generate", 8)
+    fail(state, "generate", 9, "ReplyTooShort", DROPPED)
+    for sample_id in (0, 1, 3):
+        state.mark_done("extract", sample_id)
+        state.incr("hidden_bytes", 1000)
+    fail(state, "extract", 4, "HiddenStateFileError")
+    return state
+
+
+def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
+    status = run_status(data_dir, redis_conn, RUN)
+    assert set(status) == {"run", "state", "expected", "stages", "errors", "failures", "disk", "eta_seconds",
+                           "drafter", "updated_at"}
+    assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
+    assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
+    assert set(status["stages"]["extract"]) == STAGE_KEYS
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding"}
+    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length",
+                                                 "engine_acceptance_length", "engine_prompts", "engine_error"}
+    assert set(status["errors"]) == {"total", "since_resume", "dropped"}
+    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
+                                   "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}
+    assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
+    assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
+
+
+def test_stage_numbers(data_dir, redis_conn, state):
+    status = run_status(data_dir, redis_conn, RUN)
+    assert (status["run"], status["state"], status["expected"]) == (RUN, "generating", 10)
+    gen, ext = status["stages"]["generate"], status["stages"]["extract"]
+    assert (gen["total"], gen["done"], gen["failed"], gen["dropped"], gen["remaining"], gen["percent"]) == (10, 7, 2, 1, 0, 100.0)
+    assert gen["eta_seconds"] == 0
+    # Extraction only sees what generation produced: 10 - 2 failed - 1 dropped.
+    assert (ext["total"], ext["done"], ext["failed"], ext["dropped"], ext["remaining"], ext["percent"]) == (7, 3, 1, 0, 3, 57.1)
+    # Four samples settled moments ago are a burst, not a rate: unknown, and so is the run's ETA.
+    assert (ext["samples_per_second"], ext["eta_seconds"], status["eta_seconds"]) == (None, None, None)
+    assert ext["rate_window_seconds"] < 30
+    # Row 2 was named at submission, which is no work generation did: 7 done + 1 failed + 1 dropped settled.
+    assert state.throughput("generate").settled == 9
+    assert status["errors"] == {"total": 3, "since_resume": 3, "dropped": 1}
+    assert status["disk"]["run_bytes"] == 3000
+    assert status["disk"]["path"] == str(data_dir)
+    assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
+    assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "error": None,
+                                         "loss": None, "padding": None}
+    assert status["drafter"] == {"export_path": None, "acceptance_length": None, "warning": None}
+
+
+def test_failures_are_listed_generate_first_then_by_sample_id(data_dir, redis_conn, state):
+    failures = run_status(data_dir, redis_conn, RUN)["failures"]
+    assert [(f["stage"], f["sample_id"], f["error_class"], f["kind"]) for f in failures] == [
+        ("generate", 2, "InvalidJson", "error"),
+        ("generate", 8, "InferenceRejected", "error"),
+        ("generate", 9, "ReplyTooShort", "dropped"),
+        ("extract", 4, "HiddenStateFileError", "error"),
+    ]
+    assert "line 3" in failures[0]["message"]
+
+
+def test_at_most_50_failures_are_shown(data_dir, redis_conn, state):
+    for sample_id in range(100, 160):
+        fail(state, "extract", sample_id)
+    shown = first_failures(redis_conn, RUN)
+    assert len(shown) == 50
+    assert [f["sample_id"] for f in shown[:4]] == [2, 8, 9, 4]
+    assert shown[-1]["sample_id"] == 145
+
+
+def test_errors_since_resume_count_only_later_failures(data_dir, redis_conn, state):
+    state.set_meta(resumed_at=time.time())
+    time.sleep(0.01)
+    fail(state, "extract", 5)
+    fail(state, "extract", 6, "ReplyTooShort", DROPPED)
+    errors = run_status(data_dir, redis_conn, RUN)["errors"]
+    assert errors == {"total": 4, "since_resume": 1, "dropped": 2}
+
+
+def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
+    state.set_progress("train", 5, 20, loss=1.25, epoch_padding=0.025)
+    state.set_meta(train_state="running")
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "training"
+    assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "error": None,
+                                         "loss": 1.25, "padding": 0.025}
+    assert "padding 2.5%" in format_status(status)
+    state.set_progress("evaluate", 4, 4)
+    state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "complete_with_failures"
+    assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
+    assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5, "warning": None}
+
+
+def test_a_drafter_trained_on_too_little_data_says_so(data_dir, redis_conn, state):
+    warning = too_small_warning(4_321)
+    assert "4,321 reply tokens" in warning and too_small_warning(MIN_USEFUL_LOSS_TOKENS) == ""
+    state.set_meta(train_state="done", export_path="/x/export", train_warning=warning)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["drafter"]["warning"] == warning
+    assert f"  warning   {warning}" in format_status(status)
+
+
+def test_a_failed_train_job_shows_its_named_error_in_the_status_and_its_text(data_dir, redis_conn, state):
+    error = "BaseCheckpointMismatch: base checkpoint /v/b does not fit the target: vocab_size is 800, the target's vocab_size is 774"
+    state.set_meta(train_state="failed", train_error=error)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["state"] == "failed" and status["stages"]["train"]["error"] == error
+    assert status["stages"]["evaluate"]["error"] is None
+    assert re.search(r"train +0 / 0 +0\.0% +failed\n +BaseCheckpointMismatch: base checkpoint /v/b ", format_status(status))
+
+
+@pytest.mark.parametrize(("meta", "errors", "expected"), [
+    ({}, 0, "queued"),
+    ({"state": "generating"}, 0, "generating"),
+    ({"state": "extracting"}, 0, "extracting"),
+    ({"state": "training"}, 0, "training"),
+    ({"state": "training", "train_state": "running"}, 0, "training"),
+    ({"state": "training", "train_state": "done"}, 0, "evaluating"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "running"}, 0, "evaluating"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 0, "complete"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 2, "complete_with_failures"),
+    ({"state": "training", "train_state": "failed"}, 0, "failed"),
+    ({"state": "training", "train_state": "done", "evaluate_state": "failed"}, 0, "failed"),
+    ({"state": "failed"}, 0, "failed"),
+    ({"state": "complete"}, 1, "complete_with_failures"),
+])
+def test_state_is_derived_from_the_run_and_trainer_fields(meta, errors, expected):
+    assert derive_state(meta, errors) == expected
+
+
+def test_operator_text_names_progress_errors_rate_eta_and_disk(data_dir, redis_conn, state):
+    text = format_status(run_status(data_dir, redis_conn, RUN))
+    assert text.startswith(f"run {RUN}: generating (10 samples expected)")
+    assert re.search(r"generate +7 / 10 +100\.0% +failed 2 +dropped 1 +unknown samples/s +ETA 0s", text)
+    assert re.search(r"extract +3 / 7 +57\.1% +failed 1 +dropped 0 +unknown samples/s +ETA unknown", text)
+    assert re.search(r"\n  ETA +unknown\n", text)
+    assert "3 total, 3 since resume, 1 dropped" in text
+    assert "samples/s" in text and "ETA" in text and "free of" in text
+    assert "sample 2 " in text and "InvalidJson" in text and "HiddenStateFileError" in text
+
+
+def test_unknown_run_is_not_found_and_list_covers_every_run(data_dir, redis_conn, state):
+    with pytest.raises(RunNotFound):
+        run_status(data_dir, redis_conn, "nope")
+    assert [s["run"] for s in list_status(data_dir, redis_conn)] == [RUN]
+
+
+@pytest.fixture()
+def bursty(data_dir, redis_conn, tmp_path) -> RunState:
+    """1000 samples to generate (one more row held out), none settled yet."""
+    dataset = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"q{i}"} for i in range(1001)])
+    submit_run(data_dir, redis_conn, dataset=str(dataset), name="bursty", model="m", evaluate=EvalConfig(holdout=1))
+    return RunState(redis_conn, data_dir, "bursty")
+
+
+def land(state: RunState, burst: int, at: float) -> None:
+    for j in range(BURST):
+        state.mark_done("generate", burst * BURST + j, now=at)
+
+
+def test_a_burst_at_the_start_is_an_unknown_rate_and_eta_not_an_eta_of_0(data_dir, redis_conn, bursty):
+    land(bursty, 0, T0)
+    status = run_status(data_dir, redis_conn, "bursty", now=T0 + 0.01)
+    gen = status["stages"]["generate"]
+    assert (gen["done"], gen["remaining"]) == (50, 950)
+    assert (gen["samples_per_second"], gen["eta_seconds"], status["eta_seconds"]) == (None, None, None)
+    text = format_status(status)
+    assert re.search(r"generate +50 / 1,000 .* unknown samples/s +ETA unknown", text)
+    assert re.search(r"extract +0 / 1,000 .* 0\.00 samples/s +ETA unknown", text)  # nothing extracted yet
+
+
+def test_rate_and_eta_stay_within_a_burst_over_the_window_of_the_truth(data_dir, redis_conn, bursty):
+    """13 bursts in 120 s, read at 125 s: |rate - 5| <= 50 / 125, so the ETA of the 350 left is 65-76 s."""
+    for burst in range(13):
+        land(bursty, burst, T0 + burst * EVERY)
+    status = run_status(data_dir, redis_conn, "bursty", now=T0 + 125)
+    gen = status["stages"]["generate"]
+    assert (gen["remaining"], gen["rate_window_seconds"]) == (350, 125.0)
+    bound = BURST / gen["rate_window_seconds"]
+    assert abs(gen["samples_per_second"] - BURST / EVERY) <= bound
+    assert 350 / (BURST / EVERY + bound) <= gen["eta_seconds"] <= 350 / (BURST / EVERY - bound)
+    assert gen["eta_seconds"] == round(350 / gen["samples_per_second"])
+    text = format_status(status)
+    assert re.search(rf"generate .* {gen['samples_per_second']:.2f} samples/s over 2m05s +ETA 1m0\ds", text)
+    # Extraction has not started, so the run's ETA is unknown rather than generation's alone.
+    assert status["stages"]["extract"]["eta_seconds"] is None and status["eta_seconds"] is None
+    for burst in range(13, 20):
+        land(bursty, burst, T0 + burst * EVERY)
+    done = run_status(data_dir, redis_conn, "bursty", now=T0 + 200)["stages"]["generate"]
+    assert (done["remaining"], done["eta_seconds"]) == (0, 0)
+
+
+def test_generation_reports_its_requests_per_settled_sample(data_dir, redis_conn, state):
+    """Ten samples settled (seven done, the malformed row and one more failed, one dropped); a conversation
+    of several turns costs a request a turn, counted by the generate job."""
+    assert run_status(data_dir, redis_conn, RUN)["stages"]["generate"]["requests"] == 0
+    state.incr_many({"generate_requests": 21})
+    generate = run_status(data_dir, redis_conn, RUN)["stages"]["generate"]
+    assert (generate["requests"], generate["requests_per_sample"]) == (21, 2.1)
+    assert "2.10 requests/sample" in format_status(run_status(data_dir, redis_conn, RUN)).splitlines()[1]
