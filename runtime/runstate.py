@@ -41,6 +41,9 @@ RATE_MIN_SPAN_SECONDS = 30.0  # a rate needs this long an observation: a batch l
 ETA_MIN_SETTLED = 10  # an ETA needs at least this many samples settled in the window
 BEGUN = "begun"  # field of a throughput hash: when the current observation of the stage began
 LAST = "last"  # field of a throughput hash: when the stage last settled a sample
+FIRST = "first"  # field of a throughput hash: when the stage first settled a sample (never reset)
+TOTAL = "total"  # field of a throughput hash: samples the stage ever settled (never pruned)
+FIELDS = (BEGUN, LAST, FIRST, TOTAL)  # the hash's fields that are not buckets
 GENERATE_REQUESTS = "generate_requests"  # run meta: requests the target answered (a turn each; retries aside)
 
 ERROR = "error"
@@ -275,14 +278,18 @@ class RunState:
     def throughput(self, stage: str, now: float | None = None, *, finished: bool = False) -> Throughput:
         """Samples of ``stage`` settled in the recent window (one HGETALL); see ``Throughput``.
 
-        For a ``finished`` stage (nothing left to settle) the window ends at its last settled sample, so
-        its rate stays the one it worked at instead of decaying over the idle time after it."""
+        A ``finished`` stage (nothing left to settle) reads its own rate: every sample it settled over the time
+        from its first settled sample to its last, so neither the idle time after it nor a slow last window
+        stands for the whole stage."""
         _check_sample_stage(stage)
         now = time.time() if now is None else now
         raw = {_s(k): _s(v) for k, v in self.conn.hgetall(settled_key(self.run, stage)).items()}
         begun = float(raw.pop(BEGUN, "inf"))
         last = float(raw.pop(LAST, "inf"))
-        if finished:
+        first, total = raw.pop(FIRST, None), raw.pop(TOTAL, None)
+        if finished and first is not None and total is not None:
+            return Throughput(settled=int(total), span_s=max(last - float(first), 0.0))
+        if finished:  # a hash written before FIRST and TOTAL existed: its last window, ended at its last sample
             now = min(now, last)
         window_start = float((_bucket(now) - RATE_BUCKETS + 1) * RATE_BUCKET_SECONDS)
         start = max(begun, window_start)
@@ -298,14 +305,16 @@ class RunState:
         pipe = self.conn.pipeline(transaction=False)
         pipe.hincrby(key, str(bucket), count)
         pipe.hsetnx(key, BEGUN, repr(at))
+        pipe.hsetnx(key, FIRST, repr(at))
+        pipe.hincrby(key, TOTAL, count)
         pipe.hset(key, LAST, repr(at))
-        in_bucket, _, _ = pipe.execute()
+        in_bucket, *_ = pipe.execute()
         if in_bucket == count:  # the bucket was empty: the first settled in it
             self._prune(key, bucket, at)
 
     def _prune(self, key: str, bucket: int, at: float) -> None:
         """Drop buckets that left the window; after a quiet window, ``at`` begins a new observation."""
-        buckets = [int(_s(f)) for f in self.conn.hkeys(key) if _s(f) not in (BEGUN, LAST)]
+        buckets = [int(_s(f)) for f in self.conn.hkeys(key) if _s(f) not in FIELDS]
         # Relative to the newest bucket, not this one: a worker whose clock lags must not keep old ones.
         stale = [str(b) for b in buckets if b <= max(buckets) - RATE_BUCKETS]
         pipe = self.conn.pipeline(transaction=False)

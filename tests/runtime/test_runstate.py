@@ -10,6 +10,7 @@ from runtime.runstate import (
     RunState,
     StageCounts,
     known_runs,
+    FIELDS,
     settled_key,
 )
 
@@ -125,8 +126,8 @@ def test_old_buckets_are_pruned_so_memory_is_bounded(state):
     key = settled_key("r", "extract")
     for i in range(2 * RATE_WINDOW_SECONDS):
         state.mark_done("extract", i, now=T0 + 2 * i)
-        assert state.conn.hlen(key) <= RATE_BUCKETS + 2  # the window's buckets, "begun" and "last"
-    assert state.conn.hlen(key) == RATE_BUCKETS + 2
+        assert state.conn.hlen(key) <= RATE_BUCKETS + len(FIELDS)  # the window's buckets, begun, last, first, total
+    assert state.conn.hlen(key) == RATE_BUCKETS + len(FIELDS)
     throughput = state.throughput("extract", now=T0 + 2 * i)
     assert abs(throughput.per_second - 0.5) <= 1.0 / throughput.span_s + 1e-9
 
@@ -178,3 +179,16 @@ def test_marking_many_at_once_returns_the_newly_done_clears_their_failures_and_c
     # Settled once each: 1 as done, 2 as failed (its success now settles nothing again), 3 as done now.
     assert state.throughput("generate").settled == 3
     assert state.mark_done_many("generate", []) == []
+
+
+def test_a_finished_stage_longer_than_the_window_reads_its_whole_run(state):
+    """2,000 samples in the first 200 s, then 200 over 400 s: done, the stage reads every sample over its
+    whole 600 s, not its slow last window, and not diluted by idle time after it."""
+    times = [T0 + i * 0.1 for i in range(2000)] + [T0 + 200.0 + (i + 1) * 2.0 for i in range(200)]
+    for sample_id, at in enumerate(times):
+        state.mark_done("generate", sample_id, now=at)
+    whole = state.throughput("generate", now=times[-1] + 3600.0, finished=True)
+    assert whole.settled == 2200 and whole.span_s == pytest.approx(times[-1] - T0)
+    assert whole.per_second == pytest.approx(2200 / (times[-1] - T0))
+    last_window = state.throughput("generate", now=times[-1])
+    assert last_window.per_second == pytest.approx(0.5, rel=0.05)  # what the stage did lately, while running

@@ -4,7 +4,8 @@ Everything comes from Redis counters and meta: a status call never walks the run
 costs the same for ten samples and for a million.
 
 A stage's ``samples_per_second`` averages the samples it settled (done, failed or dropped) over
-``rate_window_seconds``, at most the last ``RATE_WINDOW_SECONDS``; ``eta_seconds`` is remaining over
+``rate_window_seconds``, at most the last ``RATE_WINDOW_SECONDS`` (a finished stage: its whole run, from its
+first settled sample to its last); ``eta_seconds`` is remaining over
 that rate. Both are None ("unknown") rather than a number the data cannot support: the rate until the
 stage has been observed for ``RATE_MIN_SPAN_SECONDS``, the ETA also until ``ETA_MIN_SETTLED`` samples
 settled in the window (``runtime.runstate.Throughput`` states the rule and its error bound).
