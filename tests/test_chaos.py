@@ -19,12 +19,11 @@ import redis
 
 from services.cli.demo import demo_prompts_path
 from services.cli.stack import LocalStack, StackConfig
-from runtime.runstate import finished_path
+from runtime.runstate import RunState, finished_path
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
-from runtime.runstate import RunState
 from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import RedisServer
 

@@ -31,7 +31,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from services.controller.loop.reconcile import RunBusy, read_failure_file, reconciling, reply_problem, run_ids
-from runtime.runstate import finished_path, read_finished
+from runtime.runstate import DROPPED, Failure, RunState, finished_path, read_finished, run_key
 from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES, payload_sample_ids
@@ -39,7 +39,6 @@ from shared.layout import RunPaths
 from shared.lifecycle import RunPhase
 from shared.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
-from runtime.runstate import DROPPED, Failure, RunState, run_key
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,13 @@ from services.controller.loop.reconcile import (
     reconciling,
     remove_stale_temps,
 )
-from runtime.runstate import write_finished
+from runtime.runstate import RunState, known_runs, run_key, write_finished
 from services.controller.runs.status import derive_state
 from shared.atomic import temp_files
 from runtime.disk import supervise_disk
 from shared.jobs import RUN_JOB_TTL_S, SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.lifecycle import SAMPLE_PHASES, RunPhase
 from runtime.outage import REDIS_DOWN, RedisOutage
-from runtime.runstate import RunState, known_runs, run_key
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

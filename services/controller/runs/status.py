@@ -20,14 +20,13 @@ from pathlib import Path
 
 import redis
 
-from runtime.runstate import read_finished
+from runtime.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, read_finished, run_key
 from runtime.disk import disk_status, format_bytes, format_disk_pause
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
 from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState
 from shared.runspec import RunSpec
-from runtime.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, run_key
 
 FAILURES_SHOWN = 50
 FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")

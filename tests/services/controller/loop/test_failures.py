@@ -11,12 +11,11 @@ from rq import SimpleWorker
 from services.controller.loop.failures import list_failures, name_failed_jobs, retry_failures
 from services.controller.loop.feeder import backfill_extract, feed_run
 from services.controller.loop.reconcile import RunBusy
-from runtime.runstate import read_finished, write_finished
+from runtime.runstate import DROPPED, Failure, RunState, read_finished, write_finished
 from services.extractor.jobs import run_extract
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
 from shared.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
-from runtime.runstate import DROPPED, Failure, RunState
 from runtime.sample_queue import enqueue_extract
 from shared.settings import ControllerSettings, ExtractorSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit

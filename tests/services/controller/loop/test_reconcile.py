@@ -16,14 +16,13 @@ from services.controller.loop.reconcile import (
     reconcile_run,
     remove_if_unchanged,
 )
-from runtime.runstate import read_finished
+from runtime.runstate import DROPPED, Failure, RunState, bitmap_ids, known_runs, read_finished, run_key
 from services.controller.runs.status import run_status
 from services.controller.loop.supervisor import supervise_once
 from shared.errors import RunNotFound
 from shared.jobs import GENERATE_QUEUE, GenerateJob
 from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.queues import queue
-from runtime.runstate import DROPPED, Failure, RunState, bitmap_ids, known_runs, run_key
 from shared.settings import ControllerSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit, write_hidden
 

@@ -14,13 +14,12 @@ import time
 import httpx
 import pytest
 
-from runtime.runstate import read_finished
+from runtime.runstate import RunState, bitmap_ids, read_finished, run_key
 from services.controller.runs.status import run_status
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.runspec import EvalConfig, GenerationConfig, TrainConfig
-from runtime.runstate import RunState, bitmap_ids, run_key
 from tests.services.controller.volume import prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import ServiceProcess, free_port
