@@ -32,7 +32,7 @@ from shared.runspec import RunSpec
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
-from services.trainer.evaluation.eval_pool import evaluate_sets_in_processes
+from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets_in_processes
 from services.trainer.evaluation.evalsets import EvalSet, load_sets
 from services.trainer.evaluation.engine_acceptance import measure_export, verify_agreement
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
@@ -224,11 +224,11 @@ def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, 
     state.set_progress("evaluate", 0, total)
     progress = lambda done, total: state.set_progress("evaluate", done, total)  # noqa: E731
     if settings.eval_procs > 1:
+        models = EvaluatedModels(settings.model_dir, paths.export_dir, str(device), settings.eval_dtype,
+                                 trust_remote_code=settings.trust_remote_code)
         report = evaluate_sets_in_processes(
-            model_dir=settings.model_dir, export_dir=paths.export_dir, device=str(device), dtype=settings.eval_dtype,
-            sets=sets, cfg=spec.evaluate, procs=min(settings.eval_procs, max(total, 1)),
-            layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress,
-            trust_remote_code=settings.trust_remote_code)
+            models=models, sets=sets, cfg=spec.evaluate, procs=min(settings.eval_procs, max(total, 1)),
+            layer_ids=layer_ids_of(read_config(paths.export_dir), None), progress=progress)
     else:
         target, tokenizer, drafter = load_evaluated(settings.model_dir, paths.export_dir, device,
                                                     getattr(torch, settings.eval_dtype),

@@ -5,7 +5,8 @@ Each process decodes its prompts as a batch (``speculative_batch``); on a CPU se
 several cores where one decode would leave them idle, and on a GPU one process with a large batch is
 usually the fastest. The processes are spawned (never forked: CUDA does not
 survive a fork), get only JSON-able arguments, and send back plain dicts; a process that dies or raises
-fails the evaluation naming it.
+fails the evaluation naming it. What every process loads travels as one ``EvaluatedModels``, turned into
+a plain dict for the crossing like the evaluation settings and the prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import queue
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,30 @@ def shard(prompts: list[EvalPrompt], index: int, procs: int) -> list[EvalPrompt]
     return prompts[index::procs]
 
 
-def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str, dtype: str, trust_remote_code: bool,
-            sets: list[dict[str, Any]], cfg: dict[str, Any], out: Any) -> None:
+@dataclass(frozen=True)
+class EvaluatedModels:
+    """The target and the exported drafter a measurement process loads (``evaluate.load_evaluated``): they
+    travel together from the job to every process, so they are one argument instead of five."""
+
+    model_dir: Path
+    export_dir: Path
+    device: str  # a torch device name ("cpu", "cuda:0"): a torch.device object is not JSON
+    dtype: str  # a torch dtype's name ("float32", "bfloat16")
+    trust_remote_code: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain values only: a spawned process gets nothing it would have to unpickle as a class."""
+        return {"model_dir": str(self.model_dir), "export_dir": str(self.export_dir), "device": self.device,
+                "dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> EvaluatedModels:
+        return cls(Path(raw["model_dir"]), Path(raw["export_dir"]), raw["device"], raw["dtype"],
+                   raw["trust_remote_code"])
+
+
+def _worker(index: int, procs: int, models: dict[str, Any], sets: list[dict[str, Any]], cfg: dict[str, Any],
+            out: Any) -> None:
     try:
         import torch
 
@@ -45,8 +69,10 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
 
         torch.set_num_threads(1)
         config = EvalConfig.model_validate(cfg)
-        target, tokenizer, drafter = load_evaluated(Path(model_dir), Path(export_dir), torch.device(device),
-                                                    getattr(torch, dtype), trust_remote_code=trust_remote_code)
+        loaded = EvaluatedModels.from_json(models)
+        target, tokenizer, drafter = load_evaluated(loaded.model_dir, loaded.export_dir, torch.device(loaded.device),
+                                                    getattr(torch, loaded.dtype),
+                                                    trust_remote_code=loaded.trust_remote_code)
         shares = []
         for one in sets:
             measured, reported = SetRun(one["name"]), [0]
@@ -66,9 +92,9 @@ def _worker(index: int, procs: int, model_dir: str, export_dir: str, device: str
 
 
 def measure_in_processes(
-    *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
-    progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False,
-) -> list[dict[str, Any]]:
+    *, models: EvaluatedModels, sets: list[EvalSet], cfg: EvalConfig, procs: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[dict[str, Any]]]:
     """Per set, in order, the shares of every process (``SetRun.to_json`` dicts)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -76,8 +102,7 @@ def measure_in_processes(
                                              "earlier": [list(t) for t in p.earlier]} for p in s.prompts]}
                for s in sets]
     workers = [ctx.Process(target=_worker, name=f"evaluate-{i}", daemon=True,
-                           args=(i, procs, str(model_dir), str(export_dir), device, dtype, trust_remote_code, payload,
-                                 cfg.model_dump(mode="json"), out))
+                           args=(i, procs, models.to_json(), payload, cfg.model_dump(mode="json"), out))
                for i in range(procs)]
     for worker in workers:
         worker.start()
@@ -115,14 +140,13 @@ def _check_alive(workers: list[Any], results: dict[int, Any]) -> None:
 
 
 def evaluate_sets_in_processes(
-    *, model_dir: Path, export_dir: Path, device: str, dtype: str, sets: list[EvalSet], cfg: EvalConfig, procs: int,
-    layer_ids: list[int], progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False,
+    *, models: EvaluatedModels, sets: list[EvalSet], cfg: EvalConfig, procs: int, layer_ids: list[int],
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
     from services.trainer.evaluation.evaluate import SetRun, combine_sets, set_report
 
-    shares = measure_in_processes(model_dir=model_dir, export_dir=export_dir, device=device, dtype=dtype, sets=sets,
-                                  cfg=cfg, procs=procs, progress=progress, trust_remote_code=trust_remote_code)
+    shares = measure_in_processes(models=models, sets=sets, cfg=cfg, procs=procs, progress=progress)
     reports = {}
     for one, parts in zip(sets, shares):
         measured = SetRun(one.name)

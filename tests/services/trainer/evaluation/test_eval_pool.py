@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.evaluation.eval_pool import EvaluationProcessFailed, evaluate_sets_in_processes, shard
+from services.trainer.evaluation.eval_pool import (
+    EvaluatedModels,
+    EvaluationProcessFailed,
+    evaluate_sets_in_processes,
+    shard,
+)
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.evaluate import evaluate_sets, load_target
 from services.trainer.export import export_drafter, load_drafter
@@ -46,8 +51,8 @@ def test_three_processes_report_what_one_process_reports(export_dir, tiny_target
                            embed=target.get_input_embeddings().weight.detach().float()).eval()
     one = evaluate_sets(target, tokenizer, drafter, sets_of(eval_messages), CFG)
     seen = []
-    many = evaluate_sets_in_processes(model_dir=tiny_target.model_dir, export_dir=export_dir, device="cpu",
-                                      dtype="float32", sets=sets_of(eval_messages), cfg=CFG, procs=3,
+    models = EvaluatedModels(tiny_target.model_dir, export_dir, "cpu", "float32")
+    many = evaluate_sets_in_processes(models=models, sets=sets_of(eval_messages), cfg=CFG, procs=3,
                                       layer_ids=list(drafter.config.layer_ids), progress=lambda d, t: seen.append((d, t)))
     assert sorted(seen) == [(d, 6) for d in range(1, 7)]
     for name in ("holdout", "humaneval"):
@@ -59,6 +64,6 @@ def test_three_processes_report_what_one_process_reports(export_dir, tiny_target
 
 
 def test_a_process_that_fails_fails_the_evaluation_naming_it(tmp_path, tiny_target, eval_messages):
+    models = EvaluatedModels(tiny_target.model_dir, tmp_path / "no-export", "cpu", "float32")
     with pytest.raises(EvaluationProcessFailed, match=r"evaluation process \d of 2 failed: .*Error"):
-        evaluate_sets_in_processes(model_dir=tiny_target.model_dir, export_dir=tmp_path / "no-export", device="cpu",
-                                   dtype="float32", sets=sets_of(eval_messages), cfg=CFG, procs=2, layer_ids=[0, 1, 2])
+        evaluate_sets_in_processes(models=models, sets=sets_of(eval_messages), cfg=CFG, procs=2, layer_ids=[0, 1, 2])
