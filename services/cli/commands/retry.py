@@ -1,0 +1,39 @@
+"""``draftline retry [RUN] [IDS...]``: failed samples run again, all errors of the run or the ids named."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from services.cli.commands.common import controller_settings, pick_run
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    retry = subparsers.add_parser("retry", help="run failed samples again (all errors of the run, or the ids named)")
+    retry.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
+    retry.add_argument("ids", nargs="*", type=int, help="sample ids (default: every failure of kind error)")
+    retry.add_argument("--stage", choices=("generate", "extract"))
+    retry.add_argument("--include-dropped", action="store_true", help="also retry dropped samples")
+    retry.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from services.controller.loop.failures import retry_failures
+    from shared.queues import connect
+
+    settings = controller_settings()
+    run, ids = args.run, list(args.ids)
+    if run is not None and run.isdigit() and not (Path(settings.data) / "runs" / run / "run.json").is_file():
+        run, ids = None, [int(run), *ids]  # `draftline retry 5 7`: ids of the only or latest run
+    run = pick_run(settings.data, run)
+    report = retry_failures(settings.data, connect(settings.redis_url), run, stage=args.stage,
+                            sample_ids=ids or None, include_dropped=args.include_dropped)
+    lines = [f"run {run}: {len(report.cleared):,} failures cleared; the controller enqueues them again"]
+    lines += [f"  not retried: {r['stage']} sample {r['sample_id']}: {r['reason']}" for r in report.not_retryable]
+    if report.unknown:
+        lines.append(f"  no failure record for: {', '.join(map(str, report.unknown))}")
+    if report.superseded:
+        lines.append(f"  the run had finished: its drafter and evaluation moved to {report.superseded}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if report.cleared else 1
