@@ -59,7 +59,7 @@ from services.controller.loop.feeder import feed_run  # noqa: E402
 from services.controller.runs.submit import submit_run  # noqa: E402
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids  # noqa: E402
 from shared.queues import queue  # noqa: E402
-from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402
+from shared.runspec import EvalConfig, GenerationConfig  # noqa: E402, RunSpec
 from runtime.runstate import RunState  # noqa: E402
 from shared.settings import ControllerSettings, GeneratorSettings, configure_logging  # noqa: E402
 from tests.support.hidden_server import HiddenStateServer  # noqa: E402
@@ -189,10 +189,10 @@ def settle(stage: str, state: RunState, feeder: ControllerSettings, conn: redis.
            deadline: float) -> float:
     """Feed until every sample of ``stage`` is done, failed or dropped; the stage's seconds."""
     started = fed = time.perf_counter()
-    feed_run(feeder, conn, RUN)
+    feed_run(feeder, RunState(conn, feeder.data, RUN))
     while time.perf_counter() < deadline:
         if time.perf_counter() - fed >= feeder.feed_interval_s:  # the controller's loop feeds at this pace
-            feed_run(feeder, conn, RUN)
+            feed_run(feeder, RunState(conn, feeder.data, RUN))
             fed = time.perf_counter()
         counts = state.counts(stage)
         if counts.done + counts.failed + counts.dropped >= state.expected():
@@ -210,7 +210,7 @@ def polling_cost(bench: Bench, stage: str) -> dict:
     before, started = redis_counters(bench.conn), time.perf_counter()
     with MemorySampler(bench.url, bench.state, stage, [], bench.args.interval_s):
         while time.perf_counter() - started < BASELINE_S:
-            feed_run(bench.feeder, bench.conn, RUN)
+            feed_run(bench.feeder, RunState(bench.conn, bench.feeder.data, RUN))
             for _ in range(round(bench.feeder.feed_interval_s / POLL_S)):
                 bench.state.counts(stage)
                 time.sleep(POLL_S)
@@ -288,7 +288,8 @@ def generate(bench: Bench) -> dict:
     """The generate stage against the stand-in server, and Redis per sample waiting in a generate job first."""
     conn = bench.conn
     memory_before = conn.info("memory")["used_memory"]
-    feed_run(bench.feeder, conn, RUN)  # the first tick fills the feed window before any worker runs
+    # The first tick fills the feed window before any worker runs.
+    feed_run(bench.feeder, RunState(conn, bench.feeder.data, RUN))
     waiting_generate = sum(len(job.args[0]["items"]) for job in queue(GENERATE_QUEUE, conn).get_jobs())
     per_generate_sample = (conn.info("memory")["used_memory"] - memory_before) / max(1, waiting_generate)
     with OpenAIServer(model=bench.model_dir.name) as chat:
@@ -340,8 +341,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     redis_server = RedisServer(work / "redis").start()
     conn = redis.Redis.from_url(redis_server.url)
     try:
-        submit_run(data, conn, dataset=str(dataset), name=RUN, model=model_dir.name,
-                   generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=0))
+        submit_run(data, conn, RunSpec(dataset=str(dataset), name=RUN, model=model_dir.name,
+                                       generation=GenerationConfig(min_completion_tokens=1),
+                                       evaluate=EvalConfig(holdout=0)))
         state = RunState(conn, data, RUN)
         ttl = {} if args.sample_result_ttl_s is None else {"sample_result_ttl_s": args.sample_result_ttl_s}
         ttl |= {} if args.extract_batch is None else {"extract_batch": args.extract_batch}

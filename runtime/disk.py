@@ -184,16 +184,14 @@ def remaining_samples(state: RunState, expected: int) -> int:
 
 
 def assess(
-    data: Path,
-    conn: redis.Redis,
-    run: str,
+    state: RunState,
     *,
     reserve_bytes: int = 0,
     reserve_fraction: float = 0.0,
     bytes_per_token_hint: float | None = None,
 ) -> Headroom:
-    """Project what ``run`` still needs on ``data`` and compare it with free space less the reserve."""
-    state = RunState(conn, data, run)
+    """Project what the run still needs on its volume and compare it with free space less the reserve."""
+    data, run = state.paths.data, state.run
     meta = state.meta()
     free, total = volume_usage(data)
     reserve = reserve_for(total, reserve_bytes, reserve_fraction)
@@ -302,10 +300,11 @@ def wait_for_headroom(
 # ---- the supervisor's step and the status -------------------------------------------------------
 
 
-def supervise_disk(settings: _DiskSettings, conn: redis.Redis, run: str) -> Headroom:
-    """Assess ``run``; pause it when its projection does not fit, un-pause it when it does again."""
+def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
+    """Assess the run; pause it when its projection does not fit, un-pause it when it does again."""
+    conn, run = state.conn, state.run
     hint = target_bytes_per_token(settings.model_dir) if settings.model_dir else None
-    headroom = assess(settings.data, conn, run, reserve_bytes=settings.disk_reserve_bytes,
+    headroom = assess(state, reserve_bytes=settings.disk_reserve_bytes,
                       reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint)
     values = (headroom.projected_bytes, headroom.bytes_per_token or "", headroom.free_bytes,
               headroom.reserve_bytes, time.time())

@@ -17,7 +17,7 @@ from shared import SCHEMA_VERSION, eagle3
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob
-from shared.runspec import EvalConfig, ExtractionConfig
+from shared.runspec import EvalConfig, ExtractionConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ExtractorSettings
 from tests.engines import target64
@@ -67,8 +67,8 @@ def settings(volume, redis_url, tiny64_dir, url, **extra) -> ExtractorSettings:
 def make_run(volume, conn, tmp_path, name: str, tokenizer) -> RunState:
     """A run whose samples 0-2 have replies with the engine's token ids (prompt as the template renders it)."""
     dataset = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": p} for p in PROMPTS])
-    submit_run(volume, conn, dataset=str(dataset), name=name, model=target64.MODEL_NAME,
-               extraction=ExtractionConfig(layer_ids=RUN_LAYERS), evaluate=EvalConfig(holdout=1))
+    submit_run(volume, conn, RunSpec(dataset=str(dataset), name=name, model=target64.MODEL_NAME,
+                                     extraction=ExtractionConfig(layer_ids=RUN_LAYERS), evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, volume, name)
     gen = torch.Generator().manual_seed(7)
     for sample_id in range(3):

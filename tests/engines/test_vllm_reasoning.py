@@ -29,7 +29,7 @@ from services.generator.jobs import run_generate
 from shared import eagle3
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob, GenerateJob, PromptItem
-from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig
+from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ExtractorSettings, GeneratorSettings
 from tests.engines import target_think
@@ -86,10 +86,10 @@ def generate_run(engine: VLLMTarget, volume: Path, store: str, name: str, min_to
     conn = redis.Redis.from_url(store)
     rows = [{"prompt": q} for q in (*target_think.QUESTIONS, HELD_OUT)]
     dataset = write_jsonl(volume.parent / f"{name}.jsonl", rows)
-    submit_run(volume, conn, dataset=str(dataset), name=name, model=engine.model,
-               generation=GenerationConfig(max_tokens=target_think.MAX_NEW_TOKENS, min_completion_tokens=min_tokens,
-                                           temperature=0.0),
-               extraction=ExtractionConfig(layer_ids=RUN_LAYERS), evaluate=EvalConfig(holdout=1))
+    generation = GenerationConfig(max_tokens=target_think.MAX_NEW_TOKENS, min_completion_tokens=min_tokens,
+                                  temperature=0.0)
+    submit_run(volume, conn, RunSpec(dataset=str(dataset), name=name, model=engine.model, generation=generation,
+                                     extraction=ExtractionConfig(layer_ids=RUN_LAYERS), evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, volume, name)
     items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
     settings = GeneratorSettings(data=volume, redis_url=store, inference_url=engine.url, concurrency=len(items),

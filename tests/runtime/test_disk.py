@@ -48,7 +48,7 @@ def test_landed_samples_give_the_measured_projection(data_dir, redis_conn):
     meta = state.meta()
     assert (float(meta["hidden_bytes"]), float(meta["hidden_tokens"])) == (10000, 100)
 
-    headroom = disk.assess(data_dir, redis_conn, RUN)
+    headroom = disk.assess(RunState(redis_conn, data_dir, RUN))
     assert headroom.measured and headroom.ok
     assert headroom.bytes_per_token == 100.0  # 10000 bytes / 100 tokens
     assert headroom.remaining_samples == 4  # 10 expected, 4 extracted, 1 failed and 1 dropped in generation
@@ -58,7 +58,7 @@ def test_landed_samples_give_the_measured_projection(data_dir, redis_conn):
 
 def test_before_any_sample_lands_the_stated_rule_estimates(data_dir, redis_conn):
     make_run(data_dir, redis_conn, expected=10, prompts_bytes=4000, max_tokens=100)
-    headroom = disk.assess(data_dir, redis_conn, RUN, bytes_per_token_hint=513)
+    headroom = disk.assess(RunState(redis_conn, data_dir, RUN), bytes_per_token_hint=513)
     # 400 prompt bytes per row / 4 bytes per token + 100 reply tokens = 200 tokens per sample
     assert disk.estimate_sample_tokens(400, 100, 4096) == 200
     assert disk.estimate_sample_tokens(400, 100, 150) == 150  # extraction.max_length caps a sample
@@ -67,12 +67,12 @@ def test_before_any_sample_lands_the_stated_rule_estimates(data_dir, redis_conn)
 
     # an estimate recorded at submission wins over the hint
     RunState(redis_conn, data_dir, RUN).set_meta(**{disk.BYTES_PER_TOKEN_ESTIMATE: 1000})
-    assert disk.assess(data_dir, redis_conn, RUN, bytes_per_token_hint=513).projected_bytes == 10 * 200 * 1000
+    assert disk.assess(RunState(redis_conn, data_dir, RUN), bytes_per_token_hint=513).projected_bytes == 10 * 200 * 1000
 
 
 def test_without_any_size_per_token_nothing_is_projected(data_dir, redis_conn):
     make_run(data_dir, redis_conn)
-    headroom = disk.assess(data_dir, redis_conn, RUN)
+    headroom = disk.assess(RunState(redis_conn, data_dir, RUN))
     assert (headroom.projected_bytes, headroom.bytes_per_token, headroom.ok) == (0, None, True)
     assert "no size per token known yet" in headroom.message
 
@@ -101,7 +101,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         land(state, 0, 100_000, 1000)  # 99 more samples of 100 KB: ~9.9 MB on a 1 MiB volume
         settings = settings_for(fs.path)
 
-        headroom = disk.supervise_disk(settings, redis_conn, RUN)
+        headroom = disk.supervise_disk(settings, RunState(redis_conn, settings.data, RUN))
         assert not headroom.ok and headroom.projected_bytes == 99 * 1000 * 100
         reason = disk.paused_reason(redis_conn, RUN)
         assert reason and str(fs.path) in reason and "short by" in reason
@@ -110,11 +110,12 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert disk.format_disk_pause(status) == f"  PAUSED    extraction waits for disk space: {reason}"
         assert (status["projected_bytes"], status["bytes_per_token"]) == (99 * 1000 * 100, 100.0)
 
-        disk.supervise_disk(settings, redis_conn, RUN)  # still short: stays paused, first pause time kept
+        # Still short: it stays paused, and the first pause time is kept.
+        disk.supervise_disk(settings, RunState(redis_conn, settings.data, RUN))
         assert disk.disk_status(redis_conn, RUN)["paused_at"] == status["paused_at"]
 
         fs.resize(16 << 20)
-        assert disk.supervise_disk(settings, redis_conn, RUN).ok
+        assert disk.supervise_disk(settings, RunState(redis_conn, settings.data, RUN)).ok
         assert disk.paused_reason(redis_conn, RUN) is None
         assert disk.disk_status(redis_conn, RUN)["paused"] is False
         assert disk.format_disk_pause(disk.disk_status(redis_conn, RUN)) is None
@@ -123,10 +124,10 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
 def test_free_space_below_the_reserve_pauses_even_a_finished_projection(data_dir, redis_conn):
     make_run(data_dir, redis_conn, expected=1)
     free, _ = disk.volume_usage(data_dir)
-    headroom = disk.supervise_disk(settings_for(data_dir, reserve=free + (1 << 40)), redis_conn, RUN)
+    headroom = disk.supervise_disk(settings_for(data_dir, reserve=free + (1 << 40)), RunState(redis_conn, data_dir, RUN))
     assert not headroom.ok
     assert "less than the" in disk.paused_reason(redis_conn, RUN)
-    disk.supervise_disk(settings_for(data_dir, reserve=0), redis_conn, RUN)
+    disk.supervise_disk(settings_for(data_dir, reserve=0), RunState(redis_conn, data_dir, RUN))
     assert disk.paused_reason(redis_conn, RUN) is None
 
 
@@ -179,7 +180,7 @@ def test_an_estimate_alone_never_pauses_a_run(tmp_path, redis_conn):
     with mounted_tmpfs(tmp_path / "volume", 1 << 20) as fs:
         make_run(fs.path, redis_conn, expected=1000, max_tokens=512)
         RunState(redis_conn, fs.path, RUN).set_meta(**{disk.BYTES_PER_TOKEN_ESTIMATE: 1033})
-        headroom = disk.supervise_disk(settings_for(fs.path), redis_conn, RUN)
+        headroom = disk.supervise_disk(settings_for(fs.path), RunState(redis_conn, fs.path, RUN))
     assert headroom.ok and not headroom.measured and headroom.projected_bytes > (1 << 20)
     assert "the estimate is short by" in headroom.message
     assert disk.paused_reason(redis_conn, RUN) is None

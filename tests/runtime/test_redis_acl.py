@@ -22,7 +22,7 @@ from runtime.redis_acl import (
     render_roles_file,
     server_arguments,
 )
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -133,10 +133,11 @@ def test_controller_feeds_a_worker_generates_and_the_exporter_reports_each_as_it
 ) -> None:
     controller = connect(acl, "controller")
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(5)])
-    submit_run(data_dir, controller, dataset=str(dataset), name="acl", model="stand-in-target",
-               generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, controller, RunSpec(dataset=str(dataset), name="acl", model="stand-in-target",
+                                             generation=GenerationConfig(min_completion_tokens=1),
+                                             evaluate=EvalConfig(holdout=1)))
     settings = ControllerSettings(data=data_dir, generate_batch=2, feed_window=8, extract_backlog=100)
-    assert feed_run(settings, controller, "acl") == 2  # 4 prompts, 2 per job
+    assert feed_run(settings, RunState(controller, settings.data, "acl")) == 2  # 4 prompts, 2 per job
     state = RunState(controller, data_dir, "acl")
     with OpenAIServer() as server:
         server.set_default(Reply("a reply"))

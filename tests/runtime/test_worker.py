@@ -26,7 +26,7 @@ from shared.jobs import (
 )
 from shared.queues import SERIALIZER, queue
 from runtime.requeue import MAX_REQUEUES, REQUEUES_META
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -40,8 +40,9 @@ def make_run(data_dir: Path, conn: redis.Redis, tmp_path: Path, prompts: list[st
              result_ttl: int = 3600) -> RunState:
     """A submitted run with one generate job per prompt on the queue (sample ids in prompt order)."""
     dataset = write_jsonl(tmp_path / f"{run}.jsonl", [{"prompt": p} for p in prompts] + [{"prompt": "held out"}])
-    submit_run(data_dir, conn, dataset=str(dataset), name=run, model="m",
-               generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=run, model="m",
+                                       generation=GenerationConfig(min_completion_tokens=1),
+                                       evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, data_dir, run)
     for line in state.paths.prompts.read_text().splitlines():
         item = PromptItem(**json.loads(line))

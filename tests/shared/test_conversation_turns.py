@@ -11,7 +11,7 @@ from services.controller.runs.submit import submit_run
 from services.generator.jobs import run_generate
 from shared.conversation_turns import turn_segments
 from shared.jobs import GenerateJob, PromptItem
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.services.generator.test_jobs import FAST_RETRIES, settings
@@ -59,8 +59,8 @@ def server():
 def make_run(data_dir, conn, tmp_path, rows: list[dict], turns: str) -> list[PromptItem]:
     dataset = write_jsonl(tmp_path / "chat.jsonl", [*rows, {"prompt": "held out"}])
     generation = GenerationConfig(max_tokens=20, min_completion_tokens=3, turns=turns)
-    submit_run(data_dir, conn, dataset=str(dataset), name=RUN, model="target-model", generation=generation,
-               evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=RUN, model="target-model", generation=generation,
+                                       evaluate=EvalConfig(holdout=1)))
     lines = RunState(conn, data_dir, RUN).paths.prompts.read_text().splitlines()
     return [PromptItem(**json.loads(line)) for line in lines]
 

@@ -147,9 +147,9 @@ def enqueue_generate(conn: redis.Redis, job: GenerateJob, *, result_ttl: int = D
                         generate_job_id(job.run, job.items[0].sample_id), GENERATE_JOB_TIMEOUT_S, result_ttl=result_ttl)
 
 
-def feed_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
-    """Top up ``run``'s generate jobs with ids not yet settled; returns how many jobs were enqueued."""
-    state = RunState(conn, settings.data, run)
+def feed_run(settings: ControllerSettings, state: RunState) -> int:
+    """Top up the run's generate jobs with ids not yet settled; returns how many jobs were enqueued."""
+    conn, run = state.conn, state.run
     meta = state.meta()
     if "prompts_bytes" not in meta:
         return 0  # the run's meta is gone with Redis; the supervisor rebuilds it before anything is fed
@@ -210,9 +210,9 @@ def feed_finished(meta: dict[str, str]) -> bool:
 # ---- extract backfill ----------------------------------------------------------------------------
 
 
-def backfill_extract(settings: ControllerSettings, conn: redis.Redis, run: str) -> int:
+def backfill_extract(settings: ControllerSettings, state: RunState) -> int:
     """Queue extractions for replies that have none, within the extract backlog; returns how many samples."""
-    state = RunState(conn, settings.data, run)
+    conn, run = state.conn, state.run
     meta = state.meta()
     limit = int(meta.get("train_ids", 0))
     cursor = _extract_cursor(state, meta, limit)

@@ -455,10 +455,10 @@ def _failure_still_recorded(paths: RunPaths, stage: str, kind: str) -> Callable[
     return check
 
 
-def publish(conn: redis.Redis, paths: RunPaths, ids: RunIds, done: dict[str, np.ndarray],
+def publish(state: RunState, ids: RunIds, done: dict[str, np.ndarray],
             failures: dict[tuple[str, int], Failure]) -> None:
     """Bitmaps and failure records of the run in Redis, merged with what workers wrote meanwhile."""
-    run = paths.run
+    conn, paths, run = state.conn, state.paths, state.run
     checks = {"extract": _hidden_still_done(paths),
               "generate": lambda sample_id: reply_problem(paths.generated(sample_id), sample_id) is None}
     for stage in SAMPLE_STAGES:
@@ -470,7 +470,7 @@ def publish(conn: redis.Redis, paths: RunPaths, ids: RunIds, done: dict[str, np.
                     mask[sample_id] = True
             merge_bitmap(conn, run_key(run, f"{outcome}:{stage}"), mask, _failure_still_recorded(paths, stage, kind))
     _merge_failure_records(conn, paths, failures)
-    _done_wins(conn, paths)
+    _done_wins(state)
 
 
 def _merge_failure_records(conn: redis.Redis, paths: RunPaths, failures: dict[tuple[str, int], Failure]) -> None:
@@ -489,13 +489,13 @@ def _merge_failure_records(conn: redis.Redis, paths: RunPaths, failures: dict[tu
         conn.hdel(key, *stale)
 
 
-def _done_wins(conn: redis.Redis, paths: RunPaths) -> None:
+def _done_wins(state: RunState) -> None:
     """A sample that is done has no failure: clear any record a race between merges left behind."""
-    state = RunState(conn, paths.data, paths.run)
+    conn, run = state.conn, state.run
     for stage in SAMPLE_STAGES:
-        done = set(bitmap_ids(conn.get(run_key(paths.run, f"done:{stage}"))))
+        done = set(bitmap_ids(conn.get(run_key(run, f"done:{stage}"))))
         for outcome in ("failed", "dropped"):
-            for sample_id in done.intersection(bitmap_ids(conn.get(run_key(paths.run, f"{outcome}:{stage}")))):
+            for sample_id in done.intersection(bitmap_ids(conn.get(run_key(run, f"{outcome}:{stage}")))):
                 state.clear_failure(stage, sample_id)
 
 
@@ -574,7 +574,8 @@ def reconcile_run(data: Path, conn: redis.Redis, run: str, *, deep: bool = False
     """Rebuild ``run``'s Redis state from the volume; RunNotFound if the volume has no such run."""
     data = Path(data)
     spec = RunSpec.load(data, run)
-    paths = RunPaths(data, run)
+    state = RunState(conn, data, run)
+    paths = state.paths
     with _reconcile_lock(conn, run) as refresh:
         report = ReconcileReport(run=run, deep=deep, resumed_at=time.time())
         cutoff = report.resumed_at - grace_s
@@ -588,9 +589,9 @@ def reconcile_run(data: Path, conn: redis.Redis, run: str, *, deep: bool = False
         failures = scan_failures(paths, ids, done, report)
         name_missing_rows(paths, ids, failures, report)
         refresh()
-        publish(conn, paths, ids, done, failures)
+        publish(state, ids, done, failures)
         sizes = {"hidden_bytes": hidden_bytes, "generated_bytes": generated_bytes}
-        restore_meta(RunState(conn, data, run), spec, ids, sizes, report)
+        restore_meta(state, spec, ids, sizes, report)
     report.generated, report.extracted = int(generated.sum()), int(extracted.sum())
     report.failures_kept = len(failures)
     log.info("run %s: reconciled: %s", run, report.summary())

@@ -117,9 +117,9 @@ def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> 
     meta = state.meta()
     if RunPhase.of(meta.get("state")) in SAMPLE_PHASES and "train_enqueued_at" not in meta:
         # A run projected to outgrow the volume stops taking new prompts; extraction waits in the workers.
-        if supervise_disk(settings, conn, run).ok:
-            feed_run(settings, conn, run)
-        backfill_extract(settings, conn, run)
+        if supervise_disk(settings, state).ok:
+            feed_run(settings, state)
+        backfill_extract(settings, state)
         advance(state, state.meta())
     else:
         finish(state, meta)

@@ -126,14 +126,10 @@ def start_run(settings: ControllerSettings, conn: redis.Redis, request: RunReque
     report = run_preflight(settings, spec=draft, force=force)
     if not report.allowed:
         raise PreflightFailed(report)
-    train = draft.train
     if report.base_checkpoint is not None:
-        train = train.model_copy(update={"base_checkpoint": report.base_checkpoint})
-    spec = submit_run(
-        settings.data, conn, dataset=draft.dataset, name=draft.name, limit=draft.limit, model=draft.model,
-        split=draft.split, generation=draft.generation, extraction=draft.extraction, train=train,
-        evaluate=draft.evaluate,
-    )
+        draft = draft.model_copy(update={"train": draft.train.model_copy(
+            update={"base_checkpoint": report.base_checkpoint})})
+    spec = submit_run(settings.data, conn, draft)
     if report.bytes_per_token:
         # Until its first sample lands, the supervisor projects the run's disk needs from this.
         RunState(conn, settings.data, spec.name).set_meta(**{BYTES_PER_TOKEN_ESTIMATE: report.bytes_per_token})

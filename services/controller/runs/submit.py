@@ -28,7 +28,7 @@ from shared.atomic import atomic_write
 from shared.errors import DatasetError, RowError, RunExists, error_class
 from shared.layout import RunPaths, check_run_name
 from shared.lifecycle import RunPhase
-from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, RunSpec, TrainConfig
+from shared.runspec import RunSpec
 from runtime.runstate import Failure, RunState, known_runs
 
 log = logging.getLogger(__name__)
@@ -57,28 +57,10 @@ class _Split:
     holdout: deque = field(default_factory=deque)
 
 
-def submit_run(
-    data: Path,
-    conn: redis.Redis,
-    *,
-    dataset: str,
-    name: str | None = None,
-    limit: int | None = None,
-    model: str,
-    split: str = "train",
-    generation: GenerationConfig | None = None,
-    extraction: ExtractionConfig | None = None,
-    train: TrainConfig | None = None,
-    evaluate: EvalConfig | None = None,
-) -> RunSpec:
-    """Create run ``name`` from ``dataset``; RunExists if it exists, DatasetError if nothing can be read."""
-    data = Path(data)
-    name = check_run_name(name or default_run_name(str(dataset)))
-    spec = RunSpec(
-        name=name, dataset=str(dataset), split=split, limit=limit, model=model,
-        generation=generation or GenerationConfig(), extraction=extraction or ExtractionConfig(),
-        train=train or TrainConfig(), evaluate=evaluate or EvalConfig(),
-    )
+def submit_run(data: Path, conn: redis.Redis, spec: RunSpec) -> RunSpec:
+    """Create run ``spec.name`` from ``spec.dataset``; RunExists if it exists, DatasetError if nothing can be
+    read. The spec saved is this one with the rows counted and the training ids split from the held out."""
+    data, name = Path(data), check_run_name(spec.name)
     with _submission_lock(conn, name):
         _refuse_existing(data, conn, name)
         paths, state = RunPaths(data, name), RunState(conn, data, name)

@@ -18,7 +18,7 @@ from services.controller.runs.submit import submit_run
 from shared import SCHEMA_VERSION, eagle3
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, ManifestEntry
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
 from tests.services.controller.runs.test_datasets import write_jsonl
 
@@ -30,7 +30,7 @@ def submit(data: Path, conn: redis.Redis, tmp_path: Path, name: str, rows: list,
     """Submit ``rows`` as run ``name`` (``config``: generation=..., extraction=..., as submit_run takes)."""
     dataset = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     config.setdefault("evaluate", EvalConfig(holdout=holdout))
-    submit_run(data, conn, dataset=str(dataset), name=name, model="m", **config)
+    submit_run(data, conn, RunSpec(dataset=str(dataset), name=name, model="m", **config))
     return RunState(conn, data, name)
 
 

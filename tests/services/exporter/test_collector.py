@@ -338,7 +338,8 @@ def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_
 
     populate(redis_conn, data_dir)
     assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 0
-    headroom = supervise_disk(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn, "r1")
+    settings = ControllerSettings(data=data_dir, redis_url=redis_url)
+    headroom = supervise_disk(settings, RunState(redis_conn, data_dir, "r1"))
     assert value(scrape(redis_url, data_dir), metrics.RUN_PROJECTED_BYTES, run="r1") == headroom.projected_bytes
     set_paused(redis_conn, "r1", "projected 2 TiB, 1 TiB free")
     assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 1

@@ -18,7 +18,7 @@ from shared.hidden_file import verify_hidden_file
 from shared.jobs import EXTRACT_QUEUE, extract_job_id
 from shared.manifest import manifest_path, read_manifest
 from shared.queues import queue
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -50,7 +50,7 @@ def data_dir(inference):
 def make_run(data_dir, conn, tmp_path, name: str, samples: int) -> RunState:
     """A submitted run whose samples 0..samples-1 have replies on the volume (one more row is held out)."""
     dataset = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": f"Count to {i + 1}."} for i in range(samples + 1)])
-    submit_run(data_dir, conn, dataset=str(dataset), name=name, model="tiny", evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=name, model="tiny", evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, data_dir, name)
     for sample_id in range(samples):
         atomic_write_json(state.paths.generated(sample_id), {

@@ -18,7 +18,7 @@ from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import manifest_path, read_manifest
-from shared.runspec import EvalConfig, ExtractionConfig
+from shared.runspec import EvalConfig, ExtractionConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
 from shared.settings import ExtractorSettings
@@ -63,8 +63,8 @@ def make_run(data_dir, conn, tmp_path, name: str, *, extraction: ExtractionConfi
     """A submitted run whose samples 0-2 already have replies on the volume."""
     prompts = ["Explain a binary search.", "What is 2 + 2?", "Name three primes.", "held out"]
     dataset = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": p} for p in prompts])
-    submit_run(data_dir, conn, dataset=str(dataset), name=name, model="tiny", extraction=extraction,
-               evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=name, model="tiny", extraction=extraction or ExtractionConfig(),
+                                       evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, data_dir, name)
     for sample_id, (content, reasoning) in REPLIES.items():
         atomic_write_json(state.paths.generated(sample_id), {

@@ -10,7 +10,7 @@ import pytest
 from services.controller.runs.submit import submit_run
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -37,7 +37,7 @@ def make_run(data_dir, conn, tmp_path) -> RunState:
     """A submitted run whose every sample already has its reply on the volume."""
     prompts = [f"question {i}" for i in range(SAMPLES)] + ["held out"]
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in prompts])
-    submit_run(data_dir, conn, dataset=str(dataset), name=RUN, model="tiny", evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=RUN, model="tiny", evaluate=EvalConfig(holdout=1)))
     state = RunState(conn, data_dir, RUN)
     for sample_id in range(SAMPLES):
         atomic_write_json(state.paths.generated(sample_id), {

@@ -10,7 +10,7 @@ from services.controller.runs.submit import submit_run
 from services.generator.client import MalformedCompletion, parse_completion
 from services.generator.jobs import run_generate
 from shared.jobs import GenerateJob, PromptItem
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import GeneratorSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -31,9 +31,9 @@ def generate(inference: str, data_dir, redis_url, redis_conn, tmp_path, run: str
              max_tokens: int) -> tuple[RunState, list[PromptItem]]:
     """Submit ``rows`` (and one held out) as a greedy run and generate every sample through the real server."""
     dataset = write_jsonl(tmp_path / f"{run}.jsonl", [*rows, {"prompt": "held out"}])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=run, model="tiny",
-               generation=GenerationConfig(max_tokens=max_tokens, min_completion_tokens=1, temperature=0.0),
-               evaluate=EvalConfig(holdout=1))
+    generation = GenerationConfig(max_tokens=max_tokens, min_completion_tokens=1, temperature=0.0)
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=run, model="tiny", generation=generation,
+                                             evaluate=EvalConfig(holdout=1)))
     state = RunState(redis_conn, data_dir, run)
     items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
     cfg = GeneratorSettings(data=data_dir, redis_url=redis_url, inference_url=inference, concurrency=2,

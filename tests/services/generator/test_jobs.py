@@ -10,7 +10,7 @@ from services.controller.runs.submit import submit_run
 from services.generator.jobs import run_generate
 from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
 from shared.queues import queue
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import GeneratorSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -32,8 +32,8 @@ def make_run(data_dir, conn, tmp_path, n: int, *, min_tokens: int = 3) -> list[P
     rows = [{"prompt": f"p{i}"} for i in range(n)] + [{"prompt": "held out"}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     generation = GenerationConfig(max_tokens=33, min_completion_tokens=min_tokens, temperature=0.7, top_p=0.9, seed=100)
-    submit_run(data_dir, conn, dataset=str(dataset), name=RUN, model="target-model", generation=generation,
-               evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=RUN, model="target-model", generation=generation,
+                                       evaluate=EvalConfig(holdout=1)))
     lines = RunState(conn, data_dir, RUN).paths.prompts.read_text().splitlines()
     return [PromptItem(**json.loads(line)) for line in lines]
 
@@ -157,8 +157,9 @@ def test_max_turns_regenerates_a_conversations_first_turns_only(data_dir, redis_
              {"role": "user", "content": "t2"}, {"role": "assistant", "content": "y"},
              {"role": "user", "content": "t3"}]
     dataset = write_jsonl(tmp_path / "chat.jsonl", [{"messages": three}, {"prompt": "held out"}])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="target-model",
-               generation=GenerationConfig(min_completion_tokens=1, max_turns=2), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=RUN, model="target-model",
+                                             generation=GenerationConfig(min_completion_tokens=1, max_turns=2),
+                                             evaluate=EvalConfig(holdout=1)))
     state = RunState(redis_conn, data_dir, RUN)
     items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
     server.set_default(Reply("the target's answer"))

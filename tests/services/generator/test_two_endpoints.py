@@ -10,7 +10,7 @@ import pytest
 
 from services.controller.loop.feeder import feed_run
 from services.controller.runs.submit import submit_run
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -36,8 +36,9 @@ def model_dir(tmp_path_factory):
 def test_a_worker_uses_both_endpoints_and_finishes_every_sample_after_one_is_killed(
         model_dir, data_dir, redis_url, redis_conn, tmp_path):
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}"} for i in range(SAMPLES + 1)])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="tiny",
-               generation=GenerationConfig(max_tokens=8, min_completion_tokens=0), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=RUN, model="tiny",
+                                             generation=GenerationConfig(max_tokens=8, min_completion_tokens=0),
+                                             evaluate=EvalConfig(holdout=1)))
     state = RunState(redis_conn, data_dir, RUN)
     feeder = ControllerSettings(data=data_dir, generate_batch=BATCH, feed_window=1)
 
@@ -50,7 +51,7 @@ def test_a_worker_uses_both_endpoints_and_finishes_every_sample_after_one_is_kil
         env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": f"{a_url},{b_url}",
                "DRAFTLINE_CONCURRENCY": "2", "DRAFTLINE_RETRY_MAX_ATTEMPTS": "1"}
         with ServiceProcess("generator", env=env, log_dir=tmp_path / "logs") as worker:
-            feed_run(feeder, redis_conn, RUN)  # the first batch only: the feed window is one job
+            feed_run(feeder, RunState(redis_conn, feeder.data, RUN))  # the first batch only: the feed window is one job
             wait_until(lambda: settled() == BATCH, "the first batch generated", 180, worker)
             assert served(a_url, CHAT_ENDPOINT) >= 1 and served(b_url, CHAT_ENDPOINT) >= 1
             b_before = served(b_url, CHAT_ENDPOINT)
@@ -58,7 +59,7 @@ def test_a_worker_uses_both_endpoints_and_finishes_every_sample_after_one_is_kil
             a.stop(signal.SIGKILL)
 
             def fed_and_settled() -> bool:
-                feed_run(feeder, redis_conn, RUN)  # what the controller's loop does every tick
+                feed_run(feeder, RunState(redis_conn, feeder.data, RUN))  # what the controller's loop does every tick
                 return settled() == SAMPLES
             wait_until(fed_and_settled, "every sample generated with one endpoint dead", 300, worker)
         counts = state.counts("generate")

@@ -13,7 +13,7 @@ from services.controller.loop.feeder import enqueue_once, feed_run
 from services.controller.runs.submit import submit_run
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
 from shared.queues import SERIALIZER, queue
-from shared.runspec import EvalConfig, GenerationConfig
+from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -28,8 +28,9 @@ RUN = "worker"
 
 def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, redis_conn, tmp_path):
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"w{i}"} for i in range(11)])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="m",
-               generation=GenerationConfig(min_completion_tokens=2), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=RUN, model="m",
+                                             generation=GenerationConfig(min_completion_tokens=2),
+                                             evaluate=EvalConfig(holdout=1)))
     state = RunState(redis_conn, data_dir, RUN)
     feeder = ControllerSettings(data=data_dir, generate_batch=3, feed_window=2)
     with OpenAIServer() as server:
@@ -40,7 +41,7 @@ def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, red
         with ServiceProcess("generator", env=env, log_dir=tmp_path / "logs") as worker:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                feed_run(feeder, redis_conn, RUN)  # what the controller's loop does every tick
+                feed_run(feeder, RunState(redis_conn, feeder.data, RUN))  # what the controller's loop does every tick
                 gen = state.counts("generate")
                 if gen.done + gen.failed + gen.dropped == state.expected():
                     break
@@ -69,14 +70,15 @@ def generate_one_good_and_one_broken_job(data_dir, redis_url, redis_conn, tmp_pa
     no GenerateJob has), run by a real generator worker; (state, good job id, broken job id) once the worker
     has settled both in RQ."""
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"k{i}"} for i in range(5)])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=TTL_RUN, model="m",
-               generation=GenerationConfig(min_completion_tokens=1), evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=TTL_RUN, model="m",
+                                             generation=GenerationConfig(min_completion_tokens=1),
+                                             evaluate=EvalConfig(holdout=1)))
     state = RunState(redis_conn, data_dir, TTL_RUN)
     good, broken = generate_job_id(TTL_RUN, 0), generate_job_id(TTL_RUN, 3)
     payload = {"run": TTL_RUN, "items": [{"sample_id": 3, "messages": []}], "unknown_field": 1}
     assert enqueue_once(redis_conn, GENERATE_QUEUE, GENERATE_FUNC, payload, broken, 60,
                         result_ttl=feeder.sample_result_ttl_s)
-    assert feed_run(feeder, redis_conn, TTL_RUN) == 1  # samples 0-2; sample 3 is the broken job's
+    assert feed_run(feeder, RunState(redis_conn, feeder.data, TTL_RUN)) == 1  # samples 0-2; sample 3 is the broken job's
     failed = queue(GENERATE_QUEUE, redis_conn).failed_job_registry
     with OpenAIServer() as server:
         server.set_default(Reply("an answer"))

@@ -36,8 +36,8 @@ def feed_until(state: RunState, cfg: ControllerSettings, done, worker: ServicePr
     while not done(state):
         assert time.monotonic() < deadline, worker.log()
         assert worker.alive(), worker.log()
-        feed_run(cfg, state.conn, state.run)
-        backfill_extract(cfg, state.conn, state.run)
+        feed_run(cfg, state)
+        backfill_extract(cfg, state)
         time.sleep(0.1)
 
 

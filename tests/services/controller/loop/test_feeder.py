@@ -17,7 +17,7 @@ from shared.jobs import (
 )
 from shared.queues import queue
 from runtime.sample_queue import enqueue_extract
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -30,7 +30,8 @@ def run(data_dir, redis_conn, tmp_path):
     rows = [{"prompt": f"q{i}"} for i in range(50)]
     rows[10], rows[11] = "{bad", {"prompt": ""}
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name="feed", model="m", evaluate=EvalConfig(holdout=2))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name="feed", model="m",
+                                             evaluate=EvalConfig(holdout=2)))
     return "feed"
 
 
@@ -46,8 +47,8 @@ def drain(conn, n: int) -> list[str]:
 
 def test_window_bounds_the_queue_and_jobs_carry_consecutive_prompts(data_dir, redis_conn, run):
     cfg = settings(data_dir)
-    assert feed_run(cfg, redis_conn, run) == 3
-    assert feed_run(cfg, redis_conn, run) == 0  # window full: nothing more however often we call
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 3
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 0  # window full: nothing more however often we call
     q = queue(GENERATE_QUEUE, redis_conn)
     assert q.get_job_ids() == [generate_job_id(run, 0), generate_job_id(run, 4), generate_job_id(run, 8)]
     job = q.fetch_job(generate_job_id(run, 8))
@@ -63,7 +64,7 @@ def test_feeding_continues_as_the_queue_drains_until_every_prompt_is_fed_once(da
     cfg = settings(data_dir)
     seen: list[str] = []
     for _ in range(30):
-        feed_run(cfg, redis_conn, run)
+        feed_run(cfg, RunState(redis_conn, cfg.data, run))
         assert queue(GENERATE_QUEUE, redis_conn).count <= cfg.feed_window
         seen += drain(redis_conn, 2)
     ids = []
@@ -71,35 +72,36 @@ def test_feeding_continues_as_the_queue_drains_until_every_prompt_is_fed_once(da
         ids += [item.sample_id for item in GenerateJob.model_validate(queue(GENERATE_QUEUE, redis_conn).fetch_job(job_id).args[0]).items]
     assert ids == [i for i in range(48) if i not in (10, 11)]  # 46 valid, in order, each once; 48, 49 held out
     assert feed_finished(RunState(redis_conn, data_dir, run).meta())
-    assert feed_run(cfg, redis_conn, run) == 0
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 0
 
 
 def test_extract_backlog_pauses_generation(data_dir, redis_conn, run):
     cfg = settings(data_dir, extract_backlog=2)
     extract = queue(EXTRACT_QUEUE, redis_conn)
     enqueue_extract(redis_conn, run, [0, 1, 2], batch=2)  # the backlog counts jobs: two
-    assert feed_run(cfg, redis_conn, run) == 0
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 0
     assert queue(GENERATE_QUEUE, redis_conn).count == 0
     extract.pop_job_id()
-    assert feed_run(cfg, redis_conn, run) == 3
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 3
 
 
 def test_window_counts_only_this_runs_jobs(data_dir, redis_conn, run, tmp_path):
     # "feed_2"'s job ids start with "generate_feed_", yet they are not "feed"'s.
     dataset = write_jsonl(tmp_path / "other.jsonl", [{"prompt": f"o{i}"} for i in range(20)])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name="feed_2", model="m", evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name="feed_2", model="m",
+                                             evaluate=EvalConfig(holdout=1)))
     cfg = settings(data_dir)
-    assert feed_run(cfg, redis_conn, "feed_2") == 3
-    assert feed_run(cfg, redis_conn, run) == 3
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, "feed_2")) == 3
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 3
     assert queue(GENERATE_QUEUE, redis_conn).count == 6
 
 
 def test_a_repeated_feed_after_a_lost_cursor_never_duplicates_jobs(data_dir, redis_conn, run):
     cfg = settings(data_dir)
-    feed_run(cfg, redis_conn, run)
+    feed_run(cfg, RunState(redis_conn, cfg.data, run))
     taken = drain(redis_conn, 3)  # a worker holds them now
     RunState(redis_conn, data_dir, run).set_meta(feed_offset=0)  # the controller died before saving its cursor
-    assert feed_run(cfg, redis_conn, run) == 3
+    assert feed_run(cfg, RunState(redis_conn, cfg.data, run)) == 3
     q = queue(GENERATE_QUEUE, redis_conn)
     assert not set(q.get_job_ids()) & set(taken)
     assert q.get_job_ids() == [generate_job_id(run, 14), generate_job_id(run, 18), generate_job_id(run, 22)]
@@ -109,8 +111,9 @@ def test_run_names_with_dots_get_valid_distinct_job_ids(data_dir, redis_conn, tm
     # RQ accepts only letters, digits, "_" and "-" in job ids; "a.b" and "a_b" must still not collide.
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(6)])
     for name in ("data.v2", "data_v2"):
-        submit_run(data_dir, redis_conn, dataset=str(dataset), name=name, model="m", evaluate=EvalConfig(holdout=1))
-        assert feed_run(settings(data_dir), redis_conn, name) == 2
+        submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=name, model="m",
+                                                 evaluate=EvalConfig(holdout=1)))
+        assert feed_run(settings(data_dir), RunState(redis_conn, data_dir, name)) == 2
     ids = queue(GENERATE_QUEUE, redis_conn).get_job_ids()
     assert len(set(ids)) == 4
     assert generate_job_id("data.v2", 4) in ids and generate_job_id("data_v2", 4) in ids
@@ -133,14 +136,14 @@ def test_ids_settled_in_generate_are_never_fed(data_dir, redis_conn, run):
         state.mark_done("generate", sample_id)
     state.mark_failed(Failure(run=run, stage="generate", sample_id=3, error_class="X", message="m"))
     state.mark_failed(Failure(run=run, stage="generate", sample_id=6, error_class="X", message="m", kind=DROPPED))
-    assert feed_run(settings(data_dir), redis_conn, run) == 3
+    assert feed_run(settings(data_dir), RunState(redis_conn, data_dir, run)) == 3
     assert enqueued_ids(redis_conn, GENERATE_QUEUE) == [4, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19]
 
 
 def test_a_rescan_skips_the_ids_of_waiting_jobs(data_dir, redis_conn, run):
-    assert feed_run(settings(data_dir), redis_conn, run) == 3  # ids 0-9, 12, 13
+    assert feed_run(settings(data_dir), RunState(redis_conn, data_dir, run)) == 3  # ids 0-9, 12, 13
     RunState(redis_conn, data_dir, run).set_meta(feed_offset=0)  # a resume resets the cursor
-    assert feed_run(settings(data_dir, feed_window=5), redis_conn, run) == 2
+    assert feed_run(settings(data_dir, feed_window=5), RunState(redis_conn, data_dir, run)) == 2
     ids = enqueued_ids(redis_conn, GENERATE_QUEUE)
     assert len(ids) == len(set(ids)) == 20 and ids[-8:] == list(range(14, 22))
 
@@ -153,13 +156,13 @@ def test_backfill_queues_extractions_for_replies_without_one_within_the_backlog(
         state.mark_done("extract", sample_id)
     state.mark_failed(Failure(run=run, stage="extract", sample_id=3, error_class="X", message="m"))
     cfg = settings(data_dir, extract_backlog=2, extract_batch=2)
-    assert backfill_extract(cfg, redis_conn, run) == 4  # two jobs of two samples
-    assert backfill_extract(cfg, redis_conn, run) == 0  # backlog full
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 4  # two jobs of two samples
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 0  # backlog full
     assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [4, 5, 6, 7]
     queue(EXTRACT_QUEUE, redis_conn).pop_job_id()
-    assert backfill_extract(cfg, redis_conn, run) == 2
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 2
     assert enqueued_ids(redis_conn, EXTRACT_QUEUE) == [6, 7, 8, 9]
-    assert backfill_extract(cfg, redis_conn, run) == 0
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 0
 
 
 def test_backfill_never_queues_a_sample_a_waiting_batch_job_or_a_generate_job_in_flight_holds(data_dir, redis_conn,
@@ -171,10 +174,10 @@ def test_backfill_never_queues_a_sample_a_waiting_batch_job_or_a_generate_job_in
     # Replies 8 and 9 are saved, and their generate job, still in flight, queues their extraction as it ends.
     enqueue_generate(redis_conn, GenerateJob(run=run, items=[PromptItem(sample_id=i, messages=[]) for i in (8, 9)]))
     cfg = settings(data_dir, extract_batch=16)
-    assert backfill_extract(cfg, redis_conn, run) == 5
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 5
     assert extract_batches(redis_conn) == {extract_job_id(run, 1): [1, 2, 5], extract_job_id(run, 0): [0, 3, 4, 6, 7]}
     state.set_meta(extract_cursor=0)  # another pass while both jobs still wait
-    assert backfill_extract(cfg, redis_conn, run) == 0
+    assert backfill_extract(cfg, RunState(redis_conn, cfg.data, run)) == 0
     assert queued_extractions(redis_conn) == [0, 1, 2, 3, 4, 5, 6, 7]  # each sample once
 
 
@@ -191,8 +194,8 @@ def test_a_resumed_large_run_never_exceeds_the_windows_and_feeds_each_open_id_on
     gen_q, ext_q = queue(GENERATE_QUEUE, redis_conn), queue(EXTRACT_QUEUE, redis_conn)
     generated, extracted = [], []
     for _ in range(200):
-        feed_run(cfg, redis_conn, "big")
-        backfill_extract(cfg, redis_conn, "big")
+        feed_run(cfg, RunState(redis_conn, cfg.data, "big"))
+        backfill_extract(cfg, RunState(redis_conn, cfg.data, "big"))
         assert gen_q.count <= cfg.feed_window and ext_q.count <= cfg.extract_backlog
         if gen_q.count == ext_q.count == 0:
             break

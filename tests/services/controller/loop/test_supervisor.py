@@ -8,7 +8,7 @@ from services.controller.runs.submit import submit_run
 from services.controller.loop.supervisor import supervise_forever, supervise_once
 from shared.jobs import GENERATE_QUEUE, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.queues import queue
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import DROPPED, Failure, RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -18,7 +18,7 @@ RUN = "sup"
 
 def submit(data_dir, conn, tmp_path, rows: list) -> RunState:
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
-    submit_run(data_dir, conn, dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, conn, RunSpec(dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=1)))
     return RunState(conn, data_dir, RUN)
 
 

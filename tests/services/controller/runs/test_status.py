@@ -11,7 +11,7 @@ from services.controller.runs.status import derive_state, first_failures, format
 from services.controller.runs.submit import submit_run
 from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
-from shared.runspec import EvalConfig
+from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import DROPPED, Failure, RunState
 from tests.services.controller.runs.test_datasets import write_jsonl
 
@@ -33,7 +33,7 @@ def state(data_dir, redis_conn, tmp_path) -> RunState:
     rows = [{"prompt": f"q{i}"} for i in range(12)]
     rows[2] = "{bad"
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=2))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=RUN, model="m", evaluate=EvalConfig(holdout=2)))
     state = RunState(redis_conn, data_dir, RUN)
     for sample_id in (0, 1, 3, 4, 5, 6, 7):
         state.mark_done("generate", sample_id)
@@ -188,7 +188,8 @@ def test_unknown_run_is_not_found_and_list_covers_every_run(data_dir, redis_conn
 def bursty(data_dir, redis_conn, tmp_path) -> RunState:
     """1000 samples to generate (one more row held out), none settled yet."""
     dataset = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"q{i}"} for i in range(1001)])
-    submit_run(data_dir, redis_conn, dataset=str(dataset), name="bursty", model="m", evaluate=EvalConfig(holdout=1))
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name="bursty", model="m",
+                                             evaluate=EvalConfig(holdout=1)))
     return RunState(redis_conn, data_dir, "bursty")
 
 
