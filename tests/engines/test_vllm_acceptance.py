@@ -23,7 +23,7 @@ from shared.drafter_format import CONFIG_FILE, WEIGHTS_FILE, vllm_layer_ids
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
 from services.trainer.evaluation import vllm_launch
-from services.trainer.evaluation.engine_acceptance import measure_export, serve_and_decode
+from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, serve_and_decode
 from services.trainer.evaluation.evalsets import read_eval_prompts
 from services.trainer.evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
 from services.trainer.export import export_drafter
@@ -144,9 +144,9 @@ def test_the_status_shows_vllm_figure_beside_the_evaluator(job_report, redis_ser
 
 def test_vllm_text_with_the_drafter_equals_its_text_without_one(job_report, runs, rule_target, vllm_command):
     prompts = held_out_ids(rule_target, runs["served"])
-    plain = serve_and_decode(vllm_command, rule_target.model_dir, None, K, [ids for _, ids in prompts], MAX_NEW_TOKENS,
-                             job_report["stop_ids"], log_path=runs["served"].root / "vllm-plain.log",
-                             engine_args=CPU_ARGS)
+    launch = EngineLaunch(vllm_command, rule_target.model_dir, runs["served"].root / "vllm-plain.log",
+                          engine_args=CPU_ARGS)
+    plain = serve_and_decode(launch, None, K, [ids for _, ids in prompts], MAX_NEW_TOKENS, job_report["stop_ids"])
     rows = {row["sample_id"]: row for row in job_report["prompts"]}
     assert plain.replies == [rows[sample_id]["reply"] for sample_id, _ in prompts]
     assert all(len(reply) == MAX_NEW_TOKENS for reply in plain.replies)  # the rule target never stops on its own
@@ -189,8 +189,8 @@ def test_a_misread_export_falls_alike_in_both_figures(breakage, job_report, runs
     spec = RunSpec.load(runs["served"].data, "served")
     prompts = read_eval_prompts(runs["served"].eval_prompts)
     report = combine_sets({"holdout": evaluate_prompts(target, tokenizer, drafter, prompts, spec.evaluate)})
-    engine = measure_export(vllm_command, rule_target.model_dir, broken, report, held_out_ids(rule_target, runs["served"]),
-                            log_path=tmp_path / "vllm.log", engine_args=CPU_ARGS, tolerance=TOLERANCE)
+    launch = EngineLaunch(vllm_command, rule_target.model_dir, tmp_path / "vllm.log", engine_args=CPU_ARGS)
+    engine = measure_export(launch, broken, report, held_out_ids(rule_target, runs["served"]), tolerance=TOLERANCE)
     good = job_report["engine"]["acceptance_length"]
     assert engine["agrees"], engine  # what vLLM reads wrong, the evaluator reads wrong the same way
     assert engine["acceptance_length"] < good and engine["evaluator_counted_as_vllm"] < good, engine

@@ -140,14 +140,27 @@ def decode_prompts(url: str, prompts: Sequence[list[int]], max_new_tokens: int, 
     return EngineDecode(replies, after.minus(before), time.monotonic() - started)
 
 
-def serve_and_decode(command: Sequence[str], model_dir: Path, export_dir: Path | None, k: int,
-                     prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: Sequence[int], *,
-                     log_path: Path, engine_args: Sequence[str] = (), timeout_s: float = 900.0,
-                     pythonpath: Sequence[Path] = ()) -> EngineDecode:
-    """Start vLLM on ``model_dir`` (with ``export_dir`` as its EAGLE-3 drafter at ``k``, or without one when
+@dataclass(frozen=True)
+class EngineLaunch:
+    """How to start the serving engine for a measurement: the command that starts vLLM's OpenAI server, the
+    target it serves, where its output goes, its extra arguments (``--dtype``, ``--enforce-eager``, ...), how
+    long it may take to become healthy and what its ``PYTHONPATH`` gains."""
+
+    command: Sequence[str]
+    model_dir: Path
+    log_path: Path
+    engine_args: Sequence[str] = ()
+    timeout_s: float = 900.0
+    pythonpath: Sequence[Path] = ()
+
+
+def serve_and_decode(launch: EngineLaunch, export_dir: Path | None, k: int, prompts: Sequence[list[int]],
+                     max_new_tokens: int, stop_ids: Sequence[int]) -> EngineDecode:
+    """Start vLLM as ``launch`` says (with ``export_dir`` as its EAGLE-3 drafter at ``k``, or without one when
     None), decode ``prompts``, stop it."""
-    args = [*engine_args, *(speculative_args(export_dir, k) if export_dir is not None else [])]
-    with vllm_server(command, model_dir, log_path, args, timeout=timeout_s, pythonpath=pythonpath) as url:
+    args = [*launch.engine_args, *(speculative_args(export_dir, k) if export_dir is not None else [])]
+    with vllm_server(launch.command, launch.model_dir, launch.log_path, args, timeout=launch.timeout_s,
+                     pythonpath=launch.pythonpath) as url:
         return decode_prompts(url, prompts, max_new_tokens, stop_ids, drafter=export_dir is not None)
 
 
@@ -212,17 +225,15 @@ def verify_agreement(engine: dict[str, Any]) -> None:
         f"as vLLM counts (tolerance {engine['tolerance']}){where}")
 
 
-def measure_export(command: Sequence[str], model_dir: Path, export_dir: Path, report: dict[str, Any],
-                   prompts: Sequence[tuple[int, list[int]]], *, log_path: Path, engine_args: Sequence[str] = (),
-                   tolerance: float, timeout_s: float = 900.0) -> dict[str, Any]:
+def measure_export(launch: EngineLaunch, export_dir: Path, report: dict[str, Any],
+                   prompts: Sequence[tuple[int, list[int]]], *, tolerance: float) -> dict[str, Any]:
     """vLLM's acceptance for the export on ``prompts`` ((sample id, prompt ids) of the report's headline set),
     at the report's k and token budget, beside the evaluator's on the same prompts (``compare``)."""
     name = report["headline_set"]
     one = report["sets"][name]
     rows = {row["sample_id"]: row for row in one["prompts"]}
-    decoded = serve_and_decode(command, model_dir, export_dir, report["draft_steps"], [ids for _, ids in prompts],
-                               report["max_new_tokens"], one["stop_ids"], log_path=log_path, engine_args=engine_args,
-                               timeout_s=timeout_s)
+    decoded = serve_and_decode(launch, export_dir, report["draft_steps"], [ids for _, ids in prompts],
+                               report["max_new_tokens"], one["stop_ids"])
     measured = compare(decoded, [rows[sample_id] for sample_id, _ in prompts], k=report["draft_steps"], set_name=name,
                        tolerance=tolerance)
     log.info("vLLM measures acceptance length %s at k=%d on %d prompts of %s; the evaluator %s counted as vLLM counts "
