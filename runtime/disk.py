@@ -6,7 +6,7 @@ covers them only:
     bytes still to come = samples not yet settled × tokens per sample × bytes per token
 
 Both factors are *measured* once samples land (the extractor tallies ``hidden_bytes`` and
-``hidden_tokens`` in the run's meta through ``record_landed``). Before the first sample lands they are
+``hidden_tokens`` in the run's meta through ``landed_counts``). Before the first sample lands they are
 *estimated* by a stated rule:
 
     tokens per sample ≈ min(prompt bytes per row / 4 + generation.max_tokens, extraction.max_length)
@@ -154,16 +154,10 @@ def estimate_sample_tokens(prompt_bytes_per_row: float, max_tokens: int, max_len
 # ---- tallies -------------------------------------------------------------------------------------
 
 
-def record_landed(state: RunState, nbytes: int, tokens: int, *, pipe: redis.client.Pipeline | None = None) -> None:
-    """Count one verified hidden-state file: its bytes and its tokens, together. Given a transaction
-    ``pipe``, the counts join it (the caller executes it), so they cost no round trip of their own."""
-    meta = run_key(state.run, "meta")
-    own = pipe is None
-    pipe = state.conn.pipeline() if own else pipe
-    pipe.hincrbyfloat(meta, HIDDEN_BYTES, nbytes)
-    pipe.hincrbyfloat(meta, HIDDEN_TOKENS, tokens)
-    if own:
-        pipe.execute()
+def landed_counts(nbytes: int, tokens: int) -> dict[str, float]:
+    """The meta counts of one verified hidden-state file, its bytes and its tokens: what the extractor hands to
+    ``RunState.mark_done(landed=...)``, which adds them in the same atomic step as the sample's done bit."""
+    return {HIDDEN_BYTES: nbytes, HIDDEN_TOKENS: tokens}
 
 
 def _number(meta: dict[str, str], key: str) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +49,33 @@ GENERATE_REQUESTS = "generate_requests"  # run meta: requests the target answere
 ERROR = "error"
 DROPPED = "dropped"
 OUTCOMES = ("done", "failed", "dropped")  # one bitmap per outcome and per-sample stage
+
+
+# KEYS: the stage's done, failed and dropped bitmaps, the run's failures hash, its meta hash.
+# ARGV: stage, n, n meta field names, then per sample: its id and its n amounts. Returns each sample's
+# (done, failed, dropped) bits as they were before. The counts of the samples newly done are summed, one
+# HINCRBYFLOAT per field.
+_MARK_DONE = """
+local stage, n = ARGV[1], tonumber(ARGV[2])
+local was, sums, i = {}, {}, 3 + n
+for j = 1, n do sums[j] = 0 end
+while i <= #ARGV do
+  local sample = ARGV[i]
+  local done = redis.call('SETBIT', KEYS[1], sample, 1)
+  was[#was + 1] = done
+  was[#was + 1] = redis.call('SETBIT', KEYS[2], sample, 0)
+  was[#was + 1] = redis.call('SETBIT', KEYS[3], sample, 0)
+  redis.call('HDEL', KEYS[4], stage .. ':' .. sample)
+  if done == 0 then
+    for j = 1, n do sums[j] = sums[j] + tonumber(ARGV[i + j]) end
+  end
+  i = i + 1 + n
+end
+for j = 1, n do
+  if sums[j] ~= 0 then redis.call('HINCRBYFLOAT', KEYS[5], ARGV[2 + j], string.format('%.17g', sums[j])) end
+end
+return was
+"""
 
 
 def runs_key() -> str:
@@ -185,27 +212,39 @@ class RunState:
         self.incr(retried_field(stage))
 
     # ---- per-sample outcomes -------------------------------------------------------------------
-    def mark_done(self, stage: str, sample_id: int, *, now: float | None = None) -> bool:
+    def mark_done(self, stage: str, sample_id: int, *, landed: Mapping[str, float] | None = None,
+                  now: float | None = None) -> bool:
         """Record a verified sample; True when it was not done before. Clears an earlier failure.
 
-        Counts toward the stage's throughput (at ``now``) only when the sample was not settled before."""
-        return bool(self.mark_done_many(stage, [sample_id], now=now))
+        ``landed`` holds the sample's own meta counts (its file's bytes and tokens); they are added in the
+        same atomic step as the done bit, and only when the sample was not done before (see
+        ``mark_done_many``). Counts toward the stage's throughput (at ``now``) only when the sample was not
+        settled before."""
+        return bool(self.mark_done_many(stage, [sample_id], landed={sample_id: landed} if landed else None,
+                                        now=now))
 
-    def mark_done_many(self, stage: str, sample_ids: Iterable[int], *, now: float | None = None) -> list[int]:
-        """``mark_done`` for several samples in one MULTI/EXEC; returns the ids that were not done before.
+    def mark_done_many(self, stage: str, sample_ids: Iterable[int], *,
+                       landed: Mapping[int, Mapping[str, float]] | None = None,
+                       now: float | None = None) -> list[int]:
+        """``mark_done`` for several samples in one atomic step; returns the ids that were not done before.
 
-        A job that settles many samples at once pays one round trip instead of two per sample."""
+        The done bits and the ``landed`` counts of the samples newly done change together in one Lua script,
+        so a worker killed between "done" and "counted" cannot exist: a sample's bytes are counted exactly
+        once, however often its job is killed and run again. A job that settles many samples at once pays one
+        round trip instead of two per sample."""
         _check_sample_stage(stage)
         ids = list(sample_ids)
         if not ids:
             return []
-        pipe = self.conn.pipeline()
+        landed = landed or {}
+        fields = sorted({field for counts in landed.values() for field in counts})
+        args: list[object] = [stage, len(fields), *fields]
         for sample_id in ids:
-            pipe.setbit(run_key(self.run, f"done:{stage}"), sample_id, 1)
-            pipe.setbit(run_key(self.run, f"failed:{stage}"), sample_id, 0)
-            pipe.setbit(run_key(self.run, f"dropped:{stage}"), sample_id, 0)
-        pipe.hdel(run_key(self.run, "failures"), *(f"{stage}:{sample_id}" for sample_id in ids))
-        before = pipe.execute()[:-1]
+            counts = landed.get(sample_id, {})
+            args += [sample_id, *(repr(float(counts.get(field, 0))) for field in fields)]
+        keys = [run_key(self.run, f"{outcome}:{stage}") for outcome in OUTCOMES]
+        before = self.conn.eval(_MARK_DONE, 5, *keys, run_key(self.run, "failures"), run_key(self.run, "meta"),
+                                *args)
         for sample_id in ids:
             self.paths.failure(stage, sample_id).unlink(missing_ok=True)
         was = [before[i:i + 3] for i in range(0, len(before), 3)]  # (done, failed, dropped) before, per sample

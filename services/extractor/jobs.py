@@ -31,7 +31,7 @@ from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
 from runtime.chat_turns import TurnEnd, find_turn_end
-from runtime.disk import record_landed, wait_for_headroom
+from runtime.disk import landed_counts, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
@@ -126,12 +126,11 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
                                   error_class=error_class(exc), message=str(exc)))
         log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
         return "failed"
-    newly_done = state.mark_done("extract", sample_id)
-    with state.conn.pipeline() as pipe:  # the file's counts and the run's layer record: one round trip
-        if newly_done:
-            record_landed(state, info.nbytes, info.num_tokens, pipe=pipe)
+    with state.conn.pipeline() as pipe:  # recorded first: a sample marked done implies the run's layer record
         _record_layers(pipe, state.run, result)
         pipe.execute()
+    # The done bit and the file's counts in one atomic step: a kill between them would count it never or twice.
+    state.mark_done("extract", sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
     return "done"
 
 

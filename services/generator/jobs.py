@@ -70,7 +70,8 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     results = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
     outcomes = [outcome for outcome, _, _ in results]
     replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in ("done", "skipped")]
-    mark_generated(state, replies, sum(nbytes for _, nbytes, _ in results), sum(asked for _, _, asked in results))
+    sizes = {item.sample_id: nbytes for item, (_, nbytes, _) in zip(job.items, results)}
+    mark_generated(state, replies, sizes, sum(asked for _, _, asked in results))
     queue_extractions(state, replies, settings)
     summary = dict(Counter(outcomes))
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
@@ -91,11 +92,11 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
 
 async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient,
                limit: asyncio.Semaphore) -> tuple[str, int, int]:
-    """The sample's outcome, the bytes of the reply file it saved and the requests its turns took (each
+    """The sample's outcome, the bytes of its reply file and the requests its turns took (each
     counted once, retries apart); a saved reply is marked with the job's."""
     sample_id = item.sample_id
-    if state.paths.generated(sample_id).is_file():
-        return "skipped", 0, 0
+    if state.paths.generated(sample_id).is_file():  # saved by a job killed before marking it: counted now
+        return "skipped", state.paths.generated(sample_id).stat().st_size, 0
     segments = turn_segments(item.messages, spec.generation.turns)[: spec.generation.max_turns]
     conversation: list[dict] = []
     turns: list[Turn] = []
@@ -187,11 +188,12 @@ def save_reply(state: RunState, item: PromptItem, turns: list[Turn]) -> int:
     return path.stat().st_size
 
 
-def mark_generated(state: RunState, sample_ids: list[int], nbytes: int, requests: int = 0) -> None:
-    """Mark the job's saved replies generated and count their bytes and the requests the job's samples
+def mark_generated(state: RunState, sample_ids: list[int], sizes: dict[int, int], requests: int = 0) -> None:
+    """Mark the job's saved replies generated with their file sizes (``sizes``, bytes by sample id: counted in
+    the same atomic step, for the samples not generated before), then count the requests the job's samples
     took: two round trips for the whole job."""
-    state.mark_done_many("generate", sample_ids)
-    state.incr_many({"generated_bytes": nbytes, GENERATE_REQUESTS: requests})
+    state.mark_done_many("generate", sample_ids, landed={i: {"generated_bytes": sizes.get(i, 0)} for i in sample_ids})
+    state.incr_many({GENERATE_REQUESTS: requests})
 
 
 def queue_extractions(state: RunState, sample_ids: list[int], settings: GeneratorSettings) -> list[list[int]]:

@@ -31,8 +31,7 @@ def make_run(data, conn, *, expected: int = 10, prompts_bytes: int = 4000, max_t
 
 
 def land(state: RunState, sample_id: int, nbytes: int, tokens: int) -> None:
-    state.mark_done("extract", sample_id)
-    disk.record_landed(state, nbytes, tokens)
+    state.mark_done("extract", sample_id, landed=disk.landed_counts(nbytes, tokens))
 
 
 def settings_for(data, reserve: int = 0) -> ControllerSettings:

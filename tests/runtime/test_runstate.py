@@ -181,6 +181,18 @@ def test_marking_many_at_once_returns_the_newly_done_clears_their_failures_and_c
     assert state.mark_done_many("generate", []) == []
 
 
+def test_a_samples_landed_counts_join_its_done_bit_once_however_often_it_is_marked(state):
+    """The counts of a sample's file are added with its done bit, so a job run again after a kill (which marks
+    the samples it finished once more) counts nothing twice; samples without counts add nothing."""
+    assert state.mark_done("extract", 4, landed={"hidden_bytes": 1000, "hidden_tokens": 10}) is True
+    assert state.mark_done("extract", 4, landed={"hidden_bytes": 1000, "hidden_tokens": 10}) is False
+    sizes = {4: {"hidden_bytes": 1000.0}, 5: {"hidden_bytes": 250.5}, 6: {"hidden_tokens": 3}}
+    assert state.mark_done_many("extract", [4, 5, 6, 7], landed=sizes) == [5, 6, 7]
+    meta = state.meta()
+    assert (float(meta["hidden_bytes"]), float(meta["hidden_tokens"])) == (1250.5, 13.0)
+    assert state.counts("extract").done == 4 and state.throughput("extract").settled == 4
+
+
 def test_a_finished_stage_longer_than_the_window_reads_its_whole_run(state):
     """2,000 samples in the first 200 s, then 200 over 400 s: done, the stage reads every sample over its
     whole 600 s, not its slow last window, and not diluted by idle time after it."""
