@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsConfigDict
 
 from shared.endpoints import EndpointList
@@ -235,6 +235,29 @@ class TrainerSettings(CommonSettings):
         "per visible GPU, 1 on the CPU. 1 trains inside the worker.",
     )
 
+    train_node: Literal["job", "join"] = Field(
+        "job", description="job: this trainer runs the train queue's jobs (a multi-node training's job host). join: "
+        "it runs no jobs; it joins, with train_procs ranks, every multi-node training a train job announces in "
+        "Redis (a second training host).",
+    )
+    train_nodes: int = Field(
+        1, ge=1, description="Hosts that train one run together, each starting train_procs ranks through torchrun's "
+        "c10d rendezvous at train_rdzv_endpoint: the train job's host and train_nodes - 1 trainers with "
+        "train_node=join. Set on the job's host.",
+    )
+    train_rdzv_endpoint: str | None = Field(
+        None, description="host:port of the rendezvous when train_nodes > 1: an address of the train job's host "
+        "that every node reaches (its agent hosts the rendezvous store there).",
+    )
+    train_node_addr: str | None = Field(
+        None, description="This host's address as the other nodes reach it (torchrun's --local-addr); unset: "
+        "torchrun looks up the host name, which must then resolve to such an address on every node.",
+    )
+    train_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for the other nodes to join a multi-node training, and for one "
+        "collective operation of it: a node that died fails the training by name within this, instead of hanging.",
+    )
+
     eval_procs: int = Field(
         1, ge=1, description="Processes an evaluate job decodes in, each with its own copy of target and drafter; "
         "each decodes its share as one batch; several use more CPU cores, one suits a GPU.",
@@ -257,6 +280,13 @@ class TrainerSettings(CommonSettings):
         0.05, ge=0, description="How far vLLM's acceptance length may lie from the evaluator's on the same prompts "
                                 "before the evaluation fails (EngineAcceptanceMismatch).")
     eval_vllm_start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for that server's /health.")
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> TrainerSettings:
+        if self.train_nodes > 1 and not self.train_rdzv_endpoint:
+            raise ValueError(f"DRAFTLINE_TRAIN_NODES={self.train_nodes} needs DRAFTLINE_TRAIN_RDZV_ENDPOINT (host:port "
+                             "of the rendezvous on the train job's host)")
+        return self
 
     @field_validator("train_procs", mode="before")
     @classmethod

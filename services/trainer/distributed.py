@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -76,7 +77,9 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) -> None:
     device = rank_device(settings.device, local_rank)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    # The timeout bounds every collective: a rank whose peer's node is gone fails by name instead of hanging.
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=settings.train_timeout_s))
     try:
         log.info("rank %d of %d (pid %d) training %s on %s", rank, dist.get_world_size(), os.getpid(), run, device)
         spec = RunSpec.load(settings.data, run)

@@ -37,7 +37,7 @@ from services.trainer.evaluation.evalsets import EvalSet, load_sets
 from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
 from services.trainer.export import export_drafter
-from services.trainer.launch import run_torchrun, train_procs
+from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
 from services.trainer.target_head import read_target_config, text_config
@@ -124,8 +124,12 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     # ranks it would surface as a failed rank).
     check_base_checkpoint(spec.train, data=settings.data, model_dir=settings.model_dir, target_config=target_config,
                           layer_ids=expected_layer_ids(spec, target_config))
-    state.set_stage("train", StageState.RUNNING, train_started_at=time.time(), train_procs=procs)
-    if procs > 1:
+    state.set_stage("train", StageState.RUNNING, train_started_at=time.time(), train_procs=procs,
+                    train_nodes=settings.train_nodes)
+    if settings.train_nodes > 1:
+        train_across_nodes(spec.name, procs, settings, state.conn)
+        result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
+    elif procs > 1:
         run_torchrun(spec.name, procs, settings)  # rank 0 reports progress and writes the checkpoints
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
     else:

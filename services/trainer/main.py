@@ -1,9 +1,11 @@
-"""``draftline serve trainer``: an RQ worker on the train queue (train, export and evaluate jobs)."""
+"""``draftline serve trainer``: an RQ worker on the train queue (train, export and evaluate jobs), or, with
+``DRAFTLINE_TRAIN_NODE=join``, a training host that joins the multi-node trainings those jobs announce."""
 
 from __future__ import annotations
 
 from shared.jobs import TRAIN_QUEUE
-from shared.settings import TrainerSettings, load_settings
+from shared.queues import connect
+from shared.settings import TrainerSettings, configure_logging, load_settings
 from runtime.worker import run_worker
 
 
@@ -13,4 +15,11 @@ def preload() -> None:
 
 
 def main() -> None:
-    run_worker([TRAIN_QUEUE], load_settings(TrainerSettings), role="trainer", preload=preload)
+    settings = load_settings(TrainerSettings)
+    if settings.train_node == "join":
+        from services.trainer.launch import join_trainings
+
+        configure_logging(settings.log_level)
+        join_trainings(settings, connect(settings.redis_url))
+        return
+    run_worker([TRAIN_QUEUE], settings, role="trainer", preload=preload)

@@ -485,7 +485,9 @@ def resume(paths: RunPaths, total: int, world: int, drafter: Eagle3Drafter, opti
     saved_total = state.get("total_steps")
     if saved_total != total:
         raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; remove the checkpoints to start over")
-    return ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+    position = ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+    log.info("run %s: resuming from step %d of %d (%s)", paths.run, position.step, total, found)
+    return position
 
 
 def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> TrainResult:

@@ -129,7 +129,12 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
 
     run_torchrun("two", 2, settings_for(data_dir, tiny_model_dir, redis_url))
     double = trained_from_checkpoint(RunSpec.load(data_dir, "two"), data=data_dir, model_dir=tiny_model_dir)
+    assert_two_ranks_trained_what_one_did(one, two, single, double, samples)
 
+
+def assert_two_ranks_trained_what_one_did(one, two, single, double, samples: list[dict[str, torch.Tensor]]) -> None:
+    """Run ``two`` (two ranks, result ``double``) took the steps run ``one`` (one process, ``single``) took on
+    the same global batches: losses, gradients and weights within the bounds regrouping the sums allows."""
     steps = 2
     assert double.steps == single.steps == steps
     assert json.loads((latest_checkpoint(two.checkpoints_dir) / "state.json").read_text())["world_size"] == 2

@@ -1,0 +1,97 @@
+"""Several "hosts" on one machine for a test: Linux network namespaces joined by a veth pair, each with its
+own address, made by the test and removed after it (iproute2's ``ip``; root).
+
+Traffic between the hosts goes over the veth pair only; nothing is routed out of the machine. The hosts
+share the filesystem, as hosts of one cluster share the volume (NFS or a parallel file system).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class NamespacesUnavailable(RuntimeError):
+    """This machine cannot make network namespaces for the test (not root, or no iproute2)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the namespace
+    addr: str  # its address on the pair
+    ifname: str  # its end of the pair (GLOO_SOCKET_IFNAME)
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        """``command`` run on this host."""
+        return ["ip", "netns", "exec", self.name, *command]
+
+    def popen(self, command: Sequence[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen:
+        """Start ``command`` on this host in a session of its own (so ``kill_group`` ends all of it)."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(self.argv(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env),
+                                    start_new_session=True)
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NamespacesUnavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+@contextmanager
+def two_hosts(tag: str | None = None) -> Iterator[tuple[Host, Host]]:
+    """Two namespaced hosts, 10.250.N.1 and 10.250.N.2 (N from the process id, so parallel tests differ)."""
+    if shutil.which("ip") is None:
+        raise NamespacesUnavailable("no `ip` command: install iproute2")
+    if os.geteuid() != 0:
+        raise NamespacesUnavailable("network namespaces need root")
+    tag = tag or f"dl{os.getpid() % 100000}"
+    subnet = f"10.250.{os.getpid() % 250}"
+    hosts = (Host(f"{tag}a", f"{subnet}.1", f"{tag}va"), Host(f"{tag}b", f"{subnet}.2", f"{tag}vb"))
+    made: list[str] = []
+    try:
+        for host in hosts:
+            _ip("netns", "add", host.name)
+            made.append(host.name)
+        _ip("link", "add", hosts[0].ifname, "netns", hosts[0].name, "type", "veth", "peer", "name", hosts[1].ifname,
+            "netns", hosts[1].name)
+        for host in hosts:
+            _ip("-n", host.name, "link", "set", "lo", "up")
+            _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
+            _ip("-n", host.name, "link", "set", host.ifname, "up")
+        yield hosts
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its end of the pair along
+
+
+def kill_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGKILL ``proc``'s session (it was started with one of its own) and reap it."""
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_for_line(path: Path, text: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Until ``text`` appears in the log at ``path``; fails with the log's tail when it does not (or ``proc`` ends)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    tail = path.read_text(errors="replace")[-3000:] if path.is_file() else "(no log)"
+    raise AssertionError(f"{text!r} not in {path} within {timeout_s:.0f}s:\n{tail}")
