@@ -122,7 +122,12 @@ def join_trainings(settings: TrainerSettings, conn: redis.Redis, *, stop: Callab
     procs = train_procs(settings)
     log.info("trainer node: %d processes; waiting for a multi-node training to join", procs)
     while not stop():
-        rendezvous = announced(conn)
+        try:
+            rendezvous = announced(conn)
+        except redis.RedisError as exc:  # Redis restarting: this node keeps waiting, as RQ workers do
+            log.warning("trainer node: Redis unreachable (%s); waiting", exc)
+            time.sleep(POLL_S * 5)
+            continue
         if rendezvous is None or rendezvous.id in joined:
             time.sleep(POLL_S)
             continue

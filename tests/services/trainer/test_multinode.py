@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from services.trainer.checkpoint import latest_checkpoint
-from services.trainer.launch import child_env
-from services.trainer.rendezvous import Rendezvous, torchrun_args
+from services.trainer.launch import child_env, join_trainings
+from services.trainer.rendezvous import Rendezvous, announce, torchrun_args
 from services.trainer.train import train_drafter, trained_from_checkpoint
 from shared.errors import SettingsError
 from shared.layout import RunPaths
@@ -27,7 +27,7 @@ from shared.settings import TrainerSettings, load_settings
 from tests.services.trainer.conftest import write_run
 from tests.services.trainer.test_distributed import DDP_SAMPLES, DDP_TRAIN, assert_two_ranks_trained_what_one_did, unequal
 from tests.support.netns import Host, NamespacesUnavailable, kill_group, two_hosts, wait_for_line
-from tests.support.processes import REPO
+from tests.support.processes import REPO, free_port
 
 REDIS_PORT = 6390
 RDZV_PORT = 29511
@@ -192,3 +192,15 @@ def test_each_node_runs_torchrun_with_one_rendezvous_only_the_job_host_hosts_it(
 def test_the_ranks_get_the_timeout_that_bounds_their_collectives(tmp_path):
     settings = load_settings(TrainerSettings, data=tmp_path, model_dir=tmp_path, train_timeout_s=42)
     assert child_env(settings)["DRAFTLINE_TRAIN_TIMEOUT_S"] == "42.0"
+
+
+def test_a_joining_node_names_an_unreachable_rendezvous_and_joins_each_training_once(redis_conn, redis_url, tmp_path,
+                                                                                     caplog):
+    settings = load_settings(TrainerSettings, data=tmp_path, model_dir=tmp_path, device="cpu", redis_url=redis_url,
+                             train_timeout_s=1)
+    announce(redis_conn, Rendezvous.new("r", f"127.0.0.1:{free_port()}", 2))  # nothing listens there
+    polls = iter(range(3))
+    join_trainings(settings, redis_conn, stop=lambda: next(polls, None) is None)
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1, errors  # one attempt at the one training, however often it is seen
+    assert "RendezvousUnreachable" in errors[0] and "unreachable from this node after 1s" in errors[0]
