@@ -286,6 +286,9 @@ class TrainerSettings(CommonSettings):
         if self.train_nodes > 1 and not self.train_rdzv_endpoint:
             raise ValueError(f"DRAFTLINE_TRAIN_NODES={self.train_nodes} needs DRAFTLINE_TRAIN_RDZV_ENDPOINT (host:port "
                              "of the rendezvous on the train job's host)")
+        host, _, port = (self.train_rdzv_endpoint or "").rpartition(":")
+        if self.train_rdzv_endpoint and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"DRAFTLINE_TRAIN_RDZV_ENDPOINT={self.train_rdzv_endpoint!r} is not host:port")
         return self
 
     @field_validator("train_procs", mode="before")

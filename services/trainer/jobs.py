@@ -126,11 +126,11 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
                           layer_ids=expected_layer_ids(spec, target_config))
     state.set_stage("train", StageState.RUNNING, train_started_at=time.time(), train_procs=procs,
                     train_nodes=settings.train_nodes)
-    if settings.train_nodes > 1:
-        train_across_nodes(spec.name, procs, settings, state.conn)
-        result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
-    elif procs > 1:
-        run_torchrun(spec.name, procs, settings)  # rank 0 reports progress and writes the checkpoints
+    if settings.train_nodes > 1 or procs > 1:  # rank 0 reports progress and writes the checkpoints
+        if settings.train_nodes > 1:
+            train_across_nodes(spec.name, procs, settings, state.conn)
+        else:
+            run_torchrun(spec.name, procs, settings)
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
     else:
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,

@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 
+from tests.support.relay import QuietServer, relay
+
 FORWARDED_HEADERS = ("Content-Type", "X-Request-Id", "Authorization")
 POLL_S = 0.1  # how often a proxy whose upstream is gone asks whether it is back
-
-
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True  # listens again on the same port right after closing it
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a connection closed without an answer is the point, not a failure
 
 
 class GateProxy:
@@ -49,8 +43,8 @@ class GateProxy:
         """Let every held POST and every later one through."""
         self._open.set()
 
-    def _listen(self, port: int) -> _QuietServer:
-        server = _QuietServer(("127.0.0.1", port), self._handler())
+    def _listen(self, port: int) -> QuietServer:
+        server = QuietServer(("127.0.0.1", port), self._handler())
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return server
 
@@ -103,11 +97,7 @@ class GateProxy:
                     self.close_connection = True  # as a killed server: no status line at all ...
                     proxy._gone.set()  # ... and no server on the port until the upstream is back
                     return False
-                self.send_response(answer.status_code)
-                self.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
-                self.send_header("Content-Length", str(len(answer.content)))
-                self.end_headers()
-                self.wfile.write(answer.content)
+                relay(self, answer)
                 return True
 
             def log_message(self, *args: object) -> None:  # the test's output stays quiet

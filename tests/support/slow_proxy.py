@@ -7,16 +7,11 @@ import json
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 
-
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a client killed mid-request (the test's point) leaves a broken pipe, not a failure
+from tests.support.relay import QuietServer, relay
 
 
 class SlowProxy:
@@ -24,7 +19,7 @@ class SlowProxy:
         self.upstream, self.delay_s = upstream.rstrip("/"), delay_s
         self.requests: Counter[int] = Counter()  # sample id -> requests forwarded
         self._lock = threading.Lock()
-        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
+        self._server = QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -42,11 +37,7 @@ class SlowProxy:
                 time.sleep(proxy.delay_s)
                 answer = httpx.post(proxy.upstream + self.path, content=body, timeout=60,
                                     headers={"Content-Type": "application/json"})
-                self.send_response(answer.status_code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(answer.content)))
-                self.end_headers()
-                self.wfile.write(answer.content)
+                relay(self, answer)
 
             def log_message(self, *args: object) -> None:  # the test's output stays quiet
                 pass

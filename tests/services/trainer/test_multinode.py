@@ -65,12 +65,15 @@ class Cluster:
         wait_for_line(log, "waiting for a multi-node training to join", 60, self.joiner)
         return self.joiner
 
+    def job_env(self, endpoint: str | None = None) -> dict[str, str]:
+        """Host A's train job as one of two nodes, hosting the rendezvous at ``endpoint`` (its own by default)."""
+        return self.env(self.a, DRAFTLINE_TRAIN_NODES="2",
+                        DRAFTLINE_TRAIN_RDZV_ENDPOINT=endpoint or f"{self.a.addr}:{RDZV_PORT}")
+
     def train_job(self, run: str, *, endpoint: str | None = None, timeout_s: float = 300) -> tuple[int, str]:
-        """The train job of ``run`` on host A as one of two nodes; its exit status and output."""
-        env = self.env(self.a, DRAFTLINE_TRAIN_NODES="2",
-                       DRAFTLINE_TRAIN_RDZV_ENDPOINT=endpoint or f"{self.a.addr}:{RDZV_PORT}")
-        done = subprocess.run(self.a.argv([sys.executable, "-c", JOB, run]), env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        """The train job of ``run`` on host A; its exit status and output."""
+        done = subprocess.run(self.a.argv([sys.executable, "-c", JOB, run]), env=self.job_env(endpoint),
+                              capture_output=True, text=True, timeout=timeout_s)
         return done.returncode, done.stdout + done.stderr
 
 
@@ -123,9 +126,8 @@ def train_records(paths: RunPaths) -> list[dict]:
 def test_a_killed_node_fails_the_training_by_name_in_time_and_a_retry_resumes_and_completes(cluster, make_run):
     paths = make_run("killed", train=LONG_TRAIN)
     joiner = cluster.start_joiner()
-    env = cluster.env(cluster.a, DRAFTLINE_TRAIN_NODES="2", DRAFTLINE_TRAIN_RDZV_ENDPOINT=f"{cluster.a.addr}:{RDZV_PORT}")
     job_log = cluster.logs / "job-a.log"
-    job = cluster.a.popen([sys.executable, "-c", JOB, "killed"], job_log, env)
+    job = cluster.a.popen([sys.executable, "-c", JOB, "killed"], job_log, cluster.job_env())
     try:
         wait_until_trained_steps(paths, 6, job, job_log)  # past the first checkpoint (step 5)
         kill_group(joiner)  # host B's trainer, its torchrun and its rank, all at once
@@ -176,6 +178,9 @@ def test_an_endpoint_the_job_host_cannot_listen_on_is_a_clear_error(cluster, mak
 def test_several_nodes_need_the_rendezvous_endpoint_named(tmp_path):
     with pytest.raises(SettingsError, match="DRAFTLINE_TRAIN_NODES=2 needs DRAFTLINE_TRAIN_RDZV_ENDPOINT"):
         load_settings(TrainerSettings, data=tmp_path, model_dir=tmp_path, train_nodes=2)
+    for endpoint in ("10.0.0.1", "10.0.0.1:port", ":29500", "10.0.0.1:70000"):
+        with pytest.raises(SettingsError, match=f"DRAFTLINE_TRAIN_RDZV_ENDPOINT='{endpoint}' is not host:port"):
+            load_settings(TrainerSettings, data=tmp_path, model_dir=tmp_path, train_nodes=2, train_rdzv_endpoint=endpoint)
 
 
 def test_each_node_runs_torchrun_with_one_rendezvous_only_the_job_host_hosts_it():
