@@ -128,6 +128,10 @@ case "${1:-}" in
     [ -n "${SWEEP:-}" ] && start_sweep "$run_name"
     follow "$minutes" ;;
   follow)
+    # A machine that went back between calls comes back bare: nothing to follow, and waiting out MINUTES there
+    # spends device time on nothing (2026-12-04: nine minutes). Say so at once instead.
+    [ -f "$WORK/pipeline.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
+      "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
   *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES]" >&2; exit 2 ;;
 esac
