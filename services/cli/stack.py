@@ -78,6 +78,9 @@ class StackConfig:
     replica_env: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     # The controller's DRAFTLINE_API_TOKEN; only the controller gets it, as in docker-compose.yml.
     api_token: str | None = None
+    # The address the HTTP services listen on and are reached at: loopback unless workers of another host
+    # must reach them, which then need an address of this machine on a network they share.
+    host: str = "127.0.0.1"
 
 
 @dataclass
@@ -106,7 +109,7 @@ class LocalStack:
 
     def url(self, service: str, index: int = 0) -> str:
         """The base URL of one replica of an HTTP service (the first by default)."""
-        return f"http://127.0.0.1:{self.ports[service][index]}"
+        return f"http://{self.config.host}:{self.ports[service][index]}"
 
     def urls(self, service: str) -> list[str]:
         """The base URLs of every replica of an HTTP service, in replica order."""
@@ -206,7 +209,7 @@ class LocalStack:
             env.update(replica_envs[index])
         if name in self.ports:
             env["DRAFTLINE_PORT"] = str(self.ports[name][index])
-            env["DRAFTLINE_HOST"] = "127.0.0.1"
+            env["DRAFTLINE_HOST"] = cfg.host
         if name == "controller" and cfg.api_token is not None:
             env["DRAFTLINE_API_TOKEN"] = cfg.api_token
         return env

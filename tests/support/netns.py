@@ -23,13 +23,13 @@ class NamespacesUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Host:
-    name: str  # the namespace
+    name: str | None  # the namespace; None: this machine's own
     addr: str  # its address on the pair
     ifname: str  # its end of the pair (GLOO_SOCKET_IFNAME)
 
     def argv(self, command: Sequence[str]) -> list[str]:
         """``command`` run on this host."""
-        return ["ip", "netns", "exec", self.name, *command]
+        return list(command) if self.name is None else ["ip", "netns", "exec", self.name, *command]
 
     def popen(self, command: Sequence[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen:
         """Start ``command`` on this host in a session of its own (so ``kill_group`` ends all of it)."""
@@ -70,6 +70,41 @@ def two_hosts(tag: str | None = None) -> Iterator[tuple[Host, Host]]:
     finally:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its end of the pair along
+
+
+@contextmanager
+def host_beside_this_machine(tag: str, subnet: int) -> Iterator[tuple[Host, Host]]:
+    """This machine (its own namespace, 10.251.``subnet``.1) and one namespaced host (.2), which the test itself
+    reaches, as the first host of a cluster would. This machine's address sits on a bridge, as a host's address
+    sits on its network card: ``cut`` pulls the other host's cable without taking that address along."""
+    if shutil.which("ip") is None:
+        raise NamespacesUnavailable("no `ip` command: install iproute2")
+    if os.geteuid() != 0:
+        raise NamespacesUnavailable("network namespaces need root")
+    here, there = Host(None, f"10.251.{subnet}.1", f"{tag}br"), Host(tag, f"10.251.{subnet}.2", f"{tag}v")
+    made: list[list[str]] = []
+    try:
+        _ip("link", "add", here.ifname, "type", "bridge")
+        made.append(["link", "del", here.ifname])
+        _ip("addr", "add", f"{here.addr}/24", "dev", here.ifname)
+        _ip("link", "set", here.ifname, "up")
+        _ip("netns", "add", there.name)
+        made.append(["netns", "del", there.name])
+        _ip("link", "add", f"{tag}h", "type", "veth", "peer", "name", there.ifname, "netns", there.name)
+        _ip("link", "set", f"{tag}h", "master", here.ifname, "up")
+        _ip("-n", there.name, "link", "set", "lo", "up")
+        _ip("-n", there.name, "addr", "add", f"{there.addr}/24", "dev", there.ifname)
+        _ip("-n", there.name, "link", "set", there.ifname, "up")
+        yield here, there
+    finally:
+        for args in reversed(made):  # the namespace takes its pair along
+            subprocess.run(["ip", *args], capture_output=True)
+
+
+def cut(there: Host) -> None:
+    """Delete ``there``'s cable (its veth pair): from now on its packets go nowhere and nothing of it reaches
+    the others, and no socket on either side is told."""
+    _ip("-n", there.name, "link", "del", there.ifname)
 
 
 def kill_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
