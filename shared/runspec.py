@@ -57,7 +57,13 @@ class TrainConfig(_Frozen):
         None, ge=1, description="Passes over the data. Unset: as many as train about "
                                 "AUTO_EPOCH_POSITIONS positions in all (services.trainer.train.auto_epochs), at least "
                                 "1 and at most MAX_AUTO_EPOCHS, so the number scales with the data.")
-    batch_size: int = Field(4, ge=1, description="Samples per batch per training process (when max_tokens is unset).")
+    batch_size: int = Field(4, ge=1, description="Samples per batch per training process (when max_tokens and "
+                                                 "global_batch_size are unset).")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step over all training processes of all nodes; each process "
+                                "trains its share (every N-th sample of the batch). Set, the steps do not depend on "
+                                "the number of processes, so a run resumes on another number of GPUs or nodes; "
+                                "unset, a step is batch_size per process and a resume needs the same number.")
     lr: float = Field(5e-4, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     grad_clip: float = Field(0.5, gt=0)
@@ -81,6 +87,12 @@ class TrainConfig(_Frozen):
                             "(bf16 weights and gradients, float32 master copies in the optimizer and the checkpoints: "
                             "about 0.1-0.2 GiB less at 8B drafter shapes, no faster; bench/RESULTS.md; one training "
                             "process only).")
+
+    @model_validator(mode="after")
+    def _one_batch_size(self) -> TrainConfig:
+        if self.global_batch_size is not None and self.max_tokens is not None:
+            raise ValueError("global_batch_size and max_tokens both size a batch: set one of them")
+        return self
 
 
 EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # services/trainer/evaluation/evalsets.py loads each

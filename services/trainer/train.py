@@ -430,13 +430,12 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     lengths = [min(info.num_tokens, max_length) for info in infos]
     batching = checkpoint_batching(paths, cfg)
     epochs = auto_epochs(cfg.epochs, sum(lengths))
-    plans = [plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
-                        max_tokens=cfg.max_tokens, batching=batching) for epoch in range(epochs)]
+    plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(epochs)]
     total = sum(len(plan) for plan in plans)
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     with weights.full_precision():
-        position = resume(paths, total, world, drafter, optimizer, scheduler)
+        position = resume(paths, cfg, total, world, drafter, optimizer, scheduler)
     session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), weights, optimizer, scheduler,
                       HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world)
     meta = infos[0].metadata
@@ -470,23 +469,40 @@ def checkpoint_batching(paths: RunPaths, cfg: TrainConfig) -> str:
     return batching
 
 
-def resume(paths: RunPaths, total: int, world: int, drafter: Eagle3Drafter, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler) -> ckpt.Position:
+def epoch_plan(cfg: TrainConfig, lengths: list[int], epoch: int, world: int, batching: str) -> list[list[int]]:
+    """The epoch's global batches. With ``global_batch_size`` they are the batches one process would train
+    with that batch size, whatever the number of processes, each of which takes its share by stride; so
+    the steps, and a checkpoint's data position, mean the same on any number of processes."""
+    if cfg.global_batch_size is not None:
+        return plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.global_batch_size, world=1,
+                          batching=batching)
+    return plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
+                      max_tokens=cfg.max_tokens, batching=batching)
+
+
+def resume(paths: RunPaths, cfg: TrainConfig, total: int, world: int, drafter: Eagle3Drafter,
+           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> ckpt.Position:
     """Restore the latest checkpoint, if any; a checkpoint of a differently sized run is an error, and so is
-    one written by another number of processes (its data position counts global batches of that size)."""
+    one written by another number of processes unless both train one global_batch_size (otherwise its data
+    position counts global batches of another size)."""
     found = ckpt.latest_checkpoint(paths.checkpoints_dir)
     if found is None:
         return ckpt.Position(0, 0, 0)
     state = ckpt.read_checkpoint_state(found)
     saved_world = state.get("world_size", 1)
-    if saved_world != world:
-        raise CheckpointFormatError(f"{found}: written by {saved_world} training processes, this run has {world}; "
-                                    f"set DRAFTLINE_TRAIN_PROCS={saved_world} to resume, or remove the checkpoints to start over")
+    saved_global = state.get("global_batch_size")
+    if saved_world != world and (cfg.global_batch_size is None or saved_global != cfg.global_batch_size):
+        raise CheckpointFormatError(
+            f"{found}: written by {saved_world} training processes with "
+            f"{'batch_size per process' if saved_global is None else f'global_batch_size {saved_global}'}, this run "
+            f"has {world}; set DRAFTLINE_TRAIN_PROCS (and the node count) to {saved_world} processes in all to resume, "
+            "or remove the checkpoints to start over (a run with train.global_batch_size resumes on any number)")
     saved_total = state.get("total_steps")
     if saved_total != total:
         raise CheckpointFormatError(f"{found}: made for {saved_total} steps, this run now has {total}; remove the checkpoints to start over")
     position = ckpt.load_checkpoint(found, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
-    log.info("run %s: resuming from step %d of %d (%s)", paths.run, position.step, total, found)
+    log.info("run %s: resuming from step %d of %d on %d training processes (the checkpoint's: %d) (%s)",
+             paths.run, position.step, total, world, saved_world, found)
     return position
 
 
@@ -545,7 +561,8 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
                     ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
                                          scheduler=s.scheduler,
                                          position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
-                                         extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching})
+                                         extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching,
+                                                "global_batch_size": s.cfg.global_batch_size})
     s.weights.finish()
     s.result.steps = step
     return s.result

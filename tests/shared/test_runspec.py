@@ -39,6 +39,12 @@ def test_lengths_below_eight_tokens_are_refused(field):
         TrainConfig(**{field: 4})
 
 
+def test_a_global_batch_and_a_token_budget_are_not_set_together():
+    with pytest.raises(ValidationError, match="global_batch_size and max_tokens both size a batch"):
+        TrainConfig(global_batch_size=64, max_tokens=8192)
+    assert TrainConfig(global_batch_size=64).global_batch_size == 64
+
+
 
 def test_a_run_json_from_before_the_evaluation_sets_loads_with_their_defaults(tmp_path):
     paths = RunPaths(tmp_path, "old")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 
@@ -10,14 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.export import export_drafter
 from services.trainer.launch import run_torchrun
-from services.trainer.batching import SHUFFLE, plan_epoch, share
-from services.trainer.train import resume, train_drafter, trained_from_checkpoint
+from services.trainer.batching import BATCHINGS, SHUFFLE, plan_epoch, share
+from services.trainer.train import epoch_plan, resume, train_drafter, trained_from_checkpoint
 from shared import eagle3
 from shared.errors import CheckpointFormatError
-from shared.runspec import RunSpec
+from shared.runspec import RunSpec, TrainConfig
 from shared.settings import TrainerSettings, load_settings
 from tests.services.trainer.conftest import write_run
 
@@ -132,12 +132,56 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     assert_two_ranks_trained_what_one_did(one, two, single, double, samples)
 
 
+def checkpoint_world(paths, step: int) -> int:
+    return json.loads((paths.checkpoint(step) / "state.json").read_text())["world_size"]
+
+
+def test_a_run_with_a_global_batch_resumes_on_another_number_of_processes(
+    data_dir, tiny_target, tiny_samples, eval_messages, tiny_model_dir, redis_url, caplog,
+):
+    """Checkpoints of two processes resumed by one, and of one by two: the same steps as one process
+    uninterrupted, because with train.global_batch_size the batches do not depend on the process count."""
+    samples = unequal(tiny_samples[:DDP_SAMPLES])
+    train = {**DDP_TRAIN, "global_batch_size": 4}
+    one, down, up = (write_run(data_dir, name, tiny_target, samples, eval_messages, train=train)
+                     for name in ("one", "down", "up"))
+    settings = settings_for(data_dir, tiny_model_dir, redis_url)
+    single = train_drafter(RunSpec.load(data_dir, "one"), data=data_dir, model_dir=tiny_model_dir, device="cpu")
+
+    run_torchrun("down", 2, settings)
+    shutil.rmtree(down.checkpoint(2))  # stopped after step 1
+    with caplog.at_level(logging.INFO, logger="services.trainer.train"):
+        resumed_on_one = train_drafter(RunSpec.load(data_dir, "down"), data=data_dir, model_dir=tiny_model_dir,
+                                       device="cpu")
+    assert "resuming from step 1 of 2 on 1 training processes (the checkpoint's: 2)" in caplog.text
+    assert (checkpoint_world(down, 1), checkpoint_world(down, 2)) == (2, 1)
+    assert_two_ranks_trained_what_one_did(one, down, single, resumed_on_one, samples)
+
+    train_drafter(RunSpec.load(data_dir, "up"), data=data_dir, model_dir=tiny_model_dir, device="cpu")
+    shutil.rmtree(up.checkpoint(2))
+    run_torchrun("up", 2, settings)
+    assert (checkpoint_world(up, 1), checkpoint_world(up, 2)) == (1, 2)
+    resumed_on_two = trained_from_checkpoint(RunSpec.load(data_dir, "up"), data=data_dir, model_dir=tiny_model_dir)
+    assert_two_ranks_trained_what_one_did(one, up, single, resumed_on_two, samples)
+
+
+def test_a_global_batch_is_the_same_batches_on_any_number_of_processes() -> None:
+    lengths = [5 + (i * 37) % 90 for i in range(50)]
+    cfg = TrainConfig(global_batch_size=6)
+    for batching in BATCHINGS:
+        plans = [epoch_plan(cfg, lengths, 1, world, batching) for world in (1, 2, 3, 4)]
+        assert all(plan == plans[0] for plan in plans)
+        assert sorted(i for batch in plans[0] for i in batch) == list(range(50))
+        assert sorted(len(batch) for batch in plans[0]) == [2] + [6] * 8  # 50 = 8 x 6 and a tail of 2
+
+
 def assert_two_ranks_trained_what_one_did(one, two, single, double, samples: list[dict[str, torch.Tensor]]) -> None:
-    """Run ``two`` (two ranks, result ``double``) took the steps run ``one`` (one process, ``single``) took on
-    the same global batches: losses, gradients and weights within the bounds regrouping the sums allows."""
+    """Run ``two`` (two ranks for at least one step, result ``double``) took the steps run ``one`` (one process,
+    ``single``) took on the same global batches: losses, gradients and weights within the bounds regrouping
+    the sums allows."""
     steps = 2
     assert double.steps == single.steps == steps
-    assert json.loads((latest_checkpoint(two.checkpoints_dir) / "state.json").read_text())["world_size"] == 2
+    assert 2 in {checkpoint_world(two, step) for step in range(1, steps + 1)}
     tolerance = regrouping_tolerance(samples, DDP_TRAIN["ttt_steps"])
 
     first, second = log_records(one), log_records(two)
@@ -204,5 +248,10 @@ def test_checkpoints_of_another_number_of_processes_are_refused_naming_the_setti
     drafter = trained_from_checkpoint(RunSpec.load(data_dir, paths.run), data=data_dir, model_dir=tiny_model_dir).drafter
     optimizer = torch.optim.AdamW(drafter.trainable_parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    with pytest.raises(CheckpointFormatError, match="written by 1 training processes, this run has 2.*DRAFTLINE_TRAIN_PROCS=1"):
-        resume(paths, 8, 2, drafter, optimizer, scheduler)
+    cfg = RunSpec.load(data_dir, paths.run).train
+    with pytest.raises(CheckpointFormatError, match="written by 1 training processes with batch_size per process, this "
+                                                    "run has 2; set DRAFTLINE_TRAIN_PROCS.*global_batch_size"):
+        resume(paths, cfg, 8, 2, drafter, optimizer, scheduler)
+    # A global batch resumes on another number only if it is the one the checkpoint trained with.
+    with pytest.raises(CheckpointFormatError, match="written by 1 training processes"):
+        resume(paths, cfg.model_copy(update={"global_batch_size": 4}), 8, 2, drafter, optimizer, scheduler)
