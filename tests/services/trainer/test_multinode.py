@@ -156,6 +156,31 @@ def test_a_killed_node_fails_the_training_by_name_in_time_and_a_retry_on_the_oth
     assert [r["step"] for r in train_records(paths)] == list(range(1, 401))  # each step logged once
 
 
+CUT_TIMEOUT_S = 15  # the collective timeout of the cut-link test: the job must fail by it, so keep it short
+
+
+@pytest.mark.multinode
+def test_a_cut_link_fails_the_training_by_its_timeout_not_a_hang(cluster, make_run):
+    """A pulled cable tells no socket (no FIN, no reset), unlike a killed node: only the timeout ends the wait."""
+    paths = make_run("cut", train=LONG_TRAIN)
+    cluster.start_joiner()
+    job_log = cluster.logs / "job-cut.log"
+    job = cluster.a.popen([sys.executable, "-c", JOB, "cut"], job_log,
+                          {**cluster.job_env(), "DRAFTLINE_TRAIN_TIMEOUT_S": str(CUT_TIMEOUT_S)})
+    try:
+        wait_until_trained_steps(paths, 6, job, job_log)
+        subprocess.run(cluster.b.argv(["ip", "link", "set", cluster.b.ifname, "down"]), check=True)
+        started = time.monotonic()
+        code = job.wait(timeout=CUT_TIMEOUT_S + 120)
+        failed_after = time.monotonic() - started
+    finally:
+        kill_group(job)
+    output = job_log.read_text()
+    assert code != 0 and "TrainingProcessFailed: " in output and "TRAINED" not in output, output[-3000:]
+    assert f"Timed out waiting {CUT_TIMEOUT_S * 1000}ms" in output, output[-3000:]  # gloo's, named in the job's error
+    assert CUT_TIMEOUT_S * 0.5 <= failed_after < CUT_TIMEOUT_S + 60, (failed_after, output[-3000:])
+
+
 def wait_until_trained_steps(paths: RunPaths, steps: int, job: subprocess.Popen, log: Path) -> None:
     end = time.monotonic() + 180
     while time.monotonic() < end:
