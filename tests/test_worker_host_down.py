@@ -29,6 +29,8 @@ from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
+from shared.jobs import GENERATE_QUEUE
+from shared.queues import queue
 from shared.services import SERVICE_COMMANDS
 from tests.support.netns import Host, NamespacesUnavailable, cut, host_beside_this_machine, kill_group, wait_for_line
 from tests.support.processes import free_port
@@ -133,8 +135,12 @@ def host_down_run(tmp_path_factory, tiny_model_dir):
             on_b = [serve(there, name, worker_env, logs) for name in ("generator", "extractor")]
             for proc, _ in on_b:
                 cleanup.callback(kill_group, proc)
+            # Down while B's generator holds a started job (only B's workers run yet), so that the job must
+            # come back through the reaper.
+            generating = queue(GENERATE_QUEUE, redis.Redis.from_url(redis_url))
             at_down = wait_for(lambda: (s := status(stack)) and s["stages"]["extract"]["done"] >= DOWN_AFTER_EXTRACTED
-                               and s, f"{DOWN_AFTER_EXTRACTED} samples extracted by host B", 180, stack)
+                               and generating.started_job_registry.count > 0 and s,
+                               f"{DOWN_AFTER_EXTRACTED} samples extracted by host B, a generate job started", 180, stack)
             take_down(here, there, [proc for proc, _ in on_b])
             b_logs = [log.read_text(errors="replace") for _, log in on_b]
 
@@ -164,8 +170,8 @@ def test_host_b_worked_over_the_network_and_went_down_mid_run(host_down_run):
     assert "Traceback" not in generator_log + extractor_log  # B's workers ran until the power went
     assert host_down_run["b_alive"] == [False, False]
     assert not host_down_run["ns_left"]
-    # B's generator always holds a started job while generation remains (one job at a time): the controller
-    # found its worker dead by its stale heartbeat and gave that job back to the queue.
+    # B went down holding a started generate job: the controller found its worker dead by its stale
+    # heartbeat and gave that job back to the queue.
     generator_pid = host_down_run["b_pids"][0]
     requeued = [line for line in host_down_run["controller_log"].splitlines()
                 if f"-{generator_pid} is dead; requeued" in line]
