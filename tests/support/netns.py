@@ -45,13 +45,24 @@ def _ip(*args: str) -> None:
         raise NamespacesUnavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
-@contextmanager
-def two_hosts(tag: str | None = None) -> Iterator[tuple[Host, Host]]:
-    """Two namespaced hosts, 10.250.N.1 and 10.250.N.2 (N from the process id, so parallel tests differ)."""
+def _check_can_make_namespaces() -> None:
     if shutil.which("ip") is None:
         raise NamespacesUnavailable("no `ip` command: install iproute2")
     if os.geteuid() != 0:
         raise NamespacesUnavailable("network namespaces need root")
+
+
+def _bring_up(host: Host) -> None:
+    """A namespaced host's loopback and its end of a pair, with its address."""
+    _ip("-n", host.name, "link", "set", "lo", "up")
+    _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
+    _ip("-n", host.name, "link", "set", host.ifname, "up")
+
+
+@contextmanager
+def two_hosts(tag: str | None = None) -> Iterator[tuple[Host, Host]]:
+    """Two namespaced hosts, 10.250.N.1 and 10.250.N.2 (N from the process id, so parallel tests differ)."""
+    _check_can_make_namespaces()
     tag = tag or f"dl{os.getpid() % 100000}"
     subnet = f"10.250.{os.getpid() % 250}"
     hosts = (Host(f"{tag}a", f"{subnet}.1", f"{tag}va"), Host(f"{tag}b", f"{subnet}.2", f"{tag}vb"))
@@ -63,9 +74,7 @@ def two_hosts(tag: str | None = None) -> Iterator[tuple[Host, Host]]:
         _ip("link", "add", hosts[0].ifname, "netns", hosts[0].name, "type", "veth", "peer", "name", hosts[1].ifname,
             "netns", hosts[1].name)
         for host in hosts:
-            _ip("-n", host.name, "link", "set", "lo", "up")
-            _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
-            _ip("-n", host.name, "link", "set", host.ifname, "up")
+            _bring_up(host)
         yield hosts
     finally:
         for name in made:
@@ -77,10 +86,7 @@ def host_beside_this_machine(tag: str, subnet: int) -> Iterator[tuple[Host, Host
     """This machine (its own namespace, 10.251.``subnet``.1) and one namespaced host (.2), which the test itself
     reaches, as the first host of a cluster would. This machine's address sits on a bridge, as a host's address
     sits on its network card: ``cut`` pulls the other host's cable without taking that address along."""
-    if shutil.which("ip") is None:
-        raise NamespacesUnavailable("no `ip` command: install iproute2")
-    if os.geteuid() != 0:
-        raise NamespacesUnavailable("network namespaces need root")
+    _check_can_make_namespaces()
     here, there = Host(None, f"10.251.{subnet}.1", f"{tag}br"), Host(tag, f"10.251.{subnet}.2", f"{tag}v")
     made: list[list[str]] = []
     try:
@@ -92,9 +98,7 @@ def host_beside_this_machine(tag: str, subnet: int) -> Iterator[tuple[Host, Host
         made.append(["netns", "del", there.name])
         _ip("link", "add", f"{tag}h", "type", "veth", "peer", "name", there.ifname, "netns", there.name)
         _ip("link", "set", f"{tag}h", "master", here.ifname, "up")
-        _ip("-n", there.name, "link", "set", "lo", "up")
-        _ip("-n", there.name, "addr", "add", f"{there.addr}/24", "dev", there.ifname)
-        _ip("-n", there.name, "link", "set", there.ifname, "up")
+        _bring_up(there)
         yield here, there
     finally:
         for args in reversed(made):  # the namespace takes its pair along
