@@ -90,6 +90,10 @@ class UnsupportedRopeScaling(DraftlineError):
     """A config names a RoPE scaling type the drafter cannot reproduce the way the engines compute it."""
 
 
+class MaskTokenUnavailable(DraftlineError):
+    """A DFlash drafter needs a mask token id that the training data never holds, and none is free."""
+
+
 class SpeculativeMismatch(DraftlineError):
     """A speculative decode emitted something other than the target's own greedy output: the decoding
     loop (or the target's numerics across block sizes) is wrong, so its acceptance lengths mean nothing."""

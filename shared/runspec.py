@@ -47,6 +47,28 @@ class ExtractionConfig(_Frozen):
         "scale per token and layer, half the bytes of bf16 for about 2% relative error per value.")
 
 
+DrafterMethod = Literal["eagle3", "dflash"]
+
+
+class DFlashSettings(_Frozen):
+    """The DFlash drafter's shape and objective (services/trainer/dflash.py); read only when train.method is dflash.
+    It reads the same three auxiliary layers as EAGLE-3 (extraction.layer_ids), so one extraction trains both."""
+
+    block_size: int = Field(8, ge=2, le=64, description="Anchor plus mask slots of one drafter pass; the drafter is "
+                            "served with num_speculative_tokens = block_size - 1.")
+    layers: int = Field(2, ge=1, le=16, description="Draft decoder layers (not measured against 1 yet).")
+    anchors: int = Field(64, ge=1, description="Blocks trained per sample and step, at random loss-masked positions.")
+    gamma: float | None = Field(None, gt=0, description="Decay of the mask slots' loss weights, exp(-(j-1)/gamma); "
+                                "unset: the DFlash paper's value for the block size (4 for 8, 5 for 10, 7 for 16), "
+                                "half the block otherwise.")
+    causal: bool = Field(False, description="Mask slots see only earlier slots of their block (any "
+                         "num_speculative_tokens up to block_size - 1 then serves what was trained); false: the "
+                         "whole block, DFlash's default.")
+    mask_token_id: int | None = Field(None, ge=0, description="The target id vLLM writes into mask slots; unset: the "
+                                      "highest id that no training sample holds. Its embedding is trained and "
+                                      "exported as mask_embedding.pt.")
+
+
 class TrainConfig(_Frozen):
     # Defaults measured on the real target (SmolLM2-135M, 5,000 prompts, one H200; bench/RESULTS.md): lr 5e-4
     # with 6 passes over 1.19M positions (about 7M in all) gave acceptance 2.82 on held-out prompts and 1.89 on
@@ -67,7 +89,10 @@ class TrainConfig(_Frozen):
     lr: float = Field(5e-4, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     grad_clip: float = Field(0.5, gt=0)
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
+    method: DrafterMethod = Field("eagle3", description="The drafter trained from the hidden states: eagle3 (a chain "
+                                  "of one-token steps) or dflash (a block of tokens per pass; train.dflash).")
+    dflash: DFlashSettings = Field(default_factory=DFlashSettings)
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length (eagle3).")
     max_length: int | None = Field(None, ge=8, description="Train on each sample's first max_length tokens; unset "
                                    "trains on every token extraction kept (extraction.max_length). A smaller value "
                                    "drops stored loss tokens, which the trainer logs as a warning with their count.")
@@ -92,6 +117,8 @@ class TrainConfig(_Frozen):
     def _one_batch_size(self) -> TrainConfig:
         if self.global_batch_size is not None and self.max_tokens is not None:
             raise ValueError("global_batch_size and max_tokens both size a batch: set one of them")
+        if self.method == "dflash" and self.base_checkpoint:
+            raise ValueError("train.method dflash trains from scratch: a base_checkpoint is an EAGLE-3 drafter's")
         return self
 
 

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save
 from shared import SCHEMA_VERSION
 from shared.atomic import TEMP_PREFIX, atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 from shared.errors import CheckpointFormatError
-from services.trainer.model import DrafterConfig, Eagle3Drafter
+from services.trainer.methods import config_from_dict
+from services.trainer.model import TargetTied
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def restore_rng(states: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(
     path: Path,
     *,
-    drafter: Eagle3Drafter,
+    drafter: TargetTied,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     position: Position,
@@ -147,7 +148,7 @@ def save_checkpoint(
     }
     remove_stale_temp_dirs(Path(path).parent)
     with atomic_dir(path) as tmp:
-        write_safetensors(tmp / MODEL_FILE, drafter.export_state())
+        write_safetensors(tmp / MODEL_FILE, drafter.checkpoint_state())
         write_safetensors(tmp / OPTIMIZER_FILE, opt_tensors)
         write_safetensors(tmp / RNG_FILE, rng_state())
         atomic_write_json(tmp / STATE_FILE, state)
@@ -179,12 +180,12 @@ def read_checkpoint_state(path: Path) -> dict[str, Any]:
     return read_json(file)
 
 
-def load_weights(path: Path, drafter: Eagle3Drafter) -> dict[str, Any]:
+def load_weights(path: Path, drafter: TargetTied) -> dict[str, Any]:
     """Load a checkpoint's weights into ``drafter``, whose config must be the one saved; returns the state."""
     path = Path(path)
     state = read_checkpoint_state(path)
     try:
-        saved = DrafterConfig(**state["config"]).to_dict()  # fields added since it was saved take their defaults
+        saved = config_from_dict(state["config"]).to_dict()  # fields added since it was saved take their defaults
     except (TypeError, ValueError) as exc:
         raise CheckpointFormatError(f"{path}: drafter config {state['config']} is not one this trainer builds ({exc})") from None
     if saved != drafter.config.to_dict():
@@ -199,7 +200,7 @@ def load_weights(path: Path, drafter: Eagle3Drafter) -> dict[str, Any]:
 def load_checkpoint(
     path: Path,
     *,
-    drafter: Eagle3Drafter,
+    drafter: TargetTied,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> Position:

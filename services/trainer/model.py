@@ -350,18 +350,9 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), before the final norm
 
 
-class Eagle3Drafter(nn.Module):
-    def __init__(self, config: DrafterConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; filled by load_embedding
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = MidLayer(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # target id = i + d2t[i]
-        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
+class TargetTied(nn.Module):
+    """What every drafter shares with its target: the frozen embedding table (``embed_tokens``) and the draft
+    vocabulary's mapping to target ids (``d2t``, ``t2d`` buffers); the subclass creates all three."""
 
     def load_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
@@ -381,6 +372,30 @@ class Eagle3Drafter(nn.Module):
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
 
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a training checkpoint keeps: every tensor under its module name, but the frozen embedding."""
+        return {name: t for name, t in self.state_dict().items() if not name.startswith("embed_tokens.")}
+
+
+class Eagle3Drafter(TargetTied):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; filled by load_embedding
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # target id = i + d2t[i]
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
+
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
 
@@ -393,12 +408,6 @@ class Eagle3Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))  # (B, T, H) -> (B, T, Vd)
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
-
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors: everything except the frozen target embedding."""
-        return {name: t for name, t in self.state_dict().items() if not name.startswith("embed_tokens.")}
+        """The exported tensors: the checkpoint's, under the names the engines load."""
+        return self.checkpoint_state()

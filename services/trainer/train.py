@@ -75,13 +75,15 @@ from shared.runspec import RunSpec, TrainConfig
 from services.trainer import checkpoint as ckpt
 from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
+from services.trainer.dflash import DFlashConfig, DFlashDrafter, DFlashObjective, default_gamma
 from services.trainer.export import load_drafter
 from services.trainer.losses import soft_cross_entropy
-from services.trainer.model import DrafterConfig, Eagle3Drafter, TTTCache, rope_scaling_of
+from services.trainer.methods import DFLASH, config_from_dict, new_drafter
+from services.trainer.model import DrafterConfig, Eagle3Drafter, TargetTied, TTTCache, rope_scaling_of
 from services.trainer.precision import Float32Weights, make_weights, precision_kind
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
 from services.trainer.ttt_attention import FLEX, attention_kind
-from services.trainer.vocab import build_mapping, count_tokens, draft_to_target
+from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ ProgressFn = Callable[[TrainProgress], None]
 
 @dataclass
 class TrainResult:
-    drafter: Eagle3Drafter
+    drafter: TargetTied  # Eagle3Drafter or DFlashDrafter (train.method)
     steps: int
     layer_ids: list[int]
     target_model: str
@@ -186,7 +188,11 @@ class TTTObjective(nn.Module):
             outputs.append(hidden)
         return outputs
 
-    def forward(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_weights(self) -> torch.Tensor:
+        return STEP_DECAY ** torch.arange(self.ttt_steps, dtype=torch.float64)  # total = sum_k 0.8^k L_k
+
+    def forward(self, batch: Batch, targets: Targets, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        del seed  # the unroll draws nothing at random (DFlashObjective's anchors do)
         d = self.drafter
         length = batch.input_ids.shape[1]
         ce_sums, counts = [], []
@@ -322,9 +328,12 @@ def data_mapping(files: list[Path], config: DrafterConfig, max_length: int) -> t
 
 
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
-                  embed: torch.Tensor, files: list[Path], max_length: int) -> tuple[Eagle3Drafter, str]:
+                  embed: torch.Tensor, files: list[Path], max_length: int) -> tuple[TargetTied, str]:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own
     (one from the files if it has none); and where the vocabulary came from."""
+    if cfg.method == DFLASH:
+        return build_dflash(cfg, target_config=target_config, layer_ids=layer_ids, embed=embed, files=files,
+                            max_length=max_length), VOCAB_FROM_DATA
     base = check_base_checkpoint(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids)
     if base is None:
         config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
@@ -342,6 +351,23 @@ def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_confi
                 "training files; its lm_head rows are taken to follow that mapping", base,
                 drafter.config.draft_vocab_size, len(files))
     return drafter, VOCAB_FROM_DATA
+
+
+def build_dflash(cfg: TrainConfig, *, target_config: dict, layer_ids: list[int], embed: torch.Tensor,
+                 files: list[Path], max_length: int) -> DFlashDrafter:
+    """A fresh DFlash drafter of the target's width over the same auxiliary layers as EAGLE-3, its draft
+    vocabulary and mask token taken from the training files."""
+    base = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
+    settings = cfg.dflash
+    mask = settings.mask_token_id if settings.mask_token_id is not None else unused_token(files, base.vocab_size, max_length)
+    config = DFlashConfig(base, num_layers=settings.layers, block_size=settings.block_size, mask_token_id=mask,
+                          causal=settings.causal)
+    drafter = DFlashDrafter(config)
+    drafter.load_embedding(embed)
+    drafter.set_vocab_mapping(*data_mapping(files, base, max_length))
+    log.info("DFlash drafter: %d layers, blocks of %d (%s), mask token %d, %d anchors a sample", config.num_layers,
+             config.block_size, "causal" if config.causal else "bidirectional", mask, settings.anchors)
+    return drafter
 
 
 def warn_on_rope_difference(base: Path, config: DrafterConfig, target_config: dict) -> None:
@@ -381,7 +407,7 @@ class Session:
     cfg: TrainConfig
     paths: RunPaths
     device: torch.device
-    drafter: Eagle3Drafter
+    drafter: TargetTied
     objective: nn.Module
     lm_head: torch.Tensor  # (V, H) the target's, on the device
     weights: Float32Weights  # what the step computes with and what the optimizer updates (precision)
@@ -419,7 +445,8 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     attention = attention_kind(cfg.attention, dev)
     precision = precision_kind(cfg.precision, world)
     weights = make_weights(drafter, precision)
-    objective: nn.Module = TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX)
+    objective: nn.Module = (DFlashObjective(drafter, cfg.dflash.anchors, cfg.dflash.gamma or default_gamma(cfg.dflash.block_size))
+                            if cfg.method == DFLASH else TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX))
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them in memory, not two.
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None,
@@ -480,7 +507,7 @@ def epoch_plan(cfg: TrainConfig, lengths: list[int], epoch: int, world: int, bat
                       max_tokens=cfg.max_tokens, batching=batching)
 
 
-def resume(paths: RunPaths, cfg: TrainConfig, total: int, world: int, drafter: Eagle3Drafter,
+def resume(paths: RunPaths, cfg: TrainConfig, total: int, world: int, drafter: TargetTied,
            optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> ckpt.Position:
     """Restore the latest checkpoint, if any; a checkpoint of a differently sized run is an error, and so is
     one written by another number of processes unless both train one global_batch_size (otherwise its data
@@ -513,7 +540,7 @@ def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> Tr
     found = ckpt.latest_checkpoint(paths.checkpoints_dir)
     if found is None:
         raise CheckpointFormatError(f"{paths.checkpoints_dir}: no checkpoint to export")
-    drafter = Eagle3Drafter(DrafterConfig(**ckpt.read_checkpoint_state(found)["config"]))
+    drafter = new_drafter(config_from_dict(ckpt.read_checkpoint_state(found)["config"]))
     state = ckpt.load_weights(found, drafter)
     step, total = state["position"]["step"], state.get("total_steps")
     if step != total:
@@ -590,16 +617,26 @@ class StepResult:
     tokens: int  # loss-mask tokens of the global batch
 
 
+def objective_of(s: Session) -> TTTObjective | DFlashObjective:
+    return s.objective.module if isinstance(s.objective, nn.parallel.DistributedDataParallel) else s.objective
+
+
+def step_seed(s: Session) -> int:
+    """What a step draws at random from (DFlash's anchors): the run's seed, the step and the rank, so a resumed
+    step draws what the interrupted one did."""
+    return (s.cfg.seed * 1_000_003 + s.scheduler.last_epoch) * 4099 + s.rank
+
+
 def train_step(s: Session, batch: Batch) -> StepResult:
     """One optimizer step on the global batch."""
     targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
     autocast = s.device.type == "cuda" or s.weights.compute_dtype is not None  # bf16 weights on the CPU too
     with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=autocast):
-        ce_sums, counts = s.objective(batch, targets)  # (K,), (3, K)
+        ce_sums, counts = s.objective(batch, targets, seed=step_seed(s))  # (K,), (3, K)
     k = ce_sums.shape[0]
     total = global_sum(torch.cat([ce_sums.detach(), counts.flatten(), batch.loss_mask.sum().view(1)]), s.world)
     g_ce, (g_masked, g_hits, g_learned), g_tokens = total[:k], total[k : 4 * k].view(3, k), total[-1]
-    weights = STEP_DECAY ** torch.arange(k, device=total.device, dtype=total.dtype)
+    weights = objective_of(s).step_weights().to(total.device, total.dtype)
     # DDP averages gradients over ranks; times the world size, the gradient is that of the global mean.
     denominators = (g_masked.clamp(min=1) / s.world).to(ce_sums.dtype)
     loss = (weights.to(ce_sums.dtype) * ce_sums / denominators).sum()

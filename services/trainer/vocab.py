@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from shared import eagle3
+from shared.errors import MaskTokenUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +51,18 @@ def build_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Te
 def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
     """Target id of every draft id: [Vd] int64."""
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
+def unused_token(files: Iterable[Path], vocab_size: int, max_length: int | None = None) -> int:
+    """The highest target id that no position of the files' first ``max_length`` rows holds: a mask token that
+    never is a real token of this data (DFlash's mask slots). MaskTokenUnavailable when every id occurs."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            ids = handle.get_slice(eagle3.INPUT_IDS)[:max_length]
+        seen[ids[ids < vocab_size]] = True
+    free = (~seen).nonzero().flatten()
+    if free.numel() == 0:
+        raise MaskTokenUnavailable(f"every one of the {vocab_size} target ids occurs in the training files: set "
+                                   "train.dflash.mask_token_id")
+    return int(free[-1])
