@@ -42,6 +42,7 @@ from shared import eagle3
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry name for its qwen3_dflash drafter (docs/dflash.md)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # config.json's torch_dtype name -> the safetensors dtype code its float tensors carry
@@ -56,6 +57,11 @@ CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
 MAPPING_TENSORS = ("d2t", "t2d")
 VLLM_IDS = "eagle_aux_hidden_state_layer_ids"  # top level: vLLM's, HF hidden-states index (ours + 1)
 SGLANG_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"  # SGLang's, our convention
+
+
+def speculative_method(config: dict[str, Any]) -> str:
+    """The ``method`` of vLLM's ``--speculative-config`` that serves a drafter of this config."""
+    return "dflash" if config.get("architectures") == [DFLASH_ARCHITECTURE] else "eagle3"
 
 
 def vllm_layer_ids(layer_ids: list[int]) -> list[int]:

@@ -65,8 +65,8 @@ class DFlashSettings(_Frozen):
                          "num_speculative_tokens up to block_size - 1 then serves what was trained); false: the "
                          "whole block, DFlash's default.")
     mask_token_id: int | None = Field(None, ge=0, description="The target id vLLM writes into mask slots; unset: the "
-                                      "highest id that no training sample holds. Its embedding is trained and "
-                                      "exported as mask_embedding.pt.")
+                                      "highest id that no training sample holds. A mask slot reads the target's own "
+                                      "(frozen) embedding of it, as vLLM does.")
 
 
 class TrainConfig(_Frozen):

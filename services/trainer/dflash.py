@@ -12,8 +12,9 @@ How it drafts (what vLLM 0.32's ``qwen3_dflash`` computes; docs/dflash.md has th
   into a key ``k_norm(k_proj(c))`` (rotated to the position) and a value ``v_proj(c)``, with no input norm,
   no query and no MLP: the context only ever is attended to.
 - **Block.** One drafter pass takes the target's newest token (the "anchor", at position p) followed by
-  S - 1 mask slots at positions p+1 .. p+S-1. The slots are the trained ``mask_embedding``; the anchor is
-  the target's own embedding of its token. Each layer is a pre-norm Qwen3 decoder layer (per-head q_norm and
+  S - 1 mask slots at positions p+1 .. p+S-1, each the token ``mask_token_id``. Both read the target's own
+  (frozen) embedding, as vLLM does when an export ships no ``mask_embedding.pt`` (a pickle file, which
+  draftline neither writes nor reads); the mask id is one the training data never holds. Each layer is a pre-norm Qwen3 decoder layer (per-head q_norm and
   k_norm, RoPE, SiLU MLP); a block query sees every context position before p and every position of its
   own block (bidirectional; with ``causal`` only the block's earlier positions and itself).
 - **Output.** Slot j (1 <= j <= S-1) predicts the token *at its own position* p + j, through ``norm`` and
@@ -26,7 +27,7 @@ on the CPU than on a GPU. Sharing the weight makes both the same; the export wri
 
 Training objective (``DFlashObjective``), for a sample x_0 .. x_{L-1}:
 
-- Anchors: up to ``anchors`` positions a drawn at random (a fresh draw every step, seeded by the step) among
+- Anchors: up to ``anchors`` positions a drawn at random (a fresh draw every step, seeded by step and sample) among
   the loss-masked positions with a successor stored (a reply token the target wrote, as a served anchor
   always is: the prefill's first token or a verification's correction).
 - Block at anchor a: tokens [x_a, MASK x (S-1)] at positions a .. a+S-1, context = positions 0 .. a-1 (the
@@ -41,7 +42,6 @@ Training objective (``DFlashObjective``), for a sample x_0 .. x_{L-1}:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -148,7 +148,6 @@ class DFlashDrafter(TargetTied):
         c = config.base
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; filled by load_embedding
-        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))  # what a mask slot reads instead of a token
         self.fc = nn.Linear(len(c.layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -158,8 +157,6 @@ class DFlashDrafter(TargetTied):
         self.rope = RotaryEmbedding(c)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # target id = i + d2t[i]
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-        with torch.no_grad():
-            self.mask_embedding.normal_(std=0.02)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))  # (..., H) -> (..., Vd)
@@ -172,10 +169,10 @@ class DFlashDrafter(TargetTied):
         return [layer.self_attn.keys_values(c, cos, sin) for layer in self.layers]
 
     def block_inputs(self, first_ids: torch.Tensor, width: int) -> torch.Tensor:
-        """first_ids (B, A) -> (B, A, width, H): each block's anchor embedding, then mask slots."""
-        anchor = self.embed_tokens(first_ids).to(self.fc.weight.dtype)[:, :, None]  # (B, A, 1, H)
-        masks = self.mask_embedding.to(anchor.dtype).expand(*first_ids.shape, width - 1, -1)  # (B, A, width-1, H)
-        return torch.cat([anchor, masks], dim=2)
+        """first_ids (B, A) -> (B, A, width, H): each block's anchor embedding, then the mask token's."""
+        ids = torch.full((*first_ids.shape, width), self.config.mask_token_id, device=first_ids.device)
+        ids[..., 0] = first_ids
+        return self.embed_tokens(ids).to(self.fc.weight.dtype)  # a narrower stored table widens here
 
     def draft(self, first_ids: torch.Tensor, starts: torch.Tensor, width: int,
               context: list[tuple[torch.Tensor, torch.Tensor]], sees_context: torch.Tensor) -> torch.Tensor:
@@ -201,19 +198,20 @@ class DFlashDrafter(TargetTied):
         """The tensors vLLM's qwen3_dflash loads (docs/dflash.md §2), under its names, plus ``t2d`` (ours,
         for training again); the shared k_norm written into every layer."""
         state = {name: t for name, t in self.state_dict().items()
-                 if not name.startswith(("embed_tokens.", "k_norm.", "mask_embedding"))}
+                 if not name.startswith(("embed_tokens.", "k_norm."))}
         for i in range(self.config.num_layers):
             state[f"layers.{i}.self_attn.k_norm.weight"] = self.k_norm.weight.detach().clone()
         return state
 
 
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, count: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``count`` distinct anchors per row among the loss-masked positions with a successor stored:
-    (anchors (B, A), used (B, A) bool), A = min(count, L); the same seed draws the same anchors (a resumed
-    step trains on the blocks the interrupted one would have). An unused anchor slot holds position 0."""
+    (anchors (B, A), used (B, A) bool), A = min(count, L), ascending. Row i draws from ``seeds[i]`` alone, so a
+    row's anchors do not depend on the rows beside it (a resumed step, or a step split over processes, trains
+    the blocks one uninterrupted process would). An unused anchor slot holds position 0."""
     b, length = loss_mask.shape
-    generator = torch.Generator().manual_seed(seed)
-    scores = torch.rand(b, length, generator=generator).to(loss_mask.device)  # (B, L)
+    scores = torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+    scores = scores.to(loss_mask.device)  # (B, L)
     positions = torch.arange(length, device=loss_mask.device)
     valid = loss_mask & (positions[None, :] + 1 < lengths.to(loss_mask.device)[:, None])
     scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
@@ -238,13 +236,13 @@ class DFlashObjective(nn.Module):
     def step_weights(self) -> torch.Tensor:
         return slot_weights(self.drafter.config.block_size, self.gamma)
 
-    def forward(self, batch: Any, targets: Any, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Any, targets: Any, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         from services.trainer.losses import soft_cross_entropy
 
         d, width = self.drafter, self.drafter.config.block_size
         b, length = batch.input_ids.shape
         device = batch.input_ids.device
-        anchors, used = sample_anchors(batch.loss_mask, batch.lengths, self.anchors, seed)  # (B, A)
+        anchors, used = sample_anchors(batch.loss_mask, batch.lengths, self.anchors, seeds)  # (B, A)
         positions = torch.arange(length, device=device)
         context = d.context(batch.aux_hidden, positions.expand(b, length))
         sees_context = positions[None, None, :] < anchors[:, :, None]  # (B, A, L): strictly before the anchor

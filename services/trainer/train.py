@@ -191,8 +191,8 @@ class TTTObjective(nn.Module):
     def step_weights(self) -> torch.Tensor:
         return STEP_DECAY ** torch.arange(self.ttt_steps, dtype=torch.float64)  # total = sum_k 0.8^k L_k
 
-    def forward(self, batch: Batch, targets: Targets, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        del seed  # the unroll draws nothing at random (DFlashObjective's anchors do)
+    def forward(self, batch: Batch, targets: Targets, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        del seeds  # the unroll draws nothing at random (DFlashObjective's anchors do)
         d = self.drafter
         length = batch.input_ids.shape[1]
         ce_sums, counts = [], []
@@ -569,9 +569,11 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
                      epoch, len(plan), padding.real, padding.computed, 100 * padding.fraction)
         first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
         for index, batch in enumerate(epoch_loader(s, plan, first), start=first):
-            if share(plan[index], s.rank, s.world).filler:
+            part = share(plan[index], s.rank, s.world)
+            if part.filler:
                 batch = batch.without_loss()
-            done = train_step(s, batch.to(s.device, None if s.device.type == "cuda" else torch.float32))
+            done = train_step(s, batch.to(s.device, None if s.device.type == "cuda" else torch.float32),
+                              row_seeds(s, part.indices))
             step += 1
             tokens += done.tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
@@ -621,18 +623,19 @@ def objective_of(s: Session) -> TTTObjective | DFlashObjective:
     return s.objective.module if isinstance(s.objective, nn.parallel.DistributedDataParallel) else s.objective
 
 
-def step_seed(s: Session) -> int:
-    """What a step draws at random from (DFlash's anchors): the run's seed, the step and the rank, so a resumed
-    step draws what the interrupted one did."""
-    return (s.cfg.seed * 1_000_003 + s.scheduler.last_epoch) * 4099 + s.rank
+def row_seeds(s: Session, samples: list[int]) -> list[int]:
+    """What each row of a step draws at random from (DFlash's anchors): the run's seed, the step and the row's
+    sample, so a resumed step draws what the interrupted one did, and N processes draw what one does."""
+    step = s.scheduler.last_epoch  # optimizer steps taken so far, restored on resume
+    return [(s.cfg.seed * 1_000_003 + step) * 1_000_033 + sample for sample in samples]
 
 
-def train_step(s: Session, batch: Batch) -> StepResult:
+def train_step(s: Session, batch: Batch, seeds: list[int]) -> StepResult:
     """One optimizer step on the global batch."""
     targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
     autocast = s.device.type == "cuda" or s.weights.compute_dtype is not None  # bf16 weights on the CPU too
     with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=autocast):
-        ce_sums, counts = s.objective(batch, targets, seed=step_seed(s))  # (K,), (3, K)
+        ce_sums, counts = s.objective(batch, targets, seeds=seeds)  # (K,), (3, K)
     k = ce_sums.shape[0]
     total = global_sum(torch.cat([ce_sums.detach(), counts.flatten(), batch.loss_mask.sum().view(1)]), s.world)
     g_ce, (g_masked, g_hits, g_learned), g_tokens = total[:k], total[k : 4 * k].view(3, k), total[-1]

@@ -26,6 +26,19 @@ from tests.support.vllm_server import (
 
 
 @pytest.fixture(scope="session")
+def rule_target():
+    """The rule target (tests/engines/target_rule.py) loaded: what the engine-acceptance tests train drafters on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engines import target_rule
+    from tests.services.trainer.conftest import TinyTarget, fingerprint_of
+
+    model_dir = target_rule.cached_tiny_rule()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return TinyTarget(model, AutoTokenizer.from_pretrained(model_dir), model_dir, fingerprint_of(model_dir))
+
+
+@pytest.fixture(scope="session")
 def vllm_cpu_python() -> Path:
     """The vLLM environment's python; created by ``tools/vllm_cpu.sh`` (minutes) on first use."""
     try:

@@ -47,15 +47,6 @@ EVALUATE = {"holdout": HELD_OUT, "max_new_tokens": MAX_NEW_TOKENS, "draft_steps"
             "curve_max_steps": K}
 
 
-@pytest.fixture(scope="module")
-def rule_target() -> TinyTarget:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = target_rule.cached_tiny_rule()
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return TinyTarget(model, AutoTokenizer.from_pretrained(model_dir), model_dir, fingerprint_of(model_dir))
-
-
 def trained_run(data: Path, name: str, target: TinyTarget, prompts: list[list[dict]], held_out: list[list[dict]],
                 layers: list[int] = LAYERS, train: dict | None = None) -> RunPaths:
     """A run trained on the target's replies to ``prompts`` and exported; ``held_out`` its evaluation set."""

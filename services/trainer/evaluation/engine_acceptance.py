@@ -2,9 +2,9 @@
 vLLM's own ``/metrics``, beside the evaluator's figure on the same prompts and k.
 
 vLLM runs the export exactly as a user's deployment would: ``--speculative-config`` with method
-``eagle3``, the export directory as the drafter and ``num_speculative_tokens = k``. Each prompt goes
-alone, as its token ids (nothing is re-rendered), greedy, with the evaluator's token budget and stop
-tokens. vLLM counts every decode step that drafted (``vllm:spec_decode_num_drafts``) and every drafted
+``eagle3`` or ``dflash`` (as the export's config says), the export directory as the drafter and
+``num_speculative_tokens = k``. Each prompt goes alone, as its token ids (nothing is re-rendered), greedy,
+with the evaluator's token budget and stop tokens. vLLM counts every decode step that drafted (``vllm:spec_decode_num_drafts``) and every drafted
 token the target accepted (``vllm:spec_decode_num_accepted_tokens``); its mean acceptance length is
 ``1 + accepted / drafts``: the tokens one verification pass yields, which is the evaluator's definition
 (a prompt's prefill pass and its token count in neither). The counters are read before and after, so a
@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.drafter_format import read_config, speculative_method
 from shared.errors import DraftlineError
 from services.trainer.evaluation.evaluate import first_difference
 from services.trainer.evaluation.vllm_launch import vllm_server
@@ -94,8 +95,10 @@ def read_counters(client: httpx.Client, url: str, *, required: bool = True) -> S
 
 
 def speculative_args(export_dir: Path, k: int) -> list[str]:
-    """The flag that serves ``export_dir`` as an EAGLE-3 drafter proposing ``k`` tokens per step."""
-    config = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+    """The flag that serves ``export_dir`` as the drafter it is (EAGLE-3 or DFlash) proposing ``k`` tokens per
+    step (DFlash: ``k`` mask slots in one pass)."""
+    method = speculative_method(read_config(Path(export_dir)))
+    config = {"method": method, "model": str(export_dir), "num_speculative_tokens": k}
     return ["--speculative-config", json.dumps(config)]
 
 

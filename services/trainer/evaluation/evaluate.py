@@ -37,11 +37,11 @@ from runtime.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
-from services.trainer.model import Eagle3Drafter
+from services.trainer.model import TargetTied
 from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
 from services.trainer.train import avoid_cudnn_attention
 from services.trainer.evaluation.speculative_batch import (
-    BatchDrafterProposer,
+    drafter_proposer,
     RowProposers,
     left_pad,
     pad_id_of,
@@ -181,7 +181,7 @@ def logit_gap(target: Any, prompt_ids: list[int], reference: list[int], position
 
 
 def decode_set(
-    target: Any, drafter: Eagle3Drafter, prompts: list[list[int]], cfg: EvalConfig, layer_ids: list[int],
+    target: Any, drafter: TargetTied, prompts: list[list[int]], cfg: EvalConfig, layer_ids: list[int],
     done: Callable[[float], None] | None = None,
 ) -> dict[tuple[str, int], list[DecodeResult]]:
     """Every decode of these prompts, all prompts together: the drafter and prompt lookup at each k, and no
@@ -190,7 +190,7 @@ def decode_set(
     run = functools.partial(speculative_generate_batch, target, prompts=prompts, max_new_tokens=cfg.max_new_tokens,
                             layer_ids=layer_ids, prefill=pre)
     plans: list[tuple[str, int, Callable[[], Any]]] = [
-        (DRAFTER, k, lambda: BatchDrafterProposer(drafter)) for k in chain_lengths(cfg)]
+        (DRAFTER, k, lambda: drafter_proposer(drafter)) for k in chain_lengths(cfg)]
     if cfg.baselines:
         plans += [(LOOKUP, k, lambda: RowProposers([LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max)
                                                     for ids in prompts])) for k in chain_lengths(cfg)]
@@ -266,7 +266,7 @@ def prompt_limit(target: Any, cfg: EvalConfig) -> int:
     return max(1, min(cfg.max_prompt_tokens, context - cfg.max_new_tokens - max(chain_lengths(cfg)) - 1))
 
 
-def measure_prompts(target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
+def measure_prompts(target: Any, tokenizer: Any, drafter: TargetTied, prompts: list[EvalPrompt], cfg: EvalConfig,
                     measured: SetRun, progress: Callable[[int, int], None] | None = None) -> None:
     """Every decode of these prompts, ``cfg.batch_prompts`` at a time, each checked against ``generate``, added
     to ``measured``; ``progress`` hears (prompts done, prompts) as the decodes finish."""
@@ -309,7 +309,7 @@ def token_batches(ids: list[list[int]], budget: int, reply_tokens: int) -> list[
     return parts
 
 
-def decode_part(target: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], ids: list[list[int]],
+def decode_part(target: Any, drafter: TargetTied, prompts: list[EvalPrompt], ids: list[list[int]],
                 cfg: EvalConfig, layer_ids: list[int], measured: SetRun,
                 tick: Callable[[float], None] | None) -> None:
     """One batch's decodes, each checked against ``generate``, added to ``measured``."""
@@ -324,7 +324,7 @@ def decode_part(target: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], 
 
 
 def evaluate_prompts(
-    target: Any, tokenizer: Any, drafter: Eagle3Drafter, prompts: list[EvalPrompt], cfg: EvalConfig,
+    target: Any, tokenizer: Any, drafter: TargetTied, prompts: list[EvalPrompt], cfg: EvalConfig,
     progress: Callable[[int, int], None] | None = None, *, name: str = "holdout",
 ) -> dict[str, Any]:
     """One set: every prompt decoded by every method at every k, each decode checked against ``generate``."""
@@ -365,7 +365,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[
 
 
 def evaluate_sets(
-    target: Any, tokenizer: Any, drafter: Eagle3Drafter, sets: list[EvalSet], cfg: EvalConfig,
+    target: Any, tokenizer: Any, drafter: TargetTied, sets: list[EvalSet], cfg: EvalConfig,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Every set; the first one's drafter numbers stay at the top level, where the status page reads them."""
@@ -423,16 +423,18 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
 
 
 def load_evaluated(model_dir: Path, export_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
-                   trust_remote_code: bool = False) -> tuple[Any, Any, Eagle3Drafter]:
+                   trust_remote_code: bool = False) -> tuple[Any, Any, TargetTied]:
     """Target, tokenizer and the exported drafter (read as the engines read it, with the target's embedding)
     on ``device``: what every evaluation decodes with."""
     target, tokenizer = load_target(model_dir, device, dtype, trust_remote_code=trust_remote_code)
     return target, tokenizer, exported_drafter(target, model_dir, export_dir)
 
 
-def exported_drafter(target: Any, model_dir: Path, export_dir: Path) -> Eagle3Drafter:
+def exported_drafter(target: Any, model_dir: Path, export_dir: Path) -> TargetTied:
     """An exported drafter as the engines read it, with ``target``'s embedding, on ``target``'s device."""
+    from services.trainer.dflash_export import is_dflash_export, load_dflash
     from services.trainer.export import load_drafter
 
     embed = target.get_input_embeddings().weight.detach().float().cpu()
-    return load_drafter(export_dir, model_dir, embed=embed).to(target.device).eval()
+    load = load_dflash if is_dflash_export(export_dir) else load_drafter
+    return load(export_dir, model_dir, embed=embed).to(target.device).eval()

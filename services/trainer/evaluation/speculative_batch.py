@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.trainer.dflash import DFlashDrafter
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
 from services.trainer.model import Eagle3Drafter, MaskedKVCache
 from services.trainer.evaluation.speculative import DecodeResult, accepted_prefix, cache_kwarg, eos_ids_of, finished
@@ -83,6 +84,52 @@ class BatchDrafterProposer:
         index = torch.tensor(rows, device=self.device)
         self.cache.select(index)
         self.last, self.newest = self.last[index], self.newest[index]
+
+
+class BatchBlockProposer:
+    """The DFlash drafter over every row: each layer's context keys and values over the verified columns (a
+    rejected or padding column stays, masked), and one block pass per proposal: the row's newest token at the
+    position after its newest verified one, then ``k`` mask slots, each slot's argmax a draft."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.device = drafter.fc.weight.device
+        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (A, nkv, C, hd) keys, values
+        self.used: torch.Tensor | None = None  # (A, C) bool: the column holds a verified position of its row
+        self.bonus: torch.Tensor | None = None  # (A,) the newest token, not yet verified
+        self.start: torch.Tensor | None = None  # (A,) its position
+
+    def extend(self, verified: Verified) -> None:
+        d = self.drafter
+        used = verified.used.to(self.device)
+        aux = verified.aux.to(self.device, d.fc.weight.dtype) * used[..., None]
+        positions = verified.positions.to(self.device)
+        new = d.context(aux, positions)
+        self.context = new if not self.context else [
+            (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.context, new)]
+        self.used = used if self.used is None else torch.cat([self.used, used], dim=1)
+        columns = torch.arange(used.shape[1], device=self.device)
+        newest = torch.where(used, columns, -1).max(-1).values  # (A,) each row's last used column
+        rows = torch.arange(used.shape[0], device=self.device)
+        self.bonus = verified.next_ids.to(self.device)[rows, newest]
+        self.start = positions[rows, newest] + 1
+
+    def propose(self, k: int) -> list[list[int]]:
+        d = self.drafter
+        if k == 0:
+            return [[] for _ in range(self.bonus.shape[0])]
+        hidden = d.draft(self.bonus[:, None], self.start[:, None], k + 1, self.context, self.used[:, None])  # (A, 1, k+1, H)
+        return d.to_target_ids(d.logits(hidden[:, 0, 1:]).argmax(-1)).tolist()  # the mask slots' tokens, (A, k)
+
+    def select(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=self.device)
+        self.context = [(k[index], v[index]) for k, v in self.context]
+        self.used, self.bonus, self.start = self.used[index], self.bonus[index], self.start[index]
+
+
+def drafter_proposer(drafter: Eagle3Drafter | DFlashDrafter) -> BatchDrafterProposer | BatchBlockProposer:
+    """The proposer that drafts as the engines serve this drafter: EAGLE-3's chain or DFlash's block."""
+    return BatchBlockProposer(drafter) if isinstance(drafter, DFlashDrafter) else BatchDrafterProposer(drafter)
 
 
 class RowProposers:

@@ -183,6 +183,23 @@ def trained_drafter(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
     return result.drafter.eval()
 
 
+# A DFlash drafter small enough to train in seconds: blocks of 4 (3 drafts a pass), 2 layers.
+DFLASH_TRAIN = {"method": "dflash", "dflash": {"block_size": 4, "layers": 2, "anchors": 16}}
+
+
+@pytest.fixture(scope="session")
+def trained_dflash(tmp_path_factory, tiny_target, tiny_samples, eval_messages):
+    """A DFlash drafter trained on the tiny target's own replies: some of its blocks are accepted."""
+    from services.trainer.train import train_drafter
+
+    data = tmp_path_factory.mktemp("dflash") / "data"
+    data.mkdir()
+    write_run(data, "dflash", tiny_target, tiny_samples, eval_messages,
+              train={**DFLASH_TRAIN, "epochs": 40, "lr": 1e-2, "save_every": 1000})
+    result = train_drafter(RunSpec.load(data, "dflash"), data=data, model_dir=tiny_target.model_dir, device="cpu")
+    return result.drafter.eval()
+
+
 @pytest.fixture(scope="session")
 def untrained_drafter(tiny_target):
     """A random drafter with the tiny target's embedding and an identity draft vocabulary of 256."""

@@ -19,7 +19,7 @@ from shared import eagle3
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec, TrainConfig
 from shared.settings import TrainerSettings, load_settings
-from tests.services.trainer.conftest import write_run
+from tests.services.trainer.conftest import DFLASH_TRAIN, write_run
 
 # 13 samples in global batches of 4: three full batches and a one-sample tail, which leaves rank 1 of two
 # with a stand-in sample that must add nothing.
@@ -119,17 +119,23 @@ def step_gradients(paths, steps: int) -> list[dict[str, torch.Tensor]]:
     return gradients
 
 
+@pytest.mark.parametrize("method", ["eagle3", pytest.param("dflash", marks=pytest.mark.dflash)])
 def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_batches(
-    data_dir, tiny_target, tiny_samples, eval_messages, tiny_model_dir, redis_url,
+    method, data_dir, tiny_target, tiny_samples, eval_messages, tiny_model_dir, redis_url,
 ):
+    # DFlash draws its anchors per sample and step, so the two ranks draw the blocks one process draws.
+    train = {**DDP_TRAIN, **(DFLASH_TRAIN if method == "dflash" else {})}
     samples = unequal(tiny_samples[:DDP_SAMPLES])
-    one = write_run(data_dir, "one", tiny_target, samples, eval_messages, train={**DDP_TRAIN, "batch_size": 4})
-    two = write_run(data_dir, "two", tiny_target, samples, eval_messages, train={**DDP_TRAIN, "batch_size": 2})
+    one = write_run(data_dir, "one", tiny_target, samples, eval_messages, train={**train, "batch_size": 4})
+    two = write_run(data_dir, "two", tiny_target, samples, eval_messages, train={**train, "batch_size": 2})
     single = train_drafter(RunSpec.load(data_dir, "one"), data=data_dir, model_dir=tiny_model_dir, device="cpu")
 
     run_torchrun("two", 2, settings_for(data_dir, tiny_model_dir, redis_url))
     double = trained_from_checkpoint(RunSpec.load(data_dir, "two"), data=data_dir, model_dir=tiny_model_dir)
-    assert_two_ranks_trained_what_one_did(one, two, single, double, samples)
+    # A loss sum runs over every token and TTT step (EAGLE-3), or over every anchor and mask slot (DFlash: at
+    # most every token, times block_size - 1 slots).
+    terms = DDP_TRAIN["ttt_steps"] if method == "eagle3" else DFLASH_TRAIN["dflash"]["block_size"] - 1
+    assert_two_ranks_trained_what_one_did(one, two, single, double, samples, terms)
 
 
 def checkpoint_world(paths, step: int) -> int:
@@ -175,14 +181,15 @@ def test_a_global_batch_is_the_same_batches_on_any_number_of_processes() -> None
         assert sorted(len(batch) for batch in plans[0]) == [2] + [6] * 8  # 50 = 8 x 6 and a tail of 2
 
 
-def assert_two_ranks_trained_what_one_did(one, two, single, double, samples: list[dict[str, torch.Tensor]]) -> None:
+def assert_two_ranks_trained_what_one_did(one, two, single, double, samples: list[dict[str, torch.Tensor]],
+                                         terms: int = DDP_TRAIN["ttt_steps"]) -> None:
     """Run ``two`` (two ranks for at least one step, result ``double``) took the steps run ``one`` (one process,
     ``single``) took on the same global batches: losses, gradients and weights within the bounds regrouping
     the sums allows."""
     steps = 2
     assert double.steps == single.steps == steps
     assert 2 in {checkpoint_world(two, step) for step in range(1, steps + 1)}
-    tolerance = regrouping_tolerance(samples, DDP_TRAIN["ttt_steps"])
+    tolerance = regrouping_tolerance(samples, terms)
 
     first, second = log_records(one), log_records(two)
     assert [r["step"] for r in second] == [r["step"] for r in first] == [1, 2]
@@ -211,7 +218,7 @@ def assert_two_ranks_trained_what_one_did(one, two, single, double, samples: lis
             gap = (w2[name].double() - w1[name].double()).abs()
             worst = float((gap - drift[name] - rounding).max())
             assert worst <= 0, f"step {step} {name}: weights {gap.max():.2e} apart, {worst:.2e} past the bound"
-    a, b = single.drafter.export_state(), double.drafter.export_state()
+    a, b = single.drafter.checkpoint_state(), double.drafter.checkpoint_state()
     assert a.keys() == b.keys()
     assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
     for name in deltas:
