@@ -215,6 +215,7 @@ def summary(evaluation: dict[str, Any]) -> dict[str, Any]:
     for name, one in evaluation.get("sets", {}).items():
         out[name] = {"prompts": len(one["prompts"]), "greedy_check": one["greedy_check"], "seconds": one["seconds"],
                      "headline": {"draft_steps": one["draft_steps"], "acceptance_length": one["acceptance_length"]},
+                     "drafter_method": one.get("drafter_method", "eagle3"),
                      **{method: {"curve": m["curve"]} if "curve" in m else {"acceptance_length": m["acceptance_length"]}
                         for method, m in one["methods"].items()}}
     return out

@@ -37,7 +37,7 @@ from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
 from services.trainer.evaluation.evaluate import evaluate_sets, exported_drafter, load_target  # noqa: E402
-from services.trainer.export import export_drafter  # noqa: E402
+from services.trainer.export import export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
@@ -110,6 +110,12 @@ def hidden_bytes(paths: RunPaths) -> int:
     return sum(path.stat().st_size for _, path in list_hidden_files(paths))
 
 
+def accepted_per_forward(curve: dict[str, float], method: str) -> dict[str, float]:
+    """Accepted drafts per drafter forward at each k: an EAGLE-3 chain runs k forwards a pass, a DFlash block
+    one (its context projection rides along); a pass accepts acceptance length - 1 drafts."""
+    return {k: (value - 1) / (int(k) if method == "eagle3" else 1) for k, value in curve.items()}
+
+
 def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], model_dir: Path, device: str,
                 target: Any, tokenizer: Any) -> dict[str, Any]:
     started = time.monotonic()
@@ -117,7 +123,7 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     prepared = time.monotonic()
     result = train_drafter(spec, data=data, model_dir=model_dir, device=device)
     paths = RunPaths(data, name)
-    export_drafter(result.drafter, paths.export_dir, target_model=result.target_model,
+    export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
                    target_fingerprint=result.target_fingerprint)
     trained = time.monotonic()
     last = result.last
@@ -138,7 +144,9 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     report = evaluate_sets(target, tokenizer, drafter, sets, cfg)
     for set_name, one in report["sets"].items():
         check = one["greedy_check"]
-        figures["sets"][set_name] = {"prompts": len(one["prompts"]), "curve": one["methods"]["drafter"]["curve"],
+        curve = one["methods"]["drafter"]["curve"]
+        figures["sets"][set_name] = {"prompts": len(one["prompts"]), "curve": curve,
+                                     "accepted_per_drafter_forward": accepted_per_forward(curve, one["drafter_method"]),
                                      "greedy_checked": check["checked"], "greedy_matched": check["matched"],
                                      "mismatches": len(check["mismatches"]), "seconds": one["seconds"]}
     figures["evaluate_s"] = round(time.monotonic() - trained, 1)

@@ -38,8 +38,9 @@ def plot(figures: dict[str, Any], out: Path, title: str | None = None) -> None:
 
     sets = curves(figures)
     fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True, squeeze=False)
-    styles = {"drafter": ("drafter (EAGLE-3)", "o-"), "lookup": ("prompt lookup", "s--"), "no_drafter": ("no drafter", ":")}
     for ax, (name, methods) in zip(axes[0], sets.items()):
+        drafter = "DFlash" if figures["evaluation"][name].get("drafter_method") == "dflash" else "EAGLE-3"
+        styles = {"drafter": (f"drafter ({drafter})", "o-"), "lookup": ("prompt lookup", "s--"), "no_drafter": ("no drafter", ":")}
         for method, points in methods.items():
             label, style = styles[method]
             ax.plot([k for k, _ in points], [v for _, v in points], style, label=label)

@@ -36,9 +36,7 @@ from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets
 from services.trainer.evaluation.evalsets import EvalSet, load_sets
 from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
-from services.trainer.dflash import DFlashDrafter
-from services.trainer.dflash_export import export_dflash
-from services.trainer.export import export_drafter
+from services.trainer.export import export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
@@ -137,9 +135,8 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     else:
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,
                                progress=progress_reporter(state))
-    exporter = export_dflash if isinstance(result.drafter, DFlashDrafter) else export_drafter  # train.method
-    exporter(result.drafter, paths.export_dir, target_model=result.target_model,
-             target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
+    export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
+                   target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
     return result
 
 

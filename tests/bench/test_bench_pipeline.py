@@ -35,29 +35,36 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         assert set(one["drafter"]["curve"]) == set(one["lookup"]["curve"]) == {"1", "2"}
         assert one["no_drafter"]["acceptance_length"] == 1.0
         assert one["greedy_check"]["checked"] == one["prompts"] * 5
+        assert one["drafter_method"] == "eagle3"
 
-    # The sweep retrains the run's files two ways and evaluates each export on the same sets, drafter only.
+    # The sweep retrains the run's files three ways (a DFlash drafter from the same files among them) and
+    # evaluates each export on the same sets, drafter only.
     sweep = tmp_path / "sweep.json"
     result = subprocess.run(
         [sys.executable, "bench/bench_train_sweep.py", "--data", str(tmp_path / "data"), "--run",
          "bench-smollm2-10", "--model-dir", str(tiny_model_dir), "--device", "cpu", "--json", str(sweep),
-         "--variant", 'fp8={"storage": "fp8"}', "--variant", 'lr={"lr": 3e-3, "epochs": 2}'],
+         "--variant", 'fp8={"storage": "fp8"}', "--variant", 'lr={"lr": 3e-3, "epochs": 2}',
+         "--variant", 'dflash={"method": "dflash", "dflash": {"block_size": 3, "layers": 1, "anchors": 8}}'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     swept = json.loads(sweep.read_text())
-    assert list(swept["variants"]) == ["fp8", "lr"]
-    fp8, lr = swept["variants"]["fp8"], swept["variants"]["lr"]
+    assert list(swept["variants"]) == ["fp8", "lr", "dflash"]
+    fp8, lr, dflash = (swept["variants"][name] for name in ("fp8", "lr", "dflash"))
     assert fp8["files"] == lr["files"] == figures["samples"]["extracted"]
     assert lr["train"]["lr"] == 3e-3 and lr["train"]["epochs"] == 2 and fp8["train"]["lr"] == figures["run"]["train"]["lr"]
     assert lr["hidden_bytes"] == swept["source_hidden_bytes"]  # the same files, linked
     assert fp8["hidden_bytes"] < 0.5 * swept["source_hidden_bytes"]  # float32 states as one byte each
     assert lr["steps"] > fp8["steps"]  # two epochs against the small run's one
-    for variant in (fp8, lr):
+    assert dflash["files"] == lr["files"] and dflash["train"]["method"] == "dflash"
+    for variant in (fp8, lr, dflash):
         assert variant["loss"] > 0
         for name in ("holdout", "humaneval"):
             one = variant["sets"][name]
             assert set(one["curve"]) == {"1", "2"} and one["prompts"] == figures["evaluation"][name]["prompts"]
             assert one["greedy_matched"] == one["greedy_checked"] == one["prompts"] * 2 and one["mismatches"] == 0
+            per_forward = one["accepted_per_drafter_forward"]  # a chain's k forwards a pass against a block's one
+            steps = 1 if variant is dflash else 2
+            assert per_forward["2"] == pytest.approx((one["curve"]["2"] - 1) / steps)
 
 
 def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apart(tmp_path, tiny_model_dir,

@@ -145,6 +145,7 @@ def evaluate_sets_in_processes(
 ) -> dict[str, Any]:
     """What ``evaluate.evaluate_sets`` reports, measured by ``procs`` processes."""
     from services.trainer.evaluation.evaluate import SetRun, combine_sets, set_report
+    from shared.drafter_format import read_config, speculative_method
 
     shares = measure_in_processes(models=models, sets=sets, cfg=cfg, procs=procs, progress=progress)
     reports = {}
@@ -154,5 +155,6 @@ def evaluate_sets_in_processes(
             measured.merge(part)
         order = {p.sample_id: i for i, p in enumerate(one.prompts)}
         measured.rows.sort(key=lambda row: order[row["sample_id"]])
-        reports[one.name] = {**set_report(measured, cfg, layer_ids), "excluded": one.excluded, "processes": procs}
+        reports[one.name] = {**set_report(measured, cfg, layer_ids, speculative_method(read_config(models.export_dir))),
+                             "excluded": one.excluded, "processes": procs}
     return combine_sets(reports)

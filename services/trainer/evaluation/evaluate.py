@@ -37,6 +37,7 @@ from runtime.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
+from services.trainer.methods import EAGLE3, method_of
 from services.trainer.model import TargetTied
 from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
 from services.trainer.train import avoid_cudnn_attention
@@ -330,10 +331,10 @@ def evaluate_prompts(
     """One set: every prompt decoded by every method at every k, each decode checked against ``generate``."""
     measured = SetRun(name)
     measure_prompts(target, tokenizer, drafter, prompts, cfg, measured, progress)
-    return set_report(measured, cfg, list(drafter.config.layer_ids))
+    return set_report(measured, cfg, list(drafter.config.layer_ids), method_of(drafter.config))
 
 
-def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[str, Any]:
+def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_method: str = EAGLE3) -> dict[str, Any]:
     head = measured.tallies.get((DRAFTER, cfg.draft_steps), Tally())
     methods: dict[str, Any] = {}
     for (method, k), t in sorted(measured.tallies.items()):
@@ -360,6 +361,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int]) -> dict[
         "steps": head.passes,
         "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,
+        "drafter_method": drafter_method,  # eagle3: a chain of k one-token passes; dflash: one block pass of k tokens
         "seconds": measured.seconds,
     }
 

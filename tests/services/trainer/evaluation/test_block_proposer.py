@@ -63,3 +63,17 @@ def test_every_row_decodes_as_it_does_alone_and_as_greedy_decoding(k, trained_df
     assert all(a <= k + 1 for row in rows for a in row.accepted)  # a pass yields k + 1 tokens at most
     if k > 1:
         assert any(a > 2 for row in rows for a in row.accepted)  # whole runs of drafts were taken from one pass
+
+
+def test_the_evaluation_of_a_dflash_drafter_reports_its_method_and_block_curve(trained_dflash, tiny_target, eval_messages):
+    from services.trainer.evaluation.evalsets import EvalPrompt
+    from services.trainer.evaluation.evaluate import evaluate_prompts
+    from shared.runspec import EvalConfig
+
+    prompts = [EvalPrompt(100 + i, m) for i, m in enumerate([*eval_messages, *demo_messages()[:3]])]
+    cfg = EvalConfig(max_new_tokens=MAX_NEW, draft_steps=3, curve_max_steps=3)
+    report = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_dflash, prompts, cfg)
+    assert report["drafter_method"] == "dflash"
+    curve = report["methods"]["drafter"]["curve"]
+    assert sorted(curve) == ["1", "2", "3"] and curve["3"] > curve["1"] > 1.0  # a block of 3 yields more than 1
+    assert report["greedy_check"]["checked"] == report["greedy_check"]["matched"] > 0
