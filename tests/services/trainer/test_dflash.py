@@ -131,6 +131,19 @@ def test_dflash_training_learns_the_targets_replies(make_run, tiny_model_dir):
     assert mean(last, lambda r: r["acc"][0]) > mean(first, lambda r: r["acc"][0]) + 0.15
 
 
+def test_dflash_trains_on_fp8_files_as_on_the_target_dtype_files(make_run, tiny_model_dir):
+    mean = lambda rows, key: sum(r[key] if key == "loss" else r[key][0] for r in rows) / len(rows)  # noqa: E731
+    curves = {}
+    for storage in ("target", "fp8"):
+        paths = make_run(storage, storage=storage, train={**DFLASH, "epochs": 30, "save_every": 1000})
+        assert train(paths, tiny_model_dir).steps == 120
+        curves[storage] = log_records(paths)
+    exact, fp8 = curves["target"], curves["fp8"]
+    assert fp8[0]["loss"] != exact[0]["loss"]  # the drafter really saw other inputs
+    assert abs(mean(fp8[-10:], "loss") - mean(exact[-10:], "loss")) < 0.05 * mean(exact[-10:], "loss")
+    assert abs(mean(fp8[-10:], "acc") - mean(exact[-10:], "acc")) < 0.05
+
+
 class Crash(Exception):
     pass
 
