@@ -31,6 +31,7 @@ from services.cli.pipeline import PipelineSpec, run_pipeline, say, stage_table  
 from services.cli.target_build import ensure_target  # noqa: E402
 from shared.atomic import atomic_write_text, read_json  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
+from shared.runspec import TrainConfig  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"generator workers (default {GPU_REPLICAS['generator']}; 1 for --small or --device cpu)")
     parser.add_argument("--extractors", type=positive_int, metavar="N",
                         help=f"extractor workers (default {GPU_REPLICAS['extractor']}; 1 for --small or --device cpu)")
+    parser.add_argument("--train", type=train_overrides, default={}, metavar="KEY=VALUE,...",
+                        help="train settings over the run's (values read as JSON, dotted keys nest: "
+                             "lr=1e-3,epochs=3 or method=dflash,dflash.layers=1); no spaces, so it passes through "
+                             "bench/gpu_pipeline.sh's BENCH ARGS")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
 
     chat = args.dataset == "sharegpt"
     run = run_config(args)
+    if args.train:
+        run = {**run, "train": merged(run["train"], args.train)}
+        TrainConfig.model_validate(run["train"])  # a misspelt setting fails here, before any GPU time
     env = dict(SHAREGPT_ENV if chat else GPU_ENV) if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     data = args.data.resolve()
     started = time.monotonic()
@@ -174,6 +182,32 @@ def main(argv: list[str] | None = None) -> None:
     for line in stage_table(result):
         say(line)
     say(json.dumps(figures["evaluation"], indent=2))
+
+
+def train_overrides(text: str) -> dict[str, Any]:
+    """``lr=1e-3,method=dflash,dflash.layers=1`` -> ``{"lr": 0.001, "method": "dflash", "dflash": {"layers": 1}}``."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word: method=dflash
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:

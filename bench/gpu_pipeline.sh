@@ -46,10 +46,12 @@ env_vars() {
   export LD_LIBRARY_PATH="$PWD/.gpu/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# SWEEP=FILE (one NAME=JSON per line, bench/bench_train_sweep.py's --variant): once the run's training starts
-# (its files are all written then), retrain those files each way, one process per variant beside the run's own
-# training and evaluation (a drafter of SmolLM2's size leaves the GPU mostly idle), each export evaluated on the
-# run's sets; the run's stage times are measured with the sweep beside them.
+# SWEEP=FILE (one NAME=JSON per line, bench/bench_train_sweep.py's --variant): retrain the run's files each way,
+# one process per variant, each export evaluated on the run's sets. SWEEP_AT=train (the default) starts them once
+# the run's training starts (its files are all written then), beside the run's own training and evaluation, so
+# the run's stage times are measured with the sweep beside them; on the H200 a ShareGPT variant then ran out of
+# memory beside the inference server (53 GiB) and the run's trainer (64 GiB) (bench/RESULTS.md, 2026-12-04).
+# SWEEP_AT=done starts them when the run has finished and its stack is down, with the whole GPU to themselves.
 start_sweep() {
   local run=$1 line name
   while IFS= read -r line; do
@@ -57,7 +59,9 @@ start_sweep() {
     name=${line%%=*}
     echo "$name" >> "$WORK/sweep.names"
     printf '%q ' --variant "$line" > "$WORK/sweep-$name.args"
-    setsid bash -c "while [ ! -f $WORK/data/runs/$run/drafter/train_log.jsonl ] && [ ! -f $WORK/done ]; do sleep 5; done
+    local ready="[ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || [ -f $WORK/done ]"
+    [ "${SWEEP_AT:-train}" = done ] && ready="[ -f $WORK/done ]"
+    setsid bash -c "until $ready; do sleep 5; done
       [ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || exit 1
       $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
         --json $WORK/sweep-$name.json $(cat "$WORK/sweep-$name.args") > $WORK/sweep-$name.log 2>&1
@@ -108,11 +112,12 @@ case "${1:-}" in
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     setup_stack && smoke || exit 1
-    # The decoder the run depends on, checked on this GPU before the run spends device time on it (about a
-    # minute; GPU_CHECK=0 skips it once the same code has passed there).
+    # The decoder the run depends on, and the DFlash drafter's training and block evaluation, checked on this GPU
+    # before the run spends device time on them (a minute or two; GPU_CHECK=0 skips it once the same code has
+    # passed there).
     [ "${GPU_CHECK:-1}" = 0 ] && exit 0
     env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
-      "$PY" -m pytest -q -x -m gpu tests/gpu/test_continuous_cuda.py -p no:cacheprovider 2>&1 | tail -15 ;;
+      "$PY" -m pytest -q -x -m gpu tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py -p no:cacheprovider 2>&1 | tail -15 ;;
   stage-data)
     # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1

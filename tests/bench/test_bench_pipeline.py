@@ -70,16 +70,20 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
 def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apart(tmp_path, tiny_model_dir,
                                                                                    redis_url):
     """ShareGPT's first eight conversations from the installed package (six trained on, two held out, the
-    second of them of four turns), each regenerated for at most its first two user turns."""
+    second of them of four turns), each regenerated for at most its first two user turns; the drafter a DFlash
+    one (``--train``), so its training, export and block evaluation run through the real services too."""
     out = tmp_path / "figures.json"
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "bench/bench_pipeline.py", "--data", str(tmp_path / "data"), "--dataset", "sharegpt",
-         "--prompts", "6", "--small", "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out)],
+         "--prompts", "6", "--small", "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out),
+         "--train", "method=dflash,dflash.block_size=3,dflash.layers=1,dflash.anchors=8"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = json.loads(out.read_text())
     assert figures["dataset"] == "sharegpt" and figures["run"]["generation"]["max_turns"] == 2
+    assert figures["run"]["train"]["method"] == "dflash" and figures["run"]["train"]["dflash"]["block_size"] == 3
+    assert all(one["drafter_method"] == "dflash" for one in figures["evaluation"].values())
     samples = figures["samples"]
     # Rows 0, 3, 4 and 5 have two turns or more, rows 1 and 2 one: ten requests for six conversations, each
     # counted once whether its sample ended done or failed (a failed turn counts too).

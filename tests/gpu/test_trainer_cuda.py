@@ -38,7 +38,7 @@ def batches_seen(monkeypatch) -> list[dict]:
     seen: list[dict] = []
     real_step = train_module.train_step
 
-    def spying_step(s, batch):
+    def spying_step(s, batch, seeds):
         record = {"tensors": {(t.device.type, t.dtype) for t in (batch.aux_hidden, batch.last_hidden)},
                   "ids": batch.input_ids.device.type, "mask": batch.loss_mask.device.type}
         def note_dtype(_module, _inputs, out):  # returns None: a forward hook's return value replaces the output
@@ -46,7 +46,7 @@ def batches_seen(monkeypatch) -> list[dict]:
 
         hook = s.drafter.fc.register_forward_hook(note_dtype)
         try:
-            result = real_step(s, batch)
+            result = real_step(s, batch, seeds)
         finally:
             hook.remove()
         record["params"] = {(p.device.type, p.dtype) for p in s.drafter.trainable_parameters()}
