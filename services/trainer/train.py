@@ -468,10 +468,11 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
-    log.info("training %s: %d files of up to %d tokens, %d epochs%s, %s batches, %d steps, starting at step %d, %s TTT "
-             "attention, %s weights", spec.name, len(files), max_length, epochs,
+    objective_kind = "DFlash blocks" if cfg.method == DFLASH else f"EAGLE-3, {attention} TTT attention"
+    log.info("training %s: %d files of up to %d tokens, %d epochs%s, %s batches, %d steps, starting at step %d, %s, "
+             "%s weights", spec.name, len(files), max_length, epochs,
              "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over {sum(lengths):,} a pass)",
-             batching, total, session.position.step, attention, precision)
+             batching, total, session.position.step, objective_kind, precision)
     return session
 
 

@@ -59,3 +59,18 @@ def test_check_mapping_rejects_inconsistent_buffers():
         check_mapping(np.array([0, 10]), t2d)
     with pytest.raises(ValueError, match="same target id"):
         check_mapping(np.array([1, 0]), t2d)
+
+
+def test_the_mask_token_is_the_highest_id_no_file_holds_and_its_absence_is_named(tmp_path):
+    from services.trainer.vocab import unused_token
+    from shared.errors import MaskTokenUnavailable
+
+    files = []
+    for i, ids in enumerate(([0, 1, 2, 5], [3, 7, 1])):
+        path = tmp_path / f"{i}.safetensors"
+        save_file({eagle3.INPUT_IDS: torch.tensor(ids), eagle3.LOSS_MASK: torch.zeros(len(ids), dtype=torch.bool)}, str(path))
+        files.append(path)
+    assert unused_token(files, vocab_size=8) == 6  # 7 is a prompt token of the second file (mask 0 counts too)
+    assert unused_token(files, vocab_size=8, max_length=1) == 7  # only the rows training reads
+    with pytest.raises(MaskTokenUnavailable, match="mask_token_id"):
+        unused_token(files, vocab_size=4)
