@@ -19,12 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from shared import SCHEMA_VERSION, eagle3
-from shared.atomic import atomic_write_json
-from shared.drafter_format import CONFIG_FILE, DFLASH_ARCHITECTURE, FLOAT_DTYPES, WEIGHTS_FILE, read_config, read_safetensors_header
+from shared.drafter_format import DFLASH_ARCHITECTURE, FLOAT_DTYPES, WEIGHTS_FILE, read_config, read_safetensors_header
 from shared.errors import CheckpointFormatError
-from services.trainer.checkpoint import atomic_dir, write_safetensors
 from services.trainer.dflash import METHOD, DFlashConfig, DFlashDrafter
-from services.trainer.export import TORCH_DTYPE_NAMES, drafter_config_of
+from services.trainer.export import TORCH_DTYPE_NAMES, drafter_config_of, publish
 from services.trainer.target_head import load_target_head, read_target_config, text_config
 
 log = logging.getLogger(__name__)
@@ -132,11 +130,7 @@ def export_dflash(drafter: DFlashDrafter, out_dir: Path, *, target_model: str, t
                   dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the export to a temp directory, verify it, then rename it over ``out_dir``."""
     config = export_config(drafter.config, target_model=target_model, target_fingerprint=target_fingerprint, dtype=dtype)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in drafter.export_state().items()}
-    with atomic_dir(Path(out_dir)) as tmp:
-        atomic_write_json(tmp / CONFIG_FILE, config)
-        write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
-        verify_dflash_export(tmp)
+    publish(out_dir, config, drafter.export_state(), dtype, verify_dflash_export)
     log.info("DFlash drafter exported to %s (%s, %d layers, blocks of %d, target layers %s, mask token %d)", out_dir,
              config["torch_dtype"], drafter.config.num_layers, drafter.config.block_size,
              list(drafter.config.layer_ids), drafter.config.mask_token_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,16 +78,23 @@ def export_config(dc: DrafterConfig, *, target_model: str, target_fingerprint: s
     }
 
 
+def publish(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+            verify: Callable[[Path], Any]) -> None:
+    """``config.json`` and ``model.safetensors`` (float tensors as ``dtype``) written to a temp directory,
+    checked by ``verify``, then renamed over ``out_dir``: a failed check publishes nothing."""
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    with atomic_dir(Path(out_dir)) as tmp:
+        atomic_write_json(tmp / CONFIG_FILE, config)
+        write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
+        verify(tmp)
+
+
 def export_drafter(
     drafter: Eagle3Drafter, out_dir: Path, *, target_model: str, target_fingerprint: str, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
     """Write the export to a temp directory, verify it, then rename it over ``out_dir``."""
     config = export_config(drafter.config, target_model=target_model, target_fingerprint=target_fingerprint, dtype=dtype)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in drafter.export_state().items()}
-    with atomic_dir(Path(out_dir)) as tmp:
-        atomic_write_json(tmp / CONFIG_FILE, config)
-        write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
-        verify_export(tmp)
+    publish(out_dir, config, drafter.export_state(), dtype, verify_export)
     log.info("drafter exported to %s (%s, layer ids %s, rope_scaling %s, max_position_embeddings %d)", out_dir,
              config["torch_dtype"], list(drafter.config.layer_ids), config["rope_scaling"], config["max_position_embeddings"])
     return Path(out_dir)

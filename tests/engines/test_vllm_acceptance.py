@@ -79,13 +79,11 @@ def vllm_command(vllm_cpu_python) -> list[str]:
     return vllm_launch.python_command(vllm_cpu_python)
 
 
-@pytest.fixture(scope="module")
-def job_report(runs, rule_target, vllm_command, redis_server) -> dict:
-    """The evaluate job of ``served``, with vLLM configured as a user configures it."""
+def evaluate_with_vllm(paths: RunPaths, model_dir: Path, vllm_command: list[str], redis_url: str) -> dict:
+    """The run's evaluate job, with vLLM configured as a user configures it; its report."""
     from services.trainer import jobs
 
-    paths = runs["served"]
-    env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(paths.data), "DRAFTLINE_MODEL_DIR": str(rule_target.model_dir),
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(paths.data), "DRAFTLINE_MODEL_DIR": str(model_dir),
            "DRAFTLINE_DEVICE": "cpu", "DRAFTLINE_EVAL_VLLM_COMMAND": " ".join(vllm_command),
            "DRAFTLINE_EVAL_VLLM_ARGS": " ".join(CPU_ARGS), "DRAFTLINE_EVAL_VLLM_PROMPTS": str(HELD_OUT),
            "DRAFTLINE_EVAL_VLLM_TOLERANCE": str(TOLERANCE)}
@@ -94,12 +92,18 @@ def job_report(runs, rule_target, vllm_command, redis_server) -> dict:
             patch.setenv(name, value)
         jobs.get_settings.cache_clear()
         try:
-            result = jobs.evaluate({"run": "served"})
+            result = jobs.evaluate({"run": paths.run})
         finally:
             jobs.get_settings.cache_clear()
     report = json.loads(paths.eval_report.read_text())
     assert result["acceptance_length"] == report["acceptance_length"]
     return report
+
+
+@pytest.fixture(scope="module")
+def job_report(runs, rule_target, vllm_command, redis_server) -> dict:
+    """The evaluate job of ``served``, with vLLM configured."""
+    return evaluate_with_vllm(runs["served"], rule_target.model_dir, vllm_command, redis_server.url)
 
 
 def test_vllm_counts_the_acceptance_the_evaluator_reports(job_report, runs, redis_server):

