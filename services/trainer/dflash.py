@@ -14,9 +14,10 @@ How it drafts (what vLLM 0.32's ``qwen3_dflash`` computes; docs/dflash.md has th
 - **Block.** One drafter pass takes the target's newest token (the "anchor", at position p) followed by
   S - 1 mask slots at positions p+1 .. p+S-1, each the token ``mask_token_id``. Both read the target's own
   (frozen) embedding, as vLLM does when an export ships no ``mask_embedding.pt`` (a pickle file, which
-  draftline neither writes nor reads); the mask id is one the training data never holds. Each layer is a pre-norm Qwen3 decoder layer (per-head q_norm and
-  k_norm, RoPE, SiLU MLP); a block query sees every context position before p and every position of its
-  own block (bidirectional; with ``causal`` only the block's earlier positions and itself).
+  draftline neither writes nor reads); the mask id is one the training data never holds. Each layer is a
+  pre-norm Qwen3 decoder layer (per-head q_norm and k_norm, RoPE, SiLU MLP); a block query sees every context
+  position before p and every position of its own block (bidirectional; with ``causal`` only the block's
+  earlier positions and itself).
 - **Output.** Slot j (1 <= j <= S-1) predicts the token *at its own position* p + j, through ``norm`` and
   the drafter's ``lm_head`` over the draft vocabulary (``d2t`` maps a draft id to a target id, as EAGLE-3's).
   One pass drafts S - 1 tokens; vLLM's ``num_speculative_tokens`` is S - 1.
@@ -27,9 +28,9 @@ on the CPU than on a GPU. Sharing the weight makes both the same; the export wri
 
 Training objective (``DFlashObjective``), for a sample x_0 .. x_{L-1}:
 
-- Anchors: up to ``anchors`` positions a drawn at random (a fresh draw every step, seeded by step and sample) among
-  the loss-masked positions with a successor stored (a reply token the target wrote, as a served anchor
-  always is: the prefill's first token or a verification's correction).
+- Anchors: up to ``anchors`` positions a drawn at random (a fresh draw every step, seeded by step and
+  sample) among the loss-masked positions with a successor stored (a reply token the target wrote, as a
+  served anchor always is: the prefill's first token or a verification's correction).
 - Block at anchor a: tokens [x_a, MASK x (S-1)] at positions a .. a+S-1, context = positions 0 .. a-1 (the
   anchor's own hidden state does not exist yet when it is drafted from).
 - Loss of slot j: the cross-entropy of the drafter's distribution at position a+j against the target's
@@ -60,7 +61,7 @@ class DFlashConfig:
     base: DrafterConfig  # widths, heads, vocabularies, RoPE and the target layers read: EAGLE-3's fields
     num_layers: int = 1
     block_size: int = 8  # anchor + block_size - 1 mask slots: vLLM's num_speculative_tokens = block_size - 1
-    mask_token_id: int = 0  # the id vLLM's proposer writes into mask slots (its embedding is ``mask_embedding``)
+    mask_token_id: int = 0  # the id vLLM's proposer writes into mask slots; they read the target's embedding of it
     causal: bool = False  # within a block: bidirectional (DFlash's default) or causal
 
     def __post_init__(self) -> None:
