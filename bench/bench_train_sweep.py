@@ -37,7 +37,7 @@ from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
 from services.trainer.evaluation.evaluate import evaluate_sets, exported_drafter, load_target  # noqa: E402
-from services.trainer.export import export_trained  # noqa: E402
+from services.trainer.export_method import export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402

@@ -100,15 +100,6 @@ def export_drafter(
     return Path(out_dir)
 
 
-def export_trained(drafter: Any, out_dir: Path, **kwargs: Any) -> Path:
-    """The export for the drafter's method (``train.method``): this module's EAGLE-3 layout, or DFlash's
-    (``dflash_export``); ``kwargs`` as ``export_drafter`` takes them."""
-    from services.trainer.dflash import DFlashDrafter
-    from services.trainer.dflash_export import export_dflash
-
-    return (export_dflash if isinstance(drafter, DFlashDrafter) else export_drafter)(drafter, out_dir, **kwargs)
-
-
 # ---- loading back --------------------------------------------------------------------------------
 
 def drafter_config_of(config: dict[str, Any], layer_ids: list[int]) -> DrafterConfig:

@@ -36,7 +36,7 @@ from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets
 from services.trainer.evaluation.evalsets import EvalSet, load_sets
 from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
-from services.trainer.export import export_trained
+from services.trainer.export_method import export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter

@@ -248,7 +248,7 @@ def test_workers_outlive_a_redis_restart_and_the_job_in_flight_is_finished(data_
     assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "finished across a redis restart"
     assert len(server.requests_for("through the outage")) == 1  # finished once, not run twice
     for worker in workers:
-        log = worker.log()
+        log = worker.full_log()
         assert log.count("waiting for it with backoff") == 1, log
         assert log.count("redis is back after") == 1, log
         assert "unhandled exception" not in log, log

@@ -33,7 +33,7 @@ def test_worker_on_another_directory_refuses_to_start_and_takes_no_job(data_dir,
         finally:
             worker.stop(signal.SIGKILL)
         assert server.requests == []
-    log = worker.log()
+    log = worker.full_log()
     assert "VolumeMismatch" in log and str(local) in log and "has no volume.json" in log
     assert queued_ids(redis_conn) == before == [generate_job_id(RUN, i) for i in range(len(PROMPTS))]
     assert list(local.iterdir()) == []
@@ -53,7 +53,7 @@ def test_worker_hands_a_taken_job_back_when_the_volume_stops_matching(data_dir, 
         finally:
             worker.stop(signal.SIGKILL)
         assert server.requests == []
-    log = worker.log()
+    log = worker.full_log()
     assert "handed back untouched" in log and "0123456789abcdef" in log
     ids = [generate_job_id(RUN, i) for i in range(len(PROMPTS))]
     assert queued_ids(redis_conn) == ids  # the taken job is back at the front, the order unchanged

@@ -118,7 +118,11 @@ class ServiceProcess:
         raise RuntimeError(f"{self.name} not healthy after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-8000:] if self.log_path.exists() else ""
+        """The log's last 8,000 characters: for a failure message, not for finding a line (``full_log``)."""
+        return self.full_log()[-8000:]
+
+    def full_log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
