@@ -127,17 +127,19 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointFormatError(f"{file}: not valid JSON ({exc})") from None
 
 
-def check_tensors(path: Path, config: dict[str, Any], *, published: bool = False) -> None:
+def check_tensors(path: Path, config: dict[str, Any], *, published: bool = False,
+                  expected: dict[str, tuple[tuple[int, ...], str | None]] | None = None) -> None:
     """Every required tensor present with its shape and dtype; d2t/t2d a consistent mapping.
 
     ``published``: a drafter not written by draftline, whose weights may be in any float dtype (its
     ``torch_dtype`` is often not theirs) and which may lack the mapping (then the trainer computes one).
+    ``expected``: the table to hold the file to (``expected_tensors``'s form); EAGLE-3's by default.
     """
     weights = Path(path) / WEIGHTS_FILE
     header = read_safetensors_header(weights)
     float_dtype = None if published else FLOAT_DTYPES.get(config.get("torch_dtype", ""))
     problems = []
-    for name, (shape, dtype) in expected_tensors(config).items():
+    for name, (shape, dtype) in (expected or expected_tensors(config)).items():
         if name not in header:
             if not (published and name in MAPPING_TENSORS):
                 problems.append(f"{name} missing")

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.trainer.fused import apply_rope
+from services.trainer.losses import soft_cross_entropy
 from services.trainer.model import MLP, DrafterConfig, RMSNorm, RotaryEmbedding, TargetTied, repeat_kv
 
 METHOD = "dflash"
@@ -238,8 +239,6 @@ class DFlashObjective(nn.Module):
         return slot_weights(self.drafter.config.block_size, self.gamma)
 
     def forward(self, batch: Any, targets: Any, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        from services.trainer.losses import soft_cross_entropy
-
         d, width = self.drafter, self.drafter.config.block_size
         b, length = batch.input_ids.shape
         device = batch.input_ids.device

@@ -19,7 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from shared import SCHEMA_VERSION, eagle3
-from shared.drafter_format import DFLASH_ARCHITECTURE, FLOAT_DTYPES, WEIGHTS_FILE, read_config, read_safetensors_header
+from shared.drafter_format import (
+    DFLASH_ARCHITECTURE,
+    WEIGHTS_FILE,
+    check_tensors,
+    read_config,
+    read_safetensors_header,
+    speculative_method,
+)
 from shared.errors import CheckpointFormatError
 from services.trainer.dflash import METHOD, DFlashConfig, DFlashDrafter
 from services.trainer.export import TORCH_DTYPE_NAMES, drafter_config_of, publish
@@ -69,9 +76,10 @@ def export_config(config: DFlashConfig, *, target_model: str, target_fingerprint
     return out
 
 
-def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Every tensor name vLLM's qwen3_dflash loads for this config, with its shape (docs/dflash.md §2), plus
-    ``t2d``, draftline's own (vLLM skips it)."""
+    ``t2d``, draftline's own (vLLM skips it); in ``drafter_format.expected_tensors``'s form (dtype None: the
+    config's float dtype)."""
     h, hd = config["hidden_size"], config["head_dim"]
     nh, nkv, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
     layers = len(config["dflash_config"]["target_layer_ids"])
@@ -80,8 +88,6 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "hidden_norm.weight": (h,),
         "norm.weight": (h,),
         "lm_head.weight": (config["draft_vocab_size"], h),
-        "d2t": (config["draft_vocab_size"],),
-        "t2d": (config["vocab_size"],),
     }
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
@@ -93,12 +99,13 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, inter),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         }
-    return shapes
+    return {**{name: (shape, None) for name, shape in shapes.items()},
+            "d2t": ((config["draft_vocab_size"],), "I64"), "t2d": ((config["vocab_size"],), "BOOL")}
 
 
 def verify_dflash_export(path: Path) -> dict[str, Any]:
-    """The export's config once its names, shapes and dtypes are exactly what vLLM loads; CheckpointFormatError
-    naming the first difference otherwise."""
+    """The export's config once its names, shapes and dtypes are exactly what vLLM loads (and its d2t/t2d a
+    consistent mapping); CheckpointFormatError naming what differs otherwise."""
     path = Path(path)
     config = read_config(path)
     if config.get("architectures") != [ARCHITECTURE]:
@@ -112,17 +119,11 @@ def verify_dflash_export(path: Path) -> dict[str, Any]:
                                     f"({config.get('draftline', {}).get('layer_ids')})")
     if not 0 <= int(dflash.get("mask_token_id", -1)) < config["vocab_size"]:
         raise CheckpointFormatError(f"{path}: mask_token_id {dflash.get('mask_token_id')} outside the vocabulary")
-    header = {k: v for k, v in read_safetensors_header(path / WEIGHTS_FILE).items() if k != "__metadata__"}
     expected = expected_tensors(config)
-    if header.keys() != expected.keys():
-        raise CheckpointFormatError(f"{path}: tensors missing {sorted(expected.keys() - header.keys())}, unexpected "
-                                    f"{sorted(header.keys() - expected.keys())}")
-    float_code = FLOAT_DTYPES[config["torch_dtype"]]
-    for name, shape in expected.items():
-        found = header[name]
-        code = {"d2t": "I64", "t2d": "BOOL"}.get(name, float_code)
-        if tuple(found["shape"]) != shape or found["dtype"] != code:
-            raise CheckpointFormatError(f"{path}: {name} is {found['dtype']} {found['shape']}, vLLM loads {code} {list(shape)}")
+    # A tensor vLLM does not know is a layout it would not read (a fused qkv_proj, another prefix).
+    if unexpected := sorted(read_safetensors_header(path / WEIGHTS_FILE).keys() - expected.keys()):
+        raise CheckpointFormatError(f"{path}: unexpected tensors {unexpected}")
+    check_tensors(path, config, expected=expected)
     return config
 
 
@@ -138,7 +139,7 @@ def export_dflash(drafter: DFlashDrafter, out_dir: Path, *, target_model: str, t
 
 
 def is_dflash_export(path: Path) -> bool:
-    return read_config(Path(path)).get("architectures") == [ARCHITECTURE]
+    return speculative_method(read_config(Path(path))) == METHOD
 
 
 def load_dflash(path: Path, target_dir: Path, *, embed: torch.Tensor | None = None) -> DFlashDrafter:

@@ -613,7 +613,7 @@ def epoch_loader(s: Session, plan: list[list[int]], first: int) -> DataLoader:
 class StepResult:
     """One optimizer step on the global batch, as the training log records it."""
 
-    loss: float  # sum_k 0.8^k loss_k
+    loss: float  # sum_k w_k loss_k, the objective's step weights (TTT: 0.8^k; DFlash: exp(-(j-1)/gamma))
     loss_k: list[float]  # each TTT step's mean cross-entropy over the global batch's masked positions
     acc: list[float]
     grad_norm: float  # the global gradient's L2 norm before clipping (at or under grad_clip: not clipped)

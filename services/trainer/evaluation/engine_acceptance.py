@@ -4,8 +4,8 @@ vLLM's own ``/metrics``, beside the evaluator's figure on the same prompts and k
 vLLM runs the export exactly as a user's deployment would: ``--speculative-config`` with method
 ``eagle3`` or ``dflash`` (as the export's config says), the export directory as the drafter and
 ``num_speculative_tokens = k``. Each prompt goes alone, as its token ids (nothing is re-rendered), greedy,
-with the evaluator's token budget and stop tokens. vLLM counts every decode step that drafted (``vllm:spec_decode_num_drafts``) and every drafted
-token the target accepted (``vllm:spec_decode_num_accepted_tokens``); its mean acceptance length is
+with the evaluator's token budget and stop tokens. vLLM counts every decode step that drafted
+(``vllm:spec_decode_num_drafts``) and every drafted token the target accepted (``vllm:spec_decode_num_accepted_tokens``); its mean acceptance length is
 ``1 + accepted / drafts``: the tokens one verification pass yields, which is the evaluator's definition
 (a prompt's prefill pass and its token count in neither). The counters are read before and after, so a
 server that served anything else first does not count it.

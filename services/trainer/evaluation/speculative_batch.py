@@ -49,6 +49,13 @@ class BatchProposer(Protocol):
         """Keep only these active rows (the others finished)."""
 
 
+def newest_columns(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``used`` (A, W) -> (row index (A,), each row's last used column (A,)): where a row's newest verified
+    position is among a pass's columns."""
+    columns = torch.arange(used.shape[1], device=used.device)
+    return torch.arange(used.shape[0], device=used.device), torch.where(used, columns, -1).max(-1).values
+
+
 class BatchDrafterProposer:
     """The EAGLE-3 drafter over every row: a masked cache over verified positions, a chain per proposal."""
 
@@ -65,9 +72,7 @@ class BatchDrafterProposer:
         aux = verified.aux.to(self.device, d.fc.weight.dtype) * used[..., None]  # unused columns carry zeros
         self.cache.incoming = used
         out = d(d.fuse(aux), verified.next_ids.to(self.device), verified.positions.to(self.device), self.cache)
-        columns = torch.arange(used.shape[1], device=self.device)
-        newest = torch.where(used, columns, -1).max(-1).values  # (A,) each row's last used column
-        rows = torch.arange(out.shape[0], device=self.device)
+        rows, newest = newest_columns(used)
         self.last = out[rows, newest][:, None]  # (A, 1, H)
         self.newest = verified.positions.to(self.device)[rows, newest]
 
@@ -108,9 +113,7 @@ class BatchBlockProposer:
         self.context = new if not self.context else [
             (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.context, new)]
         self.used = used if self.used is None else torch.cat([self.used, used], dim=1)
-        columns = torch.arange(used.shape[1], device=self.device)
-        newest = torch.where(used, columns, -1).max(-1).values  # (A,) each row's last used column
-        rows = torch.arange(used.shape[0], device=self.device)
+        rows, newest = newest_columns(used)
         self.bonus = verified.next_ids.to(self.device)[rows, newest]
         self.start = positions[rows, newest] + 1
 
