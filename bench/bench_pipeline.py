@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     run = run_config(args)
     if args.train:
         run = {**run, "train": merged(run["train"], args.train)}
-        TrainConfig.model_validate(run["train"])  # a misspelt setting fails here, before any GPU time
+        try:
+            TrainConfig.model_validate(run["train"])  # a misspelt setting fails here, before any GPU time
+        except ValueError as exc:  # pydantic's ValidationError names each bad field
+            parser.error(f"--train: {exc}")
     env = dict(SHAREGPT_ENV if chat else GPU_ENV) if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     data = args.data.resolve()
     started = time.monotonic()
