@@ -114,10 +114,11 @@ case "${1:-}" in
     setup_stack && smoke || exit 1
     # The decoder the run depends on, and the DFlash drafter's training and block evaluation, checked on this GPU
     # before the run spends device time on them (a minute or two; GPU_CHECK=0 skips it once the same code has
-    # passed there).
+    # passed there, GPU_TESTS names fewer test files).
     [ "${GPU_CHECK:-1}" = 0 ] && exit 0
     env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
-      "$PY" -m pytest -q -x -m gpu tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py -p no:cacheprovider 2>&1 | tail -15 ;;
+      "$PY" -m pytest -q -x -m gpu ${GPU_TESTS:-tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py} \
+      -p no:cacheprovider 2>&1 | tail -15 ;;
   stage-data)
     # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1
