@@ -117,7 +117,7 @@ case "${1:-}" in
     # passed there, GPU_TESTS names fewer test files).
     [ "${GPU_CHECK:-1}" = 0 ] && exit 0
     env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
-      "$PY" -m pytest -q -x -m gpu ${GPU_TESTS:-tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py} \
+      "$PY" -m pytest -q -x -m gpu ${GPU_TESTS:-tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py tests/gpu/test_verify_attention_cuda.py} \
       -p no:cacheprovider 2>&1 | tail -15 ;;
   stage-data)
     # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.

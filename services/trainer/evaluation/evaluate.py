@@ -41,6 +41,7 @@ from services.trainer.methods import EAGLE3, method_of
 from services.trainer.model import TargetTied
 from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
 from services.trainer.train import avoid_cudnn_attention
+from services.trainer.evaluation.verify_attention import use_grouped_attention
 from services.trainer.evaluation.speculative_batch import (
     drafter_proposer,
     RowProposers,
@@ -417,6 +418,11 @@ def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype | None
         avoid_cudnn_attention()  # every verification pass meets a new key length
     target = load_from_target(AutoModelForCausalLM.from_pretrained, model_dir, trust_remote_code=trust_remote_code,
                               dtype=dtype or torch.float32).to(device).eval()
+    if device.type == "cuda":
+        # A verification pass on a GPU is bound by SDPA's masked kernels (verify_attention says why). A CPU keeps
+        # SDPA: the profile that chose this was a GPU's, and on a CPU the engine-acceptance tests match vLLM's
+        # counts to the token with SDPA.
+        use_grouped_attention(target)
     tokenizer = load_from_target(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=trust_remote_code)
     turn_end = find_turn_end(tokenizer).token_id
     if turn_end is not None and turn_end not in eos_ids_of(target):
