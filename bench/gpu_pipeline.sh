@@ -54,6 +54,8 @@ env_vars() {
 # the run's training starts (its files are all written then), beside the run's own training and evaluation, so
 # the run's stage times are measured with the sweep beside them; on the H200 a ShareGPT variant then ran out of
 # memory beside the inference server (53 GiB) and the run's trainer (64 GiB) (bench/RESULTS.md, 2026-12-04).
+# SWEEP_AT=trained starts them when the run's training has ended (its export is written), beside the run's
+# evaluation: the GPU then holds the idle server, the evaluation and the variant, not two trainers.
 # SWEEP_AT=done starts them when the run has finished and its stack is down, with the whole GPU to themselves.
 start_sweep() {
   local run=$1 line name
@@ -63,6 +65,7 @@ start_sweep() {
     echo "$name" >> "$WORK/sweep.names"
     printf '%q ' --variant "$line" > "$WORK/sweep-$name.args"
     local ready="[ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || [ -f $WORK/done ]"
+    [ "${SWEEP_AT:-train}" = trained ] && ready="[ -f $WORK/data/runs/$run/drafter/export/config.json ] || [ -f $WORK/done ]"
     [ "${SWEEP_AT:-train}" = done ] && ready="[ -f $WORK/done ]"
     setsid bash -c "until $ready; do sleep 5; done
       [ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || exit 1

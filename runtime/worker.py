@@ -64,6 +64,7 @@ STALE_HEARTBEAT_S = 3 * JOB_MONITORING_INTERVAL_S
 # the worker list WORKER_TTL_S + 60 s after its last one (RQ's default TTL is 420 s).
 WORKER_TTL_S = 60
 START_WAIT_S = 300.0  # how long a starting worker waits for Redis before it gives up
+UNSUBSCRIBE_WAIT_S = 5.0  # how long a stopping worker waits for its command channel's thread to end
 
 
 def hand_back(job: Job, q: Queue) -> None:
@@ -293,6 +294,30 @@ class DraftlineWorker(Worker):
             super().teardown()
         except REDIS_DOWN as exc:
             log.warning("worker %s: could not record its death in redis: %s", self.name, exc)
+            self.unsubscribe()  # RQ records the death first: the channel still has to be let go
+
+    def unsubscribe(self) -> None:
+        """Leave this worker's command channel without RQ's race: RQ sends UNSUBSCRIBE and only then tells the
+        channel's thread to stop, joining it without a limit (redis-py 8's ``stop``). A thread that reads the
+        reply first finds itself unsubscribed and waits out its 60 s poll for a new subscription, and the warm
+        shutdown waits with it (rq/rq#1613, #2201; seen on a loaded CI machine). The thread is told first here,
+        so the reply ends it, and the wait is bounded: a channel Redis cannot answer on is left to the exit."""
+        thread, pubsub = self.pubsub_thread, self.pubsub
+        if thread is None or pubsub is None:
+            return
+        log.info("worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub_thread = None
+        thread.stop(timeout=0)  # clears its run flag; the zero timeout returns at once
+        try:
+            pubsub.unsubscribe()
+        except REDIS_DOWN as exc:
+            log.warning("worker %s: could not unsubscribe from its channel: %s", self.name, exc)
+        thread.join(UNSUBSCRIBE_WAIT_S)
+        if thread.is_alive():  # a daemon thread: it ends with the process
+            log.warning("worker %s: its channel's thread did not end within %g s; exiting without it",
+                        self.name, UNSUBSCRIBE_WAIT_S)
+        # The thread closes the channel's connection as it ends; closing it under a live reader is what the
+        # order above avoids.
 
 
 def without_rq_reconnect_lines(record: logging.LogRecord) -> bool:

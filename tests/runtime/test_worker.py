@@ -28,7 +28,8 @@ from shared.queues import SERIALIZER, queue
 from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
-from runtime.worker import JOB_MONITORING_INTERVAL_S, horse_loss, overran
+import runtime.worker
+from runtime.worker import JOB_MONITORING_INTERVAL_S, DraftlineWorker, horse_loss, overran
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import RedisServer, ServiceProcess
@@ -313,3 +314,54 @@ def test_a_horse_lost_from_outside_is_a_loss_and_one_that_exits_non_zero_is_a_fa
     assert horse_loss(job, 1 << 8) is None  # exit(1): the job's own failure
     job.started_at = datetime.now(timezone.utc) - timedelta(seconds=661)  # the worker killed it: overrun
     assert horse_loss(job, signal.SIGKILL) is None
+
+
+def subscribed_worker(conn: redis.Redis, name: str) -> DraftlineWorker:
+    """A worker whose channel thread has read everything Redis sent it (the subscription's confirmation too)
+    and waits in its poll: a message published to the channel has reached the handler."""
+    worker = DraftlineWorker([queue("unsubscribe-test", conn)], connection=conn, serializer=SERIALIZER, name=name)
+    heard: list[dict] = []
+    worker.handle_payload = heard.append  # bound by subscribe() as the channel's handler
+    worker.subscribe()
+    sent, deadline = 0, time.monotonic() + 10
+    while time.monotonic() < deadline and (not heard or len(heard) < sent):
+        if not heard and conn.publish(worker.pubsub_channel_name, "are you there"):  # 1: the channel has its reader
+            sent += 1
+        time.sleep(0.05)
+    assert heard and len(heard) == sent and worker.pubsub.subscribed  # nothing sent is still on its way
+    return worker
+
+
+def test_a_stopping_worker_lets_its_channel_go_at_once_when_the_channel_thread_reads_the_reply_first(redis_conn):
+    # RQ's own order lost this race on a loaded CI machine and the warm shutdown waited out the thread's 60 s
+    # poll (rq/rq#1613). The race is made certain here: the main thread stalls after sending UNSUBSCRIBE until
+    # the channel's thread has read the reply, as a descheduled main thread does.
+    worker = subscribed_worker(redis_conn, "unsubscribe-race")
+    pubsub, thread = worker.pubsub, worker.pubsub_thread
+    send = pubsub.unsubscribe
+
+    def send_then_stall(*args, **kwargs):
+        send(*args, **kwargs)
+        deadline = time.monotonic() + 10
+        while pubsub.subscribed and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    pubsub.unsubscribe = send_then_stall
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert time.monotonic() - started < 2, "the warm shutdown waited on the channel's thread"
+    assert not thread.is_alive() and pubsub.connection is None  # the thread ended and closed the channel
+    assert worker.pubsub_thread is None
+    worker.unsubscribe()  # a second call (RQ's teardown after ours) has nothing left to do
+
+
+def test_a_stopping_worker_does_not_wait_long_on_a_channel_redis_cannot_answer(redis_conn, monkeypatch, caplog):
+    monkeypatch.setattr(runtime.worker, "UNSUBSCRIBE_WAIT_S", 0.5)
+    worker = subscribed_worker(redis_conn, "unsubscribe-silent")
+    thread = worker.pubsub_thread
+    worker.pubsub.unsubscribe = lambda *a, **k: None  # sent into a partition: no reply ever comes
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert time.monotonic() - started < 2
+    assert thread.is_alive() and thread.daemon  # left to end with the process
+    assert "did not end within 0.5 s" in caplog.text
