@@ -3,7 +3,7 @@ shape (random weights: timing only, no acceptance), beside plain HF ``generate``
 
 The ShareGPT benchmark's evaluation decodes every prompt 15 times (bench/RESULTS.md, 2026-12-04: 9 min 58 s, the
 longest stage); its time grew with the sets' context lengths, not their prompt counts. This script times one decode
-per proposer kind over a batch of prompts of a given length, then profiles a short no-drafter decode with
+per proposer kind over a batch of prompts of a given length, then profiles a short decode (--profile: whose) with
 torch.profiler, so the change that follows is chosen from a measurement.
 
     python bench/profile_eval_pass.py --device cuda --rows 256 --prompt-len 1200 --new 64 --dtype float32 --json out.json
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=1200)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--profile-new", type=int, default=8, help="tokens of the profiled no-drafter decode")
+    parser.add_argument("--profile-new", type=int, default=8, help="tokens of the profiled decode")
+    parser.add_argument("--profile", default="none", choices=("none", "lookup", "eagle3", "dflash"),
+                        help="which proposer's decode the profiler records")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "grouped"),
                         help="the verification passes' attention: transformers' SDPA, or verify_attention's grouped products")
     parser.add_argument("--json", type=Path)
@@ -130,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%s: %.2f s, %d passes, %.1f ms a pass", name, seconds, passes, 1000 * seconds / passes)
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    proposer, k = plans[args.profile]
+    made = proposer()
     with torch.profiler.profile(activities=activities) as prof:
-        speculative_generate_batch(target, RowProposers([NoProposer() for _ in prompts]), prompts,
-                                   max_new_tokens=args.profile_new, draft_steps=0, layer_ids=LAYERS, prefill=pre)
+        speculative_generate_batch(target, made, prompts, max_new_tokens=args.profile_new, draft_steps=k,
+                                   layer_ids=LAYERS, prefill=pre)
         synced(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
