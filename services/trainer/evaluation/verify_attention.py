@@ -34,7 +34,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, queries, dim = query.shape
-    kv_heads, columns = key.shape[1], key.shape[2]
+    kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]  # MLA's values are narrower
     if attention_mask is None or queries > MAX_GROUPED_QUERIES or attention_mask.dtype != torch.bool:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = heads // kv_heads  # query head h reads KV head h // groups, as transformers' repeat_kv pairs them
@@ -45,7 +45,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     scores.masked_fill_(~attention_mask[:, :, None], torch.finfo(scores.dtype).min)  # mask (B, 1, 1, Q, L)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(batch, kv_heads, groups * queries, columns), value)  # (B, Hkv, G*Q, D)
-    return out.view(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+    return out.view(batch, heads, queries, value_dim).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
@@ -59,9 +59,14 @@ def register() -> str:
 
 
 def use_grouped_attention(target: Any) -> bool:
-    """Switch a loaded transformers model to ``grouped_attention`` for its verification passes; a model whose
-    own code takes no attention backend (some remote code) keeps its attention, with a warning: only speed
-    differs."""
+    """Switch a loaded transformers model from SDPA to ``grouped_attention`` for its verification passes. Only
+    SDPA is replaced, by the same function: a model loaded with another attention (eager for attention sinks,
+    say) needs what that one computes, and keeps it; so does one whose code takes no attention backend (some
+    remote code), with a warning. Only speed differs."""
+    current = getattr(getattr(target, "config", None), "_attn_implementation", None)
+    if current != "sdpa":
+        log.info("target %s keeps its %s attention for verification passes", type(target).__name__, current)
+        return False
     try:
         target.set_attn_implementation(register())
     except (AttributeError, ValueError) as exc:

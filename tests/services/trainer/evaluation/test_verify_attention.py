@@ -5,6 +5,8 @@ tokens (and accepts exactly the drafts) a decode through SDPA does."""
 from __future__ import annotations
 
 import copy
+import logging
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -42,6 +44,15 @@ def test_grouped_attention_equals_sdpa_on_a_masked_grouped_pass(queries):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_values_narrower_than_keys_as_multi_head_latent_attention_has_them():
+    q, k, v, mask = random_pass(4, dim=12)
+    v = v[..., :8].contiguous()  # DeepSeek-V3 / Kimi-K2: 192-wide queries and keys, 128-wide values
+    ours, _ = grouped_attention(attention_module(), q, k, v, mask, scaling=0.3)
+    theirs, _ = sdpa_attention.sdpa_attention_forward(attention_module(), q, k, v, mask, scaling=0.3, is_causal=False)
+    assert ours.shape == (3, 4, 6, 8)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_a_long_pass_goes_to_sdpa_unchanged():
     q, k, v, mask = random_pass(MAX_GROUPED_QUERIES + 1)
     with mock.patch.object(sdpa_attention, "sdpa_attention_forward", wraps=sdpa_attention.sdpa_attention_forward) as sdpa:
@@ -74,7 +85,12 @@ def test_decodes_through_grouped_attention_equal_decodes_through_sdpa(tiny_targe
     assert any(accepted > 1 for _, steps, _ in ours for accepted in steps)  # lookup's drafts were accepted too
 
 
-def test_a_model_that_takes_no_attention_backend_keeps_its_own_with_a_warning(caplog):
-    plain = torch.nn.Linear(2, 2)  # no set_attn_implementation, as some remote code has none
-    assert use_grouped_attention(plain) is False
+def test_only_sdpa_is_replaced(tiny_target, caplog):
+    eager = copy.deepcopy(tiny_target.model)
+    eager.set_attn_implementation("eager")  # as a model with attention sinks loads: its attention stays
+    assert use_grouped_attention(eager) is False and eager.config._attn_implementation == "eager"
+    plain = torch.nn.Linear(2, 2)
+    plain.config = SimpleNamespace(_attn_implementation="sdpa")  # says SDPA, yet takes no attention backend
+    with caplog.at_level(logging.INFO):
+        assert use_grouped_attention(plain) is False
     assert "keeps its own attention" in caplog.text
