@@ -1,8 +1,10 @@
 """The acceptance curve of a pipeline benchmark as a PNG: one panel per evaluation set, acceptance length
 against the chain length k for the drafter and prompt lookup, and the no-drafter line, all measured in the
-same run on the same prompts (bench/bench_pipeline.py's --json).
+same run on the same prompts (bench/bench_pipeline.py's --json). ``--sweep`` adds the drafters that
+bench/bench_train_sweep.py trained from the same run's files and evaluated on the same sets (DFlash beside
+the run's EAGLE-3, say), one line each.
 
-    python bench/plot_acceptance.py FIGURES.json OUT.png [--title TEXT]
+    python bench/plot_acceptance.py FIGURES.json OUT.png [--sweep SWEEP.json ...] [--title TEXT]
 
 Needs matplotlib (the GPU machine has it; here: pip install matplotlib).
 """
@@ -18,32 +20,45 @@ SET_TITLES = {"holdout": "held-out chat, first turn", "holdout_turn2": "held-out
               "humaneval": "HumanEval"}
 
 
-def curves(figures: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """Per set, per method, the (k, acceptance length) points in k order; no_drafter as a flat line."""
+METHOD_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
+def points(curve: dict[str, float]) -> list[tuple[int, float]]:
+    return sorted((int(k), v) for k, v in curve.items())
+
+
+def curves(figures: dict[str, Any], sweeps: tuple[dict[str, Any], ...] = ()) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Per set, per line, the (k, acceptance length) points in k order: the run's drafter and prompt lookup, no
+    drafter as a flat line, then every swept variant evaluated on that set, keyed ``sweep:NAME (METHOD)``."""
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for name, one in figures["evaluation"].items():
-        methods = {m: sorted((int(k), v) for k, v in one[m]["curve"].items()) for m in ("drafter", "lookup") if m in one}
+        methods = {m: points(one[m]["curve"]) for m in ("drafter", "lookup") if m in one}
         if "no_drafter" in one and methods:
             ks = [k for k, _ in next(iter(methods.values()))]
             methods["no_drafter"] = [(k, one["no_drafter"]["acceptance_length"]) for k in ks]
+        for sweep in sweeps:
+            for variant, swept in sweep["variants"].items():
+                if name in swept["sets"]:
+                    method = METHOD_NAMES.get(swept["train"].get("method", "eagle3"), swept["train"].get("method"))
+                    methods[f"sweep:{variant} ({method})"] = points(swept["sets"][name]["curve"])
         out[name] = methods
     return out
 
 
-def plot(figures: dict[str, Any], out: Path, title: str | None = None) -> None:
+def plot(figures: dict[str, Any], out: Path, title: str | None = None, sweeps: tuple[dict[str, Any], ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sets = curves(figures)
+    sets = curves(figures, sweeps)
     fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True, squeeze=False)
     for ax, (name, methods) in zip(axes[0], sets.items()):
         drafter = "DFlash" if figures["evaluation"][name].get("drafter_method") == "dflash" else "EAGLE-3"
         styles = {"drafter": (f"drafter ({drafter})", "o-"), "lookup": ("prompt lookup", "s--"), "no_drafter": ("no drafter", ":")}
-        for method, points in methods.items():
-            label, style = styles[method]
-            ax.plot([k for k, _ in points], [v for _, v in points], style, label=label)
+        for method, line in methods.items():
+            label, style = styles.get(method, (method.removeprefix("sweep:"), "^-"))
+            ax.plot([k for k, _ in line], [v for _, v in line], style, label=label)
         prompts = figures["evaluation"][name]["prompts"]
         ax.set_title(f"{SET_TITLES.get(name, name)} ({prompts} prompts)", fontsize=10)
         ax.set_xlabel("draft tokens per pass (k)")
@@ -60,9 +75,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figures", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--sweep", type=Path, action="append", default=[],
+                        help="bench_train_sweep.py's --json of variants trained from this run's files (repeatable)")
     parser.add_argument("--title")
     args = parser.parse_args()
-    plot(json.loads(args.figures.read_text()), args.out, args.title)
+    sweeps = tuple(json.loads(path.read_text()) for path in args.sweep)
+    plot(json.loads(args.figures.read_text()), args.out, args.title, sweeps)
 
 
 if __name__ == "__main__":

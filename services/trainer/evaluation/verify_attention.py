@@ -3,7 +3,7 @@
 Profiled on the H200 at SmolLM2-135M's shape, float32, 256 rows of ~500-token prompts (bench/RESULTS.md,
 "Where an evaluation pass goes"): a pass spends about half its GPU time in SDPA's memory-efficient kernel, which
 parallelises over query blocks and so walks the whole cache serially for the one to eight queries a row brings,
-and another quarter copying the cache's keys and values to every query head, because transformers repeats grouped
+and nearly a third copying the cache's keys and values to every query head, because transformers repeats grouped
 KV heads whenever SDPA is handed a mask. Both go when a pass this short is two batched matrix products over the
 grouped heads as they are stored: the query heads of one KV head become rows of one product.
 
