@@ -23,6 +23,11 @@ SET_TITLES = {"holdout": "held-out chat, first turn", "holdout_turn2": "held-out
 METHOD_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
+def method_name(method: str | None) -> str:
+    """How the plot names a drafter method (a report without one is EAGLE-3's, from before methods)."""
+    return METHOD_NAMES.get(method or "eagle3", method or "eagle3")
+
+
 def points(curve: dict[str, float]) -> list[tuple[int, float]]:
     return sorted((int(k), v) for k, v in curve.items())
 
@@ -39,8 +44,7 @@ def curves(figures: dict[str, Any], sweeps: tuple[dict[str, Any], ...] = ()) -> 
         for sweep in sweeps:
             for variant, swept in sweep["variants"].items():
                 if name in swept["sets"]:
-                    method = METHOD_NAMES.get(swept["train"].get("method", "eagle3"), swept["train"].get("method"))
-                    methods[f"sweep:{variant} ({method})"] = points(swept["sets"][name]["curve"])
+                    methods[f"sweep:{variant} ({method_name(swept['train'].get('method'))})"] = points(swept["sets"][name]["curve"])
         out[name] = methods
     return out
 
@@ -54,7 +58,7 @@ def plot(figures: dict[str, Any], out: Path, title: str | None = None, sweeps: t
     sets = curves(figures, sweeps)
     fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True, squeeze=False)
     for ax, (name, methods) in zip(axes[0], sets.items()):
-        drafter = "DFlash" if figures["evaluation"][name].get("drafter_method") == "dflash" else "EAGLE-3"
+        drafter = method_name(figures["evaluation"][name].get("drafter_method"))
         styles = {"drafter": (f"drafter ({drafter})", "o-"), "lookup": ("prompt lookup", "s--"), "no_drafter": ("no drafter", ":")}
         for method, line in methods.items():
             label, style = styles.get(method, (method.removeprefix("sweep:"), "^-"))

@@ -36,13 +36,14 @@ from services.trainer.train import avoid_cudnn_attention  # noqa: E402
 from services.trainer.methods import new_drafter  # noqa: E402
 from services.trainer.dflash import DFlashConfig  # noqa: E402
 from services.trainer.model import DrafterConfig  # noqa: E402
+from shared import eagle3  # noqa: E402
 
 log = logging.getLogger("profile_eval_pass")
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0,
            "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
-LAYERS = [1, 14, 26]
+LAYERS = eagle3.default_layer_ids(SMOLLM2["num_hidden_layers"])  # what extraction reads by default
 
 
 def build_target(device: torch.device, dtype: torch.dtype) -> Any:
@@ -56,9 +57,7 @@ def build_target(device: torch.device, dtype: torch.dtype) -> Any:
 
 
 def build_drafter(kind: str, target: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    base = DrafterConfig(hidden_size=576, target_hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152, draft_vocab_size=32000,
-                         layer_ids=tuple(LAYERS), rope_theta=100000.0)
+    base = DrafterConfig.from_target_config(target.config.to_dict(), draft_vocab_size=32000, layer_ids=LAYERS)
     config = base if kind == "eagle3" else DFlashConfig(base=base, num_layers=2, block_size=8, mask_token_id=49148)
     drafter = new_drafter(config)
     drafter.load_embedding(target.get_input_embeddings().weight.detach().float().cpu())
