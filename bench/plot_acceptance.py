@@ -83,6 +83,9 @@ def main() -> None:
                         help="bench_train_sweep.py's --json of variants trained from this run's files (repeatable)")
     parser.add_argument("--title")
     args = parser.parse_args()
+    for path in (args.figures, *args.sweep):
+        if not path.is_file():
+            parser.error(f"{path}: no such file")
     sweeps = tuple(json.loads(path.read_text()) for path in args.sweep)
     plot(json.loads(args.figures.read_text()), args.out, args.title, sweeps)
 

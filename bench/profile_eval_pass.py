@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the verification passes' attention: transformers' SDPA, or verify_attention's grouped products")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if min(args.rows, args.new, args.profile_new) < 1 or args.prompt_len < 2 or args.k < 0:
+        parser.error("--rows, --new and --profile-new need at least 1, --prompt-len at least 2, --k at least 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda":
