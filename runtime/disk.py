@@ -328,6 +328,9 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
         "reason": meta[PAUSED],
         "paused_at": _number(meta, PAUSED_AT) or None,
         "projected_bytes": int(_number(meta, "disk_projected_bytes")) if meta["disk_checked_at"] else None,
+        # What that projection was held against: the free space at the check and the reserve kept.
+        "checked_free_bytes": int(_number(meta, "disk_free_bytes")) if meta["disk_checked_at"] else None,
+        "reserve_bytes": int(_number(meta, "disk_reserve_bytes")) if meta["disk_checked_at"] else None,
         "bytes_per_token": round(per_token, 1) if per_token else None,
         "checked_at": _number(meta, "disk_checked_at") or None,
     }

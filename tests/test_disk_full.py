@@ -95,7 +95,11 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
             paused = wait_for("the disk pause", lambda s: s["disk"]["paused"], stack, timeout=120)
             assert paused["disk"]["paused"] is True and paused["disk"]["reason"], paused["disk"]
             shown = disk_status(conn, RUN)
-            assert shown["projected_bytes"] > VOLUME_BYTES // 2 and shown["bytes_per_token"] > 4 * 64 * 4
+            # Paused because what the rest needs does not fit above the reserve. How much is left to project
+            # depends on how many samples landed before the first measured check (once, on a loaded machine,
+            # only 432 KB); that the pause comes before the disk fills, wait_for checks throughout.
+            assert shown["projected_bytes"] > shown["checked_free_bytes"] - shown["reserve_bytes"] >= 0
+            assert shown["reserve_bytes"] == 128 << 10 and shown["bytes_per_token"] > 4 * 64 * 4
             assert str(volume.path) in shown["reason"]
 
             # Paused: what landed is whole, nothing half-written stays, and not every sample made it.

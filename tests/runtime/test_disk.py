@@ -108,6 +108,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert status["paused"] and status["reason"] == reason
         assert disk.format_disk_pause(status) == f"  PAUSED    extraction waits for disk space: {reason}"
         assert (status["projected_bytes"], status["bytes_per_token"]) == (99 * 1000 * 100, 100.0)
+        assert status["checked_free_bytes"] == headroom.free_bytes and status["reserve_bytes"] == headroom.reserve_bytes
 
         # Still short: it stays paused, and the first pause time is kept.
         disk.supervise_disk(settings, RunState(redis_conn, settings.data, RUN))

@@ -58,7 +58,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
                                                  "engine_acceptance_length", "engine_prompts", "engine_error"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
-                                   "paused_at", "projected_bytes", "bytes_per_token", "checked_at"}
+                                   "paused_at", "projected_bytes", "bytes_per_token", "checked_at",
+                                   "checked_free_bytes", "reserve_bytes"}
     assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
     assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
 
