@@ -253,7 +253,9 @@ def summary(evaluation: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"prompts": len(one["prompts"]), "greedy_check": one["greedy_check"], "seconds": one["seconds"],
                      "headline": {"draft_steps": one["draft_steps"], "acceptance_length": one["acceptance_length"]},
                      "drafter_method": one.get("drafter_method", "eagle3"),
-                     **{method: {"curve": m["curve"]} if "curve" in m else {"acceptance_length": m["acceptance_length"]}
+                     "one_pass_apart": one.get("one_pass_apart"),
+                     **{method: {"curve": m["curve"], **({"one_pass_curve": m["one_pass"]["curve"]} if "one_pass" in m else {})}
+                        if "curve" in m else {"acceptance_length": m["acceptance_length"]}
                         for method, m in one["methods"].items()}}
     return out
 

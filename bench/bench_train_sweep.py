@@ -14,6 +14,12 @@ an fp8 extraction of the run would have written) instead of linking them.
         --model-dir /tmp/bench-data/models/smollm2 --device cuda --json sweep.json \\
         --variant 'fp8={"storage": "fp8"}' --variant 'lr1e-3={"lr": 1e-3}'
 
+With ``--one-pass`` each variant is measured by the one-pass curve instead of decoding
+(services/trainer/evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
+the greedy replies, which are computed once for every variant): seconds a variant instead of minutes, so a
+sweep's device time goes to training. The source run's own export is measured the same way first, beside
+the decoded curves of its eval.json, so the JSON shows how far the two forms lie apart on these prompts.
+
 The JSON is rewritten after each variant, so a cut-short sweep keeps what it measured.
 """
 
@@ -36,7 +42,14 @@ from safetensors.torch import load_file  # noqa: E402
 from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
-from services.trainer.evaluation.evaluate import evaluate_sets, exported_drafter, load_target  # noqa: E402
+from services.trainer.evaluation.evaluate import (  # noqa: E402
+    chain_lengths,
+    evaluate_sets,
+    exported_drafter,
+    load_target,
+    set_replays,
+)
+from services.trainer.evaluation.one_pass import Replay, one_pass_counts  # noqa: E402
 from services.trainer.export_method import export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
@@ -116,8 +129,21 @@ def accepted_per_forward(curve: dict[str, float], method: str) -> dict[str, floa
     return {k: (value - 1) / (int(k) if method == "eagle3" else 1) for k, value in curve.items()}
 
 
+def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], cfg: Any, method: str) -> dict[str, Any]:
+    """Per set, the drafter's one-pass curve at k = 1 .. curve_max_steps over the set's greedy replies."""
+    found = {}
+    for set_name, one in replays.items():
+        started = time.monotonic()
+        counts = one_pass_counts(target, one, {"drafter": drafter}, chain_lengths(cfg), batch_tokens=cfg.batch_tokens)
+        curve = counts["drafter"].curve()
+        found[set_name] = {"prompts": len(one), "measured_by": "one_pass", "curve": curve,
+                           "accepted_per_drafter_forward": accepted_per_forward(curve, method),
+                           "seconds": round(time.monotonic() - started, 1)}
+    return found
+
+
 def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], model_dir: Path, device: str,
-                target: Any, tokenizer: Any) -> dict[str, Any]:
+                target: Any, tokenizer: Any, replays: dict[str, list[Replay]] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     spec = make_variant(data, source, name, fields)
     prepared = time.monotonic()
@@ -138,6 +164,10 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
         torch.cuda.empty_cache()
     drafter = exported_drafter(target, model_dir, paths.export_dir)
     cfg = source.evaluate.model_copy(update={"baselines": False})
+    if replays is not None:
+        figures["sets"] = one_pass_sets(target, drafter, replays, cfg, spec.train.method)
+        figures["evaluate_s"] = round(time.monotonic() - trained, 1)
+        return figures
     source_paths = RunPaths(data, source.name)
     sets = load_sets(cfg, eval_prompts=source_paths.eval_prompts, train_prompts=source_paths.prompts,
                      turns=source.generation.turns)
@@ -153,6 +183,30 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     return figures
 
 
+def measure_source(figures: dict[str, Any], data: Path, source: RunSpec, model_dir: Path, target: Any,
+                   tokenizer: Any) -> dict[str, list[Replay]]:
+    """The run's sets as greedy replies, once for every variant, and the run's own export measured by one pass
+    beside its eval.json's decoded curves (where the run's evaluation has written them)."""
+    paths = RunPaths(data, source.name)
+    cfg = source.evaluate.model_copy(update={"baselines": False})
+    started = time.monotonic()
+    sets = load_sets(cfg, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts, turns=source.generation.turns)
+    replays = {one.name: set_replays(target, tokenizer, one.prompts, cfg) for one in sets}
+    figures["one_pass"] = {"replays_s": round(time.monotonic() - started, 1),
+                           "prompts": {name: len(one) for name, one in replays.items()}}
+    drafter = exported_drafter(target, model_dir, paths.export_dir)
+    measured = one_pass_sets(target, drafter, replays, cfg, source.train.method)
+    decoded = json.loads(paths.eval_report.read_text())["sets"] if paths.eval_report.exists() else {}
+    for set_name, one in measured.items():
+        curve = decoded.get(set_name, {}).get("methods", {}).get("drafter", {}).get("curve")
+        if curve:
+            one["decoded_curve"] = curve
+            one["apart"] = max(abs(one["curve"][k] - curve[k]) for k in one["curve"] if k in curve)
+    figures["one_pass"]["source"] = measured
+    log.info("source run %s by one pass: %s", source.name, json.dumps({s: v["curve"] for s, v in measured.items()}))
+    return replays
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True)
@@ -162,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=JSON",
                         help="training settings to replace (repeatable); 'storage': 'fp8' rewrites the files as fp8")
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--one-pass", action="store_true",
+                        help="measure every variant by the one-pass curve on the run's sets instead of decoding it")
     args = parser.parse_args(argv)
     try:
         variants = [parse_variant(text) for text in args.variant]
@@ -182,14 +238,18 @@ def main(argv: list[str] | None = None) -> None:
                                "source_train": source.train.model_dump(mode="json"),
                                "source_hidden_bytes": hidden_bytes(RunPaths(data, source.name)),
                                "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
+    replays = None
+    if args.one_pass:
+        replays = measure_source(figures, data, source, args.model_dir, target, tokenizer)
+        atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
     for name, fields in variants:
         log.info("variant %s: %s", name, json.dumps(fields))
         figures["variants"][name] = run_variant(data, source, f"sweep-{stamp}-{name}", fields, args.model_dir,
-                                                args.device, target, tokenizer)
+                                                args.device, target, tokenizer, replays)
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
         log.info("variant %s: %s", name, json.dumps({s: v["curve"] for s, v in figures["variants"][name]["sets"].items()}))
     mismatched = {name: v["sets"] for name, v in figures["variants"].items()
-                  if any(s["mismatches"] for s in v["sets"].values())}
+                  if any(s.get("mismatches") for s in v["sets"].values())}
     if mismatched:
         raise SystemExit(f"speculative output differed from greedy in variants {sorted(mismatched)} (see {args.json})")
 

@@ -36,6 +36,8 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         assert one["no_drafter"]["acceptance_length"] == 1.0
         assert one["greedy_check"]["checked"] == one["prompts"] * 5
         assert one["drafter_method"] == "eagle3"
+        assert set(one["drafter"]["one_pass_curve"]) == set(one["lookup"]["one_pass_curve"]) == {"1", "2"}
+        assert one["one_pass_apart"] is not None
 
     # The sweep retrains the run's files three ways (a DFlash drafter from the same files among them) and
     # evaluates each export on the same sets, drafter only.
@@ -65,6 +67,24 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
             per_forward = one["accepted_per_drafter_forward"]  # a chain's k forwards a pass against a block's one
             steps = 1 if variant is dflash else 2
             assert per_forward["2"] == pytest.approx((one["curve"]["2"] - 1) / steps)
+
+    # Measured by one pass instead: the source run's export first, beside its decoded curves, then the variant.
+    quick = tmp_path / "sweep-one-pass.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_train_sweep.py", "--data", str(tmp_path / "data"), "--run",
+         "bench-smollm2-10", "--model-dir", str(tiny_model_dir), "--device", "cpu", "--json", str(quick),
+         "--one-pass", "--variant", 'lr={"lr": 3e-3, "epochs": 2}'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    swept = json.loads(quick.read_text())
+    for name in ("holdout", "humaneval"):
+        source = swept["one_pass"]["source"][name]
+        assert source["decoded_curve"] == figures["evaluation"][name]["drafter"]["curve"]
+        assert source["curve"] == figures["evaluation"][name]["drafter"]["one_pass_curve"]  # the same walk, the same replies
+        assert source["prompts"] == swept["one_pass"]["prompts"][name] == figures["evaluation"][name]["prompts"]
+        one = swept["variants"]["lr"]["sets"][name]
+        assert one["measured_by"] == "one_pass" and set(one["curve"]) == {"1", "2"}
+        assert all(value >= 1.0 for value in one["curve"].values())
 
 
 def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apart(tmp_path, tiny_model_dir,

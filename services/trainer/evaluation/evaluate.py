@@ -17,6 +17,10 @@ first token it yields count in neither. Per set it is measured, on the same prom
 Every k is a real decode. Each decode is compared with the target's ``generate(do_sample=False)``
 output, computed once per prompt; the report counts the decodes checked and matched per set, and
 ``verify_greedy_equality`` turns any mismatch into a SpeculativeMismatch once the report is written.
+
+Beside each decoded curve the report carries the same curve computed in one pass over the greedy replies
+(``one_pass``: equal to decoding but for rounding) and the largest difference between the two, so the cheap
+form that sweeps of many drafters use is checked against real decoding on every evaluation's prompts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from runtime.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation.one_pass import Replay, one_pass_counts
 from services.trainer.methods import EAGLE3, method_of
 from services.trainer.model import TargetTied
 from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
@@ -119,6 +124,7 @@ class SetRun:
 
     name: str
     tallies: dict[tuple[str, int], Tally] = field(default_factory=dict)
+    one_pass: dict[tuple[str, int], Tally] = field(default_factory=dict)  # the same curves, from one_pass
     rows: list[dict] = field(default_factory=list)
     checked: int = 0
     mismatches: list[dict] = field(default_factory=list)
@@ -154,7 +160,8 @@ class SetRun:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "rows": self.rows, "checked": self.checked, "mismatches": self.mismatches,
                 "near_ties": self.near_ties, "tolerance": self.tolerance, "stop_ids": self.stop_ids, "seconds": self.seconds,
-                "too_long": self.too_long, "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()]}
+                "too_long": self.too_long, "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()],
+                "one_pass": [[m, k, t.emitted, t.passes] for (m, k), t in self.one_pass.items()]}
 
     def merge(self, other: dict[str, Any]) -> None:
         """Add another process's share of the same set (``to_json``'s form)."""
@@ -166,10 +173,16 @@ class SetRun:
         self.tolerance = max(self.tolerance, other["tolerance"])  # a share with no prompt never set it
         self.stop_ids = self.stop_ids or other["stop_ids"]
         self.seconds = max(self.seconds, other["seconds"])  # the shares ran at the same time
-        for method, k, emitted, passes in other["tallies"]:
-            tally = self.tallies.setdefault((method, k), Tally())
-            tally.emitted += emitted
-            tally.passes += passes
+        for mine, theirs in ((self.tallies, other["tallies"]), (self.one_pass, other["one_pass"])):
+            for method, k, emitted, passes in theirs:
+                tally = mine.setdefault((method, k), Tally())
+                tally.emitted += emitted
+                tally.passes += passes
+
+    def add_one_pass(self, method: str, k: int, emitted: int, passes: int) -> None:
+        tally = self.one_pass.setdefault((method, k), Tally())
+        tally.emitted += emitted
+        tally.passes += passes
 
 
 @torch.inference_mode()
@@ -296,6 +309,20 @@ def measure_prompts(target: Any, tokenizer: Any, drafter: TargetTied, prompts: l
     measured.seconds += time.monotonic() - started
 
 
+@torch.inference_mode()
+def set_replays(target: Any, tokenizer: Any, prompts: list[EvalPrompt], cfg: EvalConfig) -> list[Replay]:
+    """The prompts ``measure_prompts`` measures (earlier turns answered by the target, too long ones left out)
+    with the target's greedy reply to each: what ``one_pass`` walks, once for any number of drafters."""
+    measured, limit, replays = SetRun("replays"), prompt_limit(target, cfg), []
+    for start in range(0, len(prompts), cfg.batch_prompts):
+        chunk = answer_earlier_turns(target, tokenizer, prompts[start: start + cfg.batch_prompts], cfg, measured)
+        ids = [one for one in (prompt_ids_of(tokenizer, p) for p in chunk) if len(one) <= limit]
+        for part in token_batches(ids, cfg.batch_tokens, cfg.max_new_tokens):
+            asked = [ids[i] for i in part]
+            replays += [Replay(one, reply) for one, reply in zip(asked, greedy_references(target, asked, cfg.max_new_tokens))]
+    return replays
+
+
 def token_batches(ids: list[list[int]], budget: int, reply_tokens: int) -> list[range]:
     """Consecutive index ranges of ``ids`` whose rows times their longest prompt plus the reply budget stay
     within ``budget`` (a range holds one row at least, however long)."""
@@ -317,6 +344,12 @@ def decode_part(target: Any, drafter: TargetTied, prompts: list[EvalPrompt], ids
     """One batch's decodes, each checked against ``generate``, added to ``measured``."""
     references = greedy_references(target, ids, cfg.max_new_tokens)
     decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
+    lookup = (cfg.lookup_min, cfg.lookup_max) if cfg.baselines else None
+    counts = one_pass_counts(target, [Replay(one, reference) for one, reference in zip(ids, references)],
+                             {DRAFTER: drafter}, chain_lengths(cfg), batch_tokens=cfg.batch_tokens, lookup=lookup)
+    for method, found in counts.items():
+        for k in found.emitted:
+            measured.add_one_pass(method, k, found.emitted[k], found.passes[k])
     for row, (prompt, prompt_ids, reference) in enumerate(zip(prompts, ids, references)):
         mine = {key: results[row] for key, results in decodes.items()}
         gap = functools.partial(logit_gap, target, prompt_ids, reference)
@@ -346,6 +379,11 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
             entry["curve"][str(k)], entry["emitted"][str(k)], entry["passes"][str(k)] = t.acceptance_length, t.emitted, t.passes
     if LOOKUP in methods:
         methods[LOOKUP]["ngram"] = {"prompt_lookup_min": cfg.lookup_min, "prompt_lookup_max": cfg.lookup_max}
+    apart = 0.0
+    for (method, k), t in sorted(measured.one_pass.items()):
+        entry = methods[method].setdefault("one_pass", {"curve": {}, "emitted": {}, "passes": {}})
+        entry["curve"][str(k)], entry["emitted"][str(k)], entry["passes"][str(k)] = t.acceptance_length, t.emitted, t.passes
+        apart = max(apart, abs(t.acceptance_length - methods[method]["curve"][str(k)]))
     return {
         "definition": DEFINITION,
         "acceptance_length": head.acceptance_length,  # the drafter at draft_steps: the run's headline
@@ -362,6 +400,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
         "steps": head.passes,
         "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,
+        "one_pass_apart": apart,  # the largest |decoded - one-pass| acceptance length over methods and k
         "drafter_method": drafter_method,  # eagle3: a chain of k one-token passes; dflash: one block pass of k tokens
         "seconds": measured.seconds,
     }

@@ -148,6 +148,20 @@ def test_the_curve_at_each_k_equals_an_independent_recomputation(curve_report, t
     assert report["acceptance_length"] == methods["drafter"]["curve"]["3"]  # the headline is the curve at draft_steps
 
 
+def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_report):
+    _, _, report = curve_report
+    methods = report["methods"]
+    for method in ("drafter", "lookup"):
+        one_pass = methods[method]["one_pass"]
+        assert list(one_pass["curve"]) == list(methods[method]["curve"])
+        assert one_pass["emitted"] == methods[method]["emitted"]  # the same replies, every token counted once
+        for k, value in one_pass["curve"].items():
+            assert abs(value - methods[method]["curve"][k]) <= report["one_pass_apart"]
+    # In float32 the two agree within rounding (test_one_pass pins them pass for pass in float64).
+    assert report["one_pass_apart"] <= 0.05
+    assert "one_pass" not in methods["no_drafter"]
+
+
 def test_without_a_drafter_every_pass_emits_one_token_and_every_decode_matched_greedy(curve_report):
     prompts, _, report = curve_report
     plain = report["methods"]["no_drafter"]

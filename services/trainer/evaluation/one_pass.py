@@ -1,0 +1,233 @@
+"""Acceptance at every k from one pass over the target's greedy reply: what a sweep of drafters needs.
+
+A greedy speculative decode emits the target's own greedy reply whatever proposes the drafts; the proposer
+only changes how much of it each verification pass accepts. And a proposal depends only on what is verified
+before it: prompt lookup reads the tokens; the EAGLE-3 drafter's cache over verified positions is rebuilt
+from the target's states after every pass (``BatchDrafterProposer.extend``), and its chain then runs on its
+own outputs; a DFlash block reads the verified positions' context. So the drafts a decode would make at
+every point of the reply can be computed at once, from the reply itself:
+
+- one target forward over prompt + reply gives the auxiliary states of every position;
+- EAGLE-3: the training-time-test unroll (``TTTObjective.unroll``, teacher-forced) gives every position's
+  chain of K drafts. Only drafts up to the first wrong one count, and up to there the chain's own tokens
+  *are* the reply's, so the teacher-forced chain drafts what the served chain drafts
+  (tests/services/trainer/test_alignment.py pins the step-by-step equality);
+- DFlash: one block pass per k over every anchor (a block's mask slots see each other, so a block of k
+  drafts is not the first k slots of a longer one);
+- prompt lookup: its proposal after every prefix (at k it is the first k tokens of the proposal at K).
+
+Then, per k, the decode's own walk: with the reply's tokens r_0 .. r_{N-1} (r_0 from the prompt's prefill)
+and r_0 .. r_i emitted, a pass verifies r_i and the drafts after it, accepts a = min(k, m_i) of them (m_i:
+how many leading drafts equal r_{i+1}, r_{i+2}, ...) and emits min(a + 1, N - 1 - i) tokens; the walk
+ends at N - 1. Acceptance length = emitted / passes summed over the prompts, the decoding evaluator's
+definition (``evaluate.DEFINITION``).
+
+What differs from decoding is rounding alone: the target's states come from one forward over the whole
+sequence instead of the prefill and the verification passes' blocks, so a drafter argmax within rounding of
+a tie can go the other way. In float64 the curves equal the decoded ones pass for pass
+(tests/services/trainer/evaluation/test_one_pass.py); every evaluation reports both and their difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.dflash import DFlashDrafter
+from services.trainer.evaluation.lookup import lookup_proposal
+from services.trainer.evaluation.speculative_batch import pad_id_of
+from services.trainer.model import Eagle3Drafter, TargetTied
+from services.trainer.train import TTTObjective
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A prompt and the target's greedy reply to it (``generate``: ending at its first eos or the budget)."""
+
+    prompt: list[int]
+    reply: list[int]
+
+    @property
+    def states(self) -> int:
+        """Points of the reply where a pass drafts: after r_0 .. r_{N-2} (after r_{N-1} the decode has ended)."""
+        return max(len(self.reply) - 1, 0)
+
+
+def leading_matches(drafts: Sequence[int], reply: Sequence[int], i: int) -> int:
+    """How many of ``drafts`` (made with r_0 .. r_i emitted) equal r_{i+1}, r_{i+2}, ... from the first on."""
+    matched = 0
+    while matched < len(drafts) and i + 1 + matched < len(reply) and drafts[matched] == reply[i + 1 + matched]:
+        matched += 1
+    return matched
+
+
+def walk(matches: Sequence[int], k: int) -> tuple[int, int]:
+    """(tokens emitted, verification passes) of a greedy decode of a reply of ``len(matches) + 1`` tokens whose
+    proposal at each point has ``matches[i]`` leading drafts right (each pass accepts at most ``k`` of them)."""
+    last = len(matches)  # the reply's final index, N - 1
+    emitted = passes = i = 0
+    while i < last:
+        step = min(min(k, matches[i]) + 1, last - i)
+        emitted, passes, i = emitted + step, passes + 1, i + step
+    return emitted, passes
+
+
+# ---- the target's states over prompt + reply -----------------------------------------------------
+
+# Most attention scores a drafter pass over a part of a batch holds at once (a float32 GiB): the dense unroll
+# scores every position against every other, and DFlash's blocks every anchor's slots against the context.
+SCORE_ELEMENTS = 1 << 28
+
+
+@dataclass
+class Pass:
+    """The target's one forward over a batch of replays, right-padded: every layer's states and the ids."""
+
+    hidden_states: tuple[torch.Tensor, ...]  # HF output_hidden_states: (B, L, Ht) each, index 0 the embeddings
+    ids: torch.Tensor  # (B, L) prompt + reply, padded on the right
+    replays: list[Replay]
+
+    def aux(self, layer_ids: Sequence[int]) -> torch.Tensor:
+        """(B, L, nHt): the auxiliary layers' outputs in the drafter's order (``speculative_batch.aux_of``)."""
+        return torch.cat([self.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+    def parts(self, cost_per_row: int) -> list[Pass]:
+        """The batch in consecutive parts of rows whose attention scores stay within ``SCORE_ELEMENTS``."""
+        size = max(1, SCORE_ELEMENTS // max(cost_per_row, 1))
+        return [Pass(tuple(h[start: start + size] for h in self.hidden_states), self.ids[start: start + size],
+                     self.replays[start: start + size]) for start in range(0, len(self.replays), size)]
+
+
+@torch.inference_mode()
+def target_pass(target: object, replays: Sequence[Replay]) -> Pass:
+    width = max(len(r.prompt) + len(r.reply) for r in replays)
+    ids = torch.full((len(replays), width), pad_id_of(target), dtype=torch.long)
+    mask = torch.zeros((len(replays), width), dtype=torch.long)
+    for row, r in enumerate(replays):
+        sequence = r.prompt + r.reply
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
+    ids, mask = ids.to(target.device), mask.to(target.device)
+    out = target(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return Pass(out.hidden_states, ids, list(replays))
+
+
+# ---- each proposer's drafts at every point of a reply -------------------------------------------
+
+@torch.inference_mode()
+def chain_matches(drafter: Eagle3Drafter, one: Pass, steps: int) -> list[list[int]]:
+    """Per replay, m_i for every point i: the EAGLE-3 chain of ``steps`` drafts at index P + i - 1 (the
+    target's state there paired with r_i, as ``extend`` pairs the newest verified position)."""
+    aux = one.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype)
+    outputs = TTTObjective(drafter, steps).unroll(one.ids, aux)  # steps x (B, L, H)
+    found = []
+    for row, r in enumerate(one.replays):
+        first = len(r.prompt) - 1
+        at = slice(first, first + r.states)
+        drafts = torch.stack([drafter.to_target_ids(drafter.logits(h[row, at]).argmax(-1)) for h in outputs], dim=-1)
+        found.append([leading_matches(d, r.reply, i) for i, d in enumerate(drafts.tolist())])  # (states, steps)
+    return found
+
+
+@torch.inference_mode()
+def block_matches(drafter: DFlashDrafter, one: Pass, k: int) -> list[list[int]]:
+    """Per replay, m_i for every point i: the DFlash block of ``k`` mask slots anchored at r_i (position
+    P + i), which sees the context before it, as ``BatchBlockProposer.propose`` drafts it."""
+    b, length = one.ids.shape
+    positions = torch.arange(length, device=one.ids.device)
+    context = drafter.context(one.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype), positions.expand(b, length))
+    anchors = max(max(r.states for r in one.replays), 1)
+    starts = torch.zeros((b, anchors), dtype=torch.long, device=one.ids.device)
+    for row, r in enumerate(one.replays):
+        starts[row, : r.states] = len(r.prompt) + torch.arange(r.states, device=one.ids.device)
+    sees_context = positions[None, None, :] < starts[:, :, None]  # (B, A, L); an unused anchor at 0 sees none
+    hidden = drafter.draft(one.ids.gather(1, starts), starts, k + 1, context, sees_context)  # (B, A, k+1, H)
+    drafts = drafter.to_target_ids(drafter.logits(hidden[:, :, 1:]).argmax(-1)).tolist()  # (B, A, k)
+    return [[leading_matches(d, r.reply, i) for i, d in enumerate(drafts[row][: r.states])]
+            for row, r in enumerate(one.replays)]
+
+
+def lookup_matches(replay: Replay, steps: int, *, min_n: int, max_n: int) -> list[int]:
+    """m_i for every point i of prompt lookup's proposal of up to ``steps`` tokens after prompt + r_0 .. r_i."""
+    context = replay.prompt + replay.reply
+    return [leading_matches(lookup_proposal(context[: len(replay.prompt) + i + 1], steps, min_n=min_n, max_n=max_n),
+                            replay.reply, i) for i in range(replay.states)]
+
+
+# ---- curves ---------------------------------------------------------------------------------------
+
+@dataclass
+class Counts:
+    """Emitted tokens and passes at each k, summed over replays."""
+
+    emitted: dict[int, int]
+    passes: dict[int, int]
+
+    @classmethod
+    def empty(cls, ks: Sequence[int]) -> Counts:
+        return cls({k: 0 for k in ks}, {k: 0 for k in ks})
+
+    def add(self, k: int, matches: Sequence[int]) -> None:
+        emitted, passes = walk(matches, k)
+        self.emitted[k] += emitted
+        self.passes[k] += passes
+
+    def curve(self) -> dict[str, float]:
+        return {str(k): self.emitted[k] / self.passes[k] if self.passes[k] else 0.0 for k in sorted(self.emitted)}
+
+
+def add_drafter(counts: Counts, drafter: TargetTied, one: Pass) -> None:
+    ks, width = sorted(counts.emitted), one.ids.shape[1]
+    heads = drafter.config.base.num_attention_heads if isinstance(drafter, DFlashDrafter) else drafter.config.num_attention_heads
+    if isinstance(drafter, DFlashDrafter):
+        for k in ks:
+            slots = max(r.states for r in one.replays) * (k + 1)
+            for part in one.parts(heads * slots * (width + slots)):
+                for matches in block_matches(drafter, part, k):
+                    counts.add(k, matches)
+        return
+    for part in one.parts(heads * width * width):
+        for matches in chain_matches(drafter, part, max(ks)):
+            for k in ks:
+                counts.add(k, matches)
+
+
+def add_lookup(counts: Counts, replays: Sequence[Replay], *, min_n: int, max_n: int) -> None:
+    ks = sorted(counts.emitted)
+    for replay in replays:
+        matches = lookup_matches(replay, max(ks), min_n=min_n, max_n=max_n)
+        for k in ks:
+            counts.add(k, matches)
+
+
+def replay_batches(replays: Sequence[Replay], batch_tokens: int) -> list[list[Replay]]:
+    """Consecutive batches whose rows times their longest sequence stay within ``batch_tokens`` (one row at least)."""
+    batches: list[list[Replay]] = []
+    current: list[Replay] = []
+    longest = 0
+    for r in replays:
+        wider = max(longest, len(r.prompt) + len(r.reply))
+        if current and (len(current) + 1) * wider > batch_tokens:
+            batches.append(current)
+            current, wider = [], len(r.prompt) + len(r.reply)
+        current.append(r)
+        longest = wider
+    return [*batches, current] if current else batches
+
+
+def one_pass_counts(target: object, replays: Sequence[Replay], drafters: Mapping[str, TargetTied], ks: Sequence[int],
+                    *, batch_tokens: int, lookup: tuple[int, int] | None = None) -> dict[str, Counts]:
+    """Emitted and passes at each k for every drafter (one target pass serves them all) and, with ``lookup``
+    ((min_n, max_n)), prompt lookup under the name ``"lookup"``."""
+    counts = {name: Counts.empty(ks) for name in drafters}
+    for batch in replay_batches([r for r in replays if r.states], batch_tokens):
+        one = target_pass(target, batch)
+        for name, drafter in drafters.items():
+            add_drafter(counts[name], drafter, one)
+        del one
+    if lookup is not None:
+        counts["lookup"] = Counts.empty(ks)
+        add_lookup(counts["lookup"], replays, min_n=lookup[0], max_n=lookup[1])
+    return counts
