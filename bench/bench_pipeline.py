@@ -60,7 +60,7 @@ SHAREGPT_RUN: dict[str, Any] = {
     "generation": {"max_tokens": 256, "min_completion_tokens": 1, "temperature": 0.0, "turns": "all", "max_turns": 2},
     "extraction": {"storage": "fp8"},
     "train": {"epochs": 2, "batch_size": 16, "lr": 5e-4, "ttt_steps": 7, "draft_vocab_size": 32000,
-              "save_every": 1000},
+              "save_every": 500, "validation_files": 256},
     "evaluate": {"holdout": 256, "sets": ["holdout", "holdout_turn2", "humaneval"], "max_new_tokens": 128,
                  "draft_steps": 3, "curve_max_steps": 7, "batch_prompts": 256, "earlier_reply_tokens": 256},
 }
@@ -76,7 +76,8 @@ SMALL_REPLICAS = {"inference": 1, "generator": 1, "extractor": 1}
 # A few minutes on a CPU: proves the benchmark runs end to end (tests run it this way too).
 SMALL_RUN: dict[str, Any] = {
     "generation": {"max_tokens": 24, "min_completion_tokens": 4, "temperature": 0.0},
-    "train": {"epochs": 1, "batch_size": 8, "lr": 1e-3, "ttt_steps": 2, "draft_vocab_size": 256, "save_every": 50},
+    "train": {"epochs": 1, "batch_size": 8, "lr": 1e-3, "ttt_steps": 2, "draft_vocab_size": 256, "save_every": 50,
+              "validation_files": 2},
     "evaluate": {"holdout": 2, "max_new_tokens": 8, "draft_steps": 2, "humaneval_limit": 2, "curve_max_steps": 2},
 }
 
@@ -99,6 +100,15 @@ def training_curve(paths: RunPaths, points: int = 20) -> list[dict[str, Any]]:
     every = max(1, len(rows) // points)
     keep = ("step", "epoch", "loss", "acc", "lr", "elapsed_s", "padding")
     return [{k: row[k] for k in keep if k in row} for row in rows[::every] + rows[-1:]]
+
+
+def validation_curve(paths: RunPaths) -> list[dict[str, Any]]:
+    """Every checkpoint's held-out one-pass acceptance (train.validation_files): step, epoch, curve, turns, seconds."""
+    if not paths.validation_log.is_file():
+        return []
+    keep = ("step", "epoch", "curve", "files", "turns", "seconds")
+    return [{k: row[k] for k in keep if k in row}
+            for row in (json.loads(line) for line in paths.validation_log.read_text().splitlines() if line.strip())]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_seconds": result.wall_seconds,
         "train_loss": stages["train"]["loss"],
         "training_curve": training_curve(paths),
+        "validation_curve": validation_curve(paths),
         "evaluation": summary(evaluation),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

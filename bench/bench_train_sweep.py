@@ -14,7 +14,8 @@ an fp8 extraction of the run would have written) instead of linking them.
         --model-dir /tmp/bench-data/models/smollm2 --device cuda --json sweep.json \\
         --variant 'fp8={"storage": "fp8"}' --variant 'lr1e-3={"lr": 1e-3}'
 
-With ``--one-pass`` each variant is measured by the one-pass curve instead of decoding
+A second key that is not a training setting: ``"measure": "one_pass"`` (or ``--one-pass`` for every variant
+that does not say ``"measure": "decode"``) measures the variant by the one-pass curve instead of decoding
 (services/trainer/evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
 the greedy replies, which are computed once for every variant): seconds a variant instead of minutes, so a
 sweep's device time goes to training. The source run's own export is measured the same way first, beside
@@ -43,7 +44,6 @@ from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
 from services.trainer.evaluation.evaluate import (  # noqa: E402
-    chain_lengths,
     evaluate_sets,
     exported_drafter,
     load_target,
@@ -61,7 +61,13 @@ from shared.runspec import RunSpec, TrainConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-STORAGE_KEY = "storage"  # the one variant key that is not a TrainConfig field
+STORAGE_KEY = "storage"  # how the variant's files store the states: linked as they are, or rewritten as fp8
+MEASURE_KEY = "measure"  # how the variant's export is measured: decoded, or by the one-pass curve
+SWEEP_KEYS = (STORAGE_KEY, MEASURE_KEY)  # the variant keys that are not TrainConfig fields
+
+
+def train_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if k not in SWEEP_KEYS}
 
 
 class BadVariant(ValueError):
@@ -78,6 +84,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
         raise BadVariant(f"--variant {text!r}: expected NAME={{json object}}")
     if fields.get(STORAGE_KEY, "target") not in ("target", "fp8"):
         raise BadVariant(f"--variant {text!r}: storage must be 'target' or 'fp8'")
+    if fields.get(MEASURE_KEY, "decode") not in ("decode", "one_pass"):
+        raise BadVariant(f"--variant {text!r}: measure must be 'decode' or 'one_pass'")
     return name, fields
 
 
@@ -100,7 +108,7 @@ def fp8_copy(source: Path, target: Path) -> None:
 def make_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any]) -> RunSpec:
     """A run named ``name``: the source's files (linked, or fp8 copies) and its training settings with
     ``fields`` replaced."""
-    train = {k: v for k, v in fields.items() if k != STORAGE_KEY}
+    train = train_fields(fields)
     # Validated as a run's settings are: a misspelt or out-of-range field fails here, naming it, before any file.
     spec = source.model_copy(update={"name": name, "train": TrainConfig.model_validate(
         {**source.train.model_dump(), **train})})
@@ -134,7 +142,7 @@ def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], c
     found = {}
     for set_name, one in replays.items():
         started = time.monotonic()
-        counts = one_pass_counts(target, one, {"drafter": drafter}, chain_lengths(cfg), batch_tokens=cfg.batch_tokens)
+        counts = one_pass_counts(target, one, {"drafter": drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens)
         curve = counts["drafter"].curve()
         found[set_name] = {"prompts": len(one), "measured_by": "one_pass", "curve": curve,
                            "accepted_per_drafter_forward": accepted_per_forward(curve, method),
@@ -175,7 +183,8 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     for set_name, one in report["sets"].items():
         check = one["greedy_check"]
         curve = one["methods"]["drafter"]["curve"]
-        figures["sets"][set_name] = {"prompts": len(one["prompts"]), "curve": curve,
+        figures["sets"][set_name] = {"prompts": len(one["prompts"]), "measured_by": "decode", "curve": curve,
+                                     "one_pass_curve": one["methods"]["drafter"]["one_pass"]["curve"],
                                      "accepted_per_drafter_forward": accepted_per_forward(curve, one["drafter_method"]),
                                      "greedy_checked": check["checked"], "greedy_matched": check["matched"],
                                      "mismatches": len(check["mismatches"]), "seconds": one["seconds"]}
@@ -214,10 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=JSON",
-                        help="training settings to replace (repeatable); 'storage': 'fp8' rewrites the files as fp8")
+                        help="training settings to replace (repeatable); 'storage': 'fp8' rewrites the files as fp8, "
+                             "'measure': 'one_pass' measures the variant by one pass")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--one-pass", action="store_true",
-                        help="measure every variant by the one-pass curve on the run's sets instead of decoding it")
+                        help="measure by the one-pass curve on the run's sets, instead of decoding, every variant that "
+                             "does not say \"measure\": \"decode\"")
     args = parser.parse_args(argv)
     try:
         variants = [parse_variant(text) for text in args.variant]
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     source = RunSpec.load(data, args.run)
     for name, fields in variants:  # every variant's settings checked before the first one trains
         try:
-            TrainConfig.model_validate({**source.train.model_dump(), **{k: v for k, v in fields.items() if k != STORAGE_KEY}})
+            TrainConfig.model_validate({**source.train.model_dump(), **train_fields(fields)})
         except ValueError as exc:
             parser.error(f"--variant {name}: {exc}")
     target, tokenizer = load_target(args.model_dir, torch.device(args.device))
@@ -238,14 +249,17 @@ def main(argv: list[str] | None = None) -> None:
                                "source_train": source.train.model_dump(mode="json"),
                                "source_hidden_bytes": hidden_bytes(RunPaths(data, source.name)),
                                "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
+    default = "one_pass" if args.one_pass else "decode"
+    measures = {name: fields.get(MEASURE_KEY, default) for name, fields in variants}
     replays = None
-    if args.one_pass:
+    if "one_pass" in measures.values():
         replays = measure_source(figures, data, source, args.model_dir, target, tokenizer)
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
     for name, fields in variants:
         log.info("variant %s: %s", name, json.dumps(fields))
         figures["variants"][name] = run_variant(data, source, f"sweep-{stamp}-{name}", fields, args.model_dir,
-                                                args.device, target, tokenizer, replays)
+                                                args.device, target, tokenizer,
+                                                replays if measures[name] == "one_pass" else None)
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
         log.info("variant %s: %s", name, json.dumps({s: v["curve"] for s, v in figures["variants"][name]["sets"].items()}))
     mismatched = {name: v["sets"] for name, v in figures["variants"].items()

@@ -57,22 +57,39 @@ env_vars() {
 # SWEEP_AT=trained starts them when the run's training has ended (its export is written), beside the run's
 # evaluation: the GPU then holds the idle server, the evaluation and the variant, not two trainers.
 # SWEEP_AT=done starts them when the run has finished and its stack is down, with the whole GPU to themselves.
+# The variants train one after another in one process (their file order: put first what matters most), or with
+# SWEEP_PARALLEL=1 one process each, all at once (each holds its own trainer's memory). A line's
+# "measure": "one_pass" measures that variant in seconds instead of decoding it (bench_train_sweep.py).
 start_sweep() {
   local run=$1 line name
+  if [ "${SWEEP_PARALLEL:-0}" != 1 ]; then
+    : > "$WORK/sweep-all.args"
+    while IFS= read -r line; do
+      [ -n "$line" ] && printf '%q ' --variant "$line" >> "$WORK/sweep-all.args"
+    done < "$SWEEP"
+    echo all >> "$WORK/sweep.names"
+    launch_sweep "$run" all
+    return
+  fi
   while IFS= read -r line; do
     [ -n "$line" ] || continue
     name=${line%%=*}
     echo "$name" >> "$WORK/sweep.names"
     printf '%q ' --variant "$line" > "$WORK/sweep-$name.args"
-    local ready="[ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || [ -f $WORK/done ]"
-    [ "${SWEEP_AT:-train}" = trained ] && ready="[ -f $WORK/data/runs/$run/drafter/export/config.json ] || [ -f $WORK/done ]"
-    [ "${SWEEP_AT:-train}" = done ] && ready="[ -f $WORK/done ]"
-    setsid bash -c "until $ready; do sleep 5; done
-      [ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || exit 1
-      $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
-        --json $WORK/sweep-$name.json $(cat "$WORK/sweep-$name.args") > $WORK/sweep-$name.log 2>&1
-      echo rc=\$? > $WORK/sweep-$name.done" < /dev/null &
+    launch_sweep "$run" "$name"
   done < "$SWEEP"
+}
+
+launch_sweep() {
+  local run=$1 name=$2
+  local ready="[ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || [ -f $WORK/done ]"
+  [ "${SWEEP_AT:-train}" = trained ] && ready="[ -f $WORK/data/runs/$run/drafter/export/config.json ] || [ -f $WORK/done ]"
+  [ "${SWEEP_AT:-train}" = done ] && ready="[ -f $WORK/done ]"
+  setsid bash -c "until $ready; do sleep 5; done
+    [ -f $WORK/data/runs/$run/drafter/train_log.jsonl ] || exit 1
+    $PY bench/bench_train_sweep.py --data $WORK/data --run $run --model-dir $WORK/data/models/smollm2 --device cuda \
+      --json $WORK/sweep-$name.json $(cat "$WORK/sweep-$name.args") > $WORK/sweep-$name.log 2>&1
+    echo rc=\$? > $WORK/sweep-$name.done" < /dev/null &
 }
 
 sweep_done() {

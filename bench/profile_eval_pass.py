@@ -3,8 +3,9 @@ shape (random weights: timing only, no acceptance), beside plain HF ``generate``
 
 The ShareGPT benchmark's evaluation decodes every prompt 15 times (bench/RESULTS.md, 2026-12-04: 9 min 58 s, the
 longest stage); its time grew with the sets' context lengths, not their prompt counts. This script times one decode
-per proposer kind over a batch of prompts of a given length, then profiles a short decode (--profile: whose) with
-torch.profiler, so the change that follows is chosen from a measurement.
+per proposer kind over a batch of prompts of a given length, times the one-pass curve (k = 1..7) over the same rows'
+replies for each proposer kind, then profiles a short decode (--profile: whose) with torch.profiler, so the change
+that follows is chosen from a measurement.
 
     python bench/profile_eval_pass.py --device cuda --rows 256 --prompt-len 1200 --new 64 --dtype float32 --json out.json
 """
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer  # noqa: E402
+from services.trainer.evaluation.one_pass import Replay, one_pass_counts  # noqa: E402
 from services.trainer.evaluation.speculative_batch import (  # noqa: E402
     RowProposers,
     drafter_proposer,
@@ -44,6 +46,8 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3
            "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0,
            "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
 LAYERS = eagle3.default_layer_ids(SMOLLM2["num_hidden_layers"])  # what extraction reads by default
+CURVE = 7  # the k of a run's curve (evaluate.curve_max_steps)
+BATCH_TOKENS = 131072  # evaluate.batch_tokens' default
 
 
 def build_target(device: torch.device, dtype: torch.dtype) -> Any:
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         "eagle3": (lambda: drafter_proposer(build_drafter("eagle3", target, device, dtype)), args.k),
         "dflash": (lambda: drafter_proposer(build_drafter("dflash", target, device, dtype)), args.k),
     }
+    replies: list[list[int]] = []
     for name, (proposer, k) in plans.items():
         made = proposer()
         started = synced(device)
@@ -131,6 +136,21 @@ def main(argv: list[str] | None = None) -> None:
         passes = max(len(r.accepted) for r in results)
         figures["decodes"][name] = {"s": round(seconds, 3), "passes": passes, "ms_per_pass": round(1000 * seconds / passes, 2)}
         log.info("%s: %.2f s, %d passes, %.1f ms a pass", name, seconds, passes, 1000 * seconds / passes)
+        replies = replies or [r.tokens for r in results]  # the plain decode's: every proposer's greedy reply
+
+    # The same rows measured in one pass over those replies, every k at once (evaluation.one_pass): what a
+    # decode of each k costs against what the whole curve costs this way.
+    replays = [Replay(p, r) for p, r in zip(prompts, replies)]
+    ks = list(range(1, CURVE + 1))
+    figures["one_pass"] = {"k": ks}
+    for name, drafters, lookup in (("target pass + lookup", {}, (1, 3)),
+                                   ("eagle3", {"eagle3": build_drafter("eagle3", target, device, dtype)}, None),
+                                   ("dflash", {"dflash": build_drafter("dflash", target, device, dtype)}, None)):
+        started = synced(device)
+        one_pass_counts(target, replays, drafters, ks, batch_tokens=BATCH_TOKENS, lookup=lookup)
+        seconds = synced(device) - started
+        figures["one_pass"][name] = {"s": round(seconds, 3)}
+        log.info("one pass, %s, k = 1..%d: %.2f s", name, CURVE, seconds)
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     proposer, k = plans[args.profile]

@@ -12,6 +12,7 @@
         drafter/checkpoints/step_00000100/  trainer checkpoints
         drafter/export/                     config.json + model.safetensors, loadable by vLLM and SGLang
         drafter/train_log.jsonl             loss, per-step accuracy, gradient norm per optimizer step
+        drafter/validation.jsonl            held-out one-pass acceptance curve at each checkpoint (train.validation_files)
         eval.json                           acceptance length against the target
 
 Sample ids are dataset row indices; a shard directory holds ``SHARD_SIZE`` consecutive ids.
@@ -108,6 +109,10 @@ class RunPaths:
     @property
     def train_log(self) -> Path:
         return self.drafter_dir / "train_log.jsonl"
+
+    @property
+    def validation_log(self) -> Path:
+        return self.drafter_dir / "validation.jsonl"
 
     @property
     def eval_report(self) -> Path:

@@ -29,6 +29,8 @@ TRAIN_STEP = "draftline_train_step"  # a gauge: resuming from a checkpoint may s
 TRAIN_EPOCH = "draftline_train_epoch"  # 0-indexed epoch of the latest logged step
 TRAIN_LOSS = "draftline_train_loss"
 TRAIN_ACCURACY = "draftline_train_accuracy_ratio"  # label k: draft position of the training-time-test unroll
+# label k: draft tokens a pass; the one-pass acceptance length over held-out files at the latest checkpoint
+TRAIN_VALIDATION_ACCEPTANCE = "draftline_train_validation_acceptance_length"
 TRAIN_LEARNING_RATE = "draftline_train_learning_rate"
 TRAIN_TOKENS_PER_SECOND = "draftline_train_tokens_per_second"  # loss-mask tokens trained on per second
 ACCEPTANCE_LENGTH = "draftline_acceptance_length"  # mean tokens accepted per verification step
@@ -61,6 +63,7 @@ META_TRAIN_EPOCH = "train_epoch"
 META_TRAIN_LR = "train_lr"
 META_TRAIN_TOKENS_PER_SECOND = "train_tokens_per_s"
 META_TRAIN_ACCURACY_PREFIX = "train_acc"  # train_acc0, train_acc1, …: one field per draft position k
+META_TRAIN_VALIDATION_PREFIX = "train_val_accept"  # train_val_accept1, …: one field per k (train.validation_files)
 META_ACCEPTANCE_LENGTH = "acceptance_length"
 META_ACCEPTANCE_CURVE_PREFIX = "evaluate_accept"  # evaluate_accept.<set>.<method>.<k>, one field per point
 WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total

@@ -103,6 +103,11 @@ class TrainConfig(_Frozen):
     draft_vocab_size: int = Field(32000, ge=2, description="Capped at the target vocabulary size.")
     seed: int = 0
     save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps.")
+    validation_files: int = Field(
+        0, ge=0, description="Hidden-state files held out of training (picked by a hash of their sample id); at "
+                             "every checkpoint and at the end the drafter's acceptance curve over their assistant "
+                             "turns is measured in one pass (services.trainer.validation): validation.jsonl and "
+                             "the status page's val_accept<k>. 0: every file trains.")
     base_checkpoint: str | None = Field(None, description="Published drafter (repo id or path) to fine-tune.")
     attention: Literal["auto", "dense", "flex"] = Field(
         "auto", description="TTT attention of the chain steps: flex (block-sparse, compiled; CUDA), dense (any device, "
@@ -156,6 +161,11 @@ class EvalConfig(_Frozen):
                                 "left out of its set, named in the report's too_long, instead of padding a whole "
                                 "batch to its length (one held-out ShareGPT prompt of 33,837 tokens asked a batch of "
                                 "256 for 273 GiB).")
+
+    @property
+    def chain_lengths(self) -> list[int]:
+        """The k measured: 1 .. curve_max_steps, and the headline draft_steps where it lies beyond."""
+        return sorted(set(range(1, self.curve_max_steps + 1)) | {self.draft_steps})
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:

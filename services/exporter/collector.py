@@ -52,6 +52,7 @@ WORKER_STATES = (WorkerStatus.BUSY.value, WorkerStatus.IDLE.value)
 # The field of an RQ worker's hash holding its state (rq.worker.BaseWorker.refresh reads it).
 WORKER_STATE_FIELD = "state"
 ACCURACY_FIELD = re.compile(rf"{metrics.META_TRAIN_ACCURACY_PREFIX}(\d+)")
+VALIDATION_FIELD = re.compile(rf"{metrics.META_TRAIN_VALIDATION_PREFIX}(\d+)")
 CURVE_FIELD = re.compile(rf"{re.escape(metrics.META_ACCEPTANCE_CURVE_PREFIX)}\.([^.]+)\.([^.]+)\.(\d+)")
 
 
@@ -227,16 +228,17 @@ def _acceptance_curve(families: Families, run: str, meta: dict[str, str]) -> Non
 
 
 def _train_accuracy(families: Families, run: str, meta: dict[str, str]) -> None:
-    """One series per draft position k of the training-time-test unroll (meta ``train_acc<k>``)."""
-    positions = sorted(
-        (int(match.group(1)), field) for field in meta if (match := ACCURACY_FIELD.fullmatch(field))
-    )
-    for k, field in positions:
-        value = _number(meta, field)
-        if value is not None:
-            families.gauge(
-                metrics.TRAIN_ACCURACY, "Share of draft position k's tokens that match the target, 0 to 1.", ["run", "k"]
-            ).add_metric([run, str(k)], value)
+    """One series per draft position k of the training-time-test unroll (meta ``train_acc<k>``), and one per k of
+    the held-out one-pass acceptance where the run holds files out (meta ``train_val_accept<k>``)."""
+    for pattern, metric, doc in (
+        (ACCURACY_FIELD, metrics.TRAIN_ACCURACY, "Share of draft position k's tokens that match the target, 0 to 1."),
+        (VALIDATION_FIELD, metrics.TRAIN_VALIDATION_ACCEPTANCE,
+         "Acceptance length with k drafts a pass over the held-out files' turns (one pass), latest checkpoint."),
+    ):
+        for k, field in sorted((int(match.group(1)), field) for field in meta if (match := pattern.fullmatch(field))):
+            value = _number(meta, field)
+            if value is not None:
+                families.gauge(metric, doc, ["run", "k"]).add_metric([run, str(k)], value)
 
 
 def _run_disk(families: Families, run: str, disk: dict) -> None:

@@ -300,6 +300,29 @@ class TTTCache:
         return out
 
 
+def shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]``, zero (False) past the end: (B, L, ...) -> (B, L, ...)."""
+    out = torch.zeros_like(x)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def ttt_unroll(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int, *,
+               flex: bool = False) -> list[torch.Tensor]:
+    """The training-time-test unroll (train.py's alignment table): step k's output at every index,
+    ``steps`` x (B, L, H). Step 0 pairs the target's state at t with x_{t+1} at position t; step k feeds
+    back step k-1's output with x_{t+1+k} at position t + k, under ``TTTCache``'s attention."""
+    b, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(b, length)  # (B, L)
+    hidden = drafter.fuse(aux_hidden)  # (B, L, H)
+    cache, outputs = TTTCache(flex=flex), []
+    for k in range(steps):
+        hidden = drafter(hidden, shift(input_ids, k + 1), positions + k, cache)  # (B, L, H)
+        outputs.append(hidden)
+    return outputs
+
+
 class Attention(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()

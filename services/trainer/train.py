@@ -55,7 +55,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -79,10 +79,11 @@ from services.trainer.dflash import DFlashConfig, DFlashDrafter, DFlashObjective
 from services.trainer.export import load_drafter
 from services.trainer.losses import soft_cross_entropy
 from services.trainer.methods import DFLASH, config_from_dict, new_drafter
-from services.trainer.model import DrafterConfig, Eagle3Drafter, TargetTied, TTTCache, rope_scaling_of
+from services.trainer.model import DrafterConfig, Eagle3Drafter, TargetTied, rope_scaling_of, ttt_unroll
 from services.trainer.precision import Float32Weights, make_weights, precision_kind
 from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
 from services.trainer.ttt_attention import FLEX, attention_kind
+from services.trainer.validation import Validation, validation_split
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class TrainProgress:
     lr: float
     tokens_per_s: float = 0.0  # loss-mask tokens all ranks trained on per second since the session began
     padding: float = 0.0  # share of the epoch's computed positions that are padding (batching.Padding)
+    validation: dict[str, float] | None = None  # the latest held-out one-pass curve, k -> acceptance length
 
 
 ProgressFn = Callable[[TrainProgress], None]
@@ -122,14 +124,6 @@ class TrainResult:
 
 
 # ---- targets and the TTT objective ---------------------------------------------------------------
-
-def shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """``out[:, t] = x[:, t + s]``, zero (False) past the end: (B, L, ...) -> (B, L, ...)."""
-    out = torch.zeros_like(x)
-    if s < x.shape[1]:
-        out[:, : x.shape[1] - s] = x[:, s:]
-    return out
-
 
 @dataclass
 class Targets:
@@ -179,14 +173,7 @@ class TTTObjective(nn.Module):
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
         """Step k's output at every index: ``ttt_steps`` x (B, L, H), aligned as the module doc says."""
-        b, length = input_ids.shape
-        positions = torch.arange(length, device=input_ids.device).expand(b, length)  # (B, L)
-        hidden = self.drafter.fuse(aux_hidden)  # (B, L, H)
-        cache, outputs = TTTCache(flex=self.flex), []
-        for k in range(self.ttt_steps):
-            hidden = self.drafter(hidden, shift(input_ids, k + 1), positions + k, cache)  # (B, L, H)
-            outputs.append(hidden)
-        return outputs
+        return ttt_unroll(self.drafter, input_ids, aux_hidden, self.ttt_steps, flex=self.flex)
 
     def step_weights(self) -> torch.Tensor:
         return STEP_DECAY ** torch.arange(self.ttt_steps, dtype=torch.float64)  # total = sum_k 0.8^k L_k
@@ -421,6 +408,7 @@ class Session:
     batching: str
     rank: int = 0
     world: int = 1
+    validation: Validation | None = None  # rank 0's held-out files (train.validation_files), else None
     result: TrainResult = field(init=False)
 
 
@@ -430,8 +418,9 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     dev = pick_device(device)
     target_config = read_target_config(model_dir)
     layer_ids = expected_layer_ids(spec, target_config)
-    files = [path for _, path in list_hidden_files(paths)]
-    infos = verify_files(files, layer_ids=layer_ids, hidden_size=int(text_config(target_config)["hidden_size"]))
+    files, held_out = validation_split(list_hidden_files(paths), cfg.validation_files)
+    infos = verify_files([*files, *held_out], layer_ids=layer_ids,
+                         hidden_size=int(text_config(target_config)["hidden_size"]))[: len(files)]
     max_length = spec.train_max_length
     if rank == 0:
         report_truncation(infos, max_length, spec)
@@ -463,14 +452,17 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     with weights.full_precision():
         position = resume(paths, cfg, total, world, drafter, optimizer, scheduler)
+    validation = (Validation(held_out, max_length, spec.evaluate.chain_lengths, dev)
+                  if held_out and rank == 0 else None)
     session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), weights, optimizer, scheduler,
-                      HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world)
+                      HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world,
+                      validation)
     meta = infos[0].metadata
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
     objective_kind = "DFlash blocks" if cfg.method == DFLASH else f"EAGLE-3, {attention} TTT attention"
-    log.info("training %s: %d files of up to %d tokens, %d epochs%s, %s batches, %d steps, starting at step %d, %s, "
-             "%s weights", spec.name, len(files), max_length, epochs,
+    log.info("training %s: %d files of up to %d tokens (%d held out for validation), %d epochs%s, %s batches, %d steps, "
+             "starting at step %d, %s, %s weights", spec.name, len(files), max_length, len(held_out), epochs,
              "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over {sum(lengths):,} a pass)",
              batching, total, session.position.step, objective_kind, precision)
     return session
@@ -561,6 +553,8 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
     s = prepare(spec, data=data, model_dir=model_dir, device=device)
     train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
+    validation_log = TrainLog(s.paths.validation_log, s.position.step, enabled=s.validation is not None)
+    validation = None
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     tokens, session_start = 0, time.monotonic()
     for epoch in range(s.position.epoch, len(s.plans)):
@@ -579,14 +573,23 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
             tokens += done.tokens
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
             s.result.last = TrainProgress(step, s.total, epoch, done.loss, done.acc, s.scheduler.get_last_lr()[0], speed,
-                                          padding.fraction)
+                                          padding.fraction, validation)
             train_log.write({"step": step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
                              "grad_norm": done.grad_norm, "lr": s.result.last.lr,
                              "padding": round(batch_padding(plan[index], s.lengths, s.world).fraction, 6),
                              "elapsed_s": round(time.monotonic() - started, 3)})
+            checkpoint = s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total)
+            if checkpoint and s.validation is not None:
+                with s.weights.full_precision():
+                    measured = s.validation.measure(s.drafter)
+                validation = measured["curve"]
+                s.result.last = replace(s.result.last, validation=validation)
+                validation_log.write({"step": step, "epoch": epoch, **measured})
+                log.info("step %d: held-out acceptance (one pass, %d turns of %d files) %s", step, measured["turns"],
+                         measured["files"], " ".join(f"k={k}: {v:.3f}" for k, v in validation.items()))
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
-            if s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total):
+            if checkpoint:
                 with s.weights.full_precision():
                     ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
                                          scheduler=s.scheduler,

@@ -30,6 +30,8 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     assert set(figures["stage_seconds"]) == {"generate", "extract", "train", "evaluate"}
     assert sum(figures["stage_seconds"].values()) <= figures["wall_seconds"] + 1
     assert figures["training_curve"][-1]["loss"] > 0 and figures["hidden_bytes"] > 0
+    # Two files held out of training (train.validation_files), measured at the end of training.
+    assert figures["validation_curve"][-1]["files"] == 2 and set(figures["validation_curve"][-1]["curve"]) == {"1", "2"}
     for name in ("holdout", "humaneval"):
         one = figures["evaluation"][name]
         assert set(one["drafter"]["curve"]) == set(one["lookup"]["curve"]) == {"1", "2"}
@@ -52,7 +54,7 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     swept = json.loads(sweep.read_text())
     assert list(swept["variants"]) == ["fp8", "lr", "dflash"]
     fp8, lr, dflash = (swept["variants"][name] for name in ("fp8", "lr", "dflash"))
-    assert fp8["files"] == lr["files"] == figures["samples"]["extracted"]
+    assert fp8["files"] == lr["files"] == figures["samples"]["extracted"] - 2  # two held out for validation
     assert lr["train"]["lr"] == 3e-3 and lr["train"]["epochs"] == 2 and fp8["train"]["lr"] == figures["run"]["train"]["lr"]
     assert lr["hidden_bytes"] == swept["source_hidden_bytes"]  # the same files, linked
     assert fp8["hidden_bytes"] < 0.5 * swept["source_hidden_bytes"]  # float32 states as one byte each
@@ -73,7 +75,7 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     result = subprocess.run(
         [sys.executable, "bench/bench_train_sweep.py", "--data", str(tmp_path / "data"), "--run",
          "bench-smollm2-10", "--model-dir", str(tiny_model_dir), "--device", "cpu", "--json", str(quick),
-         "--one-pass", "--variant", 'lr={"lr": 3e-3, "epochs": 2}'],
+         "--one-pass", "--variant", 'lr={"lr": 3e-3, "epochs": 2}', "--variant", 'decoded={"lr": 3e-3, "measure": "decode"}'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     swept = json.loads(quick.read_text())
@@ -85,6 +87,9 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         one = swept["variants"]["lr"]["sets"][name]
         assert one["measured_by"] == "one_pass" and set(one["curve"]) == {"1", "2"}
         assert all(value >= 1.0 for value in one["curve"].values())
+        decoded = swept["variants"]["decoded"]["sets"][name]  # "measure": "decode" overrides --one-pass
+        assert decoded["measured_by"] == "decode" and decoded["greedy_checked"] == decoded["prompts"] * 2
+        assert set(decoded["one_pass_curve"]) == {"1", "2"}
 
 
 def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apart(tmp_path, tiny_model_dir,

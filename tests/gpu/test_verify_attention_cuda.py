@@ -34,3 +34,22 @@ def test_evaluation_loads_its_cuda_target_with_grouped_attention(tiny_model_dir)
     cpu, _ = load_target(tiny_model_dir, torch.device("cpu"))
     assert cuda.config._attn_implementation == NAME
     assert cpu.config._attn_implementation == "sdpa"
+
+
+def test_on_cuda_the_one_pass_curve_is_the_decoded_one_within_rounding(tiny_model_dir, trained_drafter, eval_messages):
+    """Evaluation on a GPU verifies through the grouped attention and measures the one-pass curve through
+    SDPA's prefill: the two forms of the same acceptance, side by side in every report, agree there too."""
+    import copy
+
+    from services.trainer.evaluation.evalsets import EvalPrompt
+    from services.trainer.evaluation.evaluate import evaluate_prompts
+    from shared.runspec import EvalConfig
+    from tests.services.trainer.conftest import demo_messages
+
+    target, tokenizer = load_target(tiny_model_dir, torch.device("cuda"))
+    drafter = copy.deepcopy(trained_drafter).to("cuda")
+    prompts = [EvalPrompt(300 + i, m) for i, m in enumerate([*eval_messages, *demo_messages()[:4]])]
+    report = evaluate_prompts(target, tokenizer, drafter, prompts, EvalConfig(max_new_tokens=40, draft_steps=3))
+    assert report["greedy_check"]["mismatches"] == []
+    assert report["methods"]["drafter"]["curve"]["3"] > 1.2  # drafts were accepted
+    assert report["one_pass_apart"] <= 0.05

@@ -22,6 +22,7 @@ import redis
 
 from runtime.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, read_finished, run_key
 from runtime.disk import disk_status, format_bytes, format_disk_pause
+from shared import metrics
 from shared.errors import RunNotFound
 from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
@@ -167,6 +168,7 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
     train["loss"] = _float(meta, "train_loss")
     train["padding"] = _float(meta, "train_epoch_padding")  # share of the epoch's computed positions
+    train["validation"] = validation_curve(meta)
     evaluate["acceptance_length"] = _float(meta, "acceptance_length")
     # vLLM's own figure for the export on the first prompts of the same set, where the trainer has one configured
     evaluate["engine_acceptance_length"] = _float(meta, "evaluate_engine_acceptance")
@@ -186,6 +188,14 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
                     "warning": meta.get("train_warning") or None},
         "updated_at": now,
     }
+
+
+def validation_curve(meta: dict[str, str]) -> dict[str, float | None]:
+    """The held-out one-pass acceptance at the trainer's latest checkpoint, k -> length, in k order; empty unless
+    the run holds files out of training (train.validation_files)."""
+    prefix = metrics.META_TRAIN_VALIDATION_PREFIX
+    ks = sorted(int(field[len(prefix):]) for field in meta if field.startswith(prefix) and field[len(prefix):].isdigit())
+    return {str(k): _float(meta, f"{prefix}{k}") for k in ks}
 
 
 def generate_requests(meta: dict[str, str], counts: StageCounts) -> dict:
@@ -253,6 +263,15 @@ def _acceptance_text(evaluate: dict) -> str:
     return text
 
 
+def _validation_text(curve: dict[str, float | None]) -> str:
+    """The held-out one-pass acceptance at its smallest, headline-like and largest k: enough to see it move."""
+    shown = [k for k in curve if curve[k] is not None]
+    if not shown:
+        return ""
+    picks = sorted({shown[0], *(k for k in shown if k == "3"), shown[-1]}, key=int)
+    return "  held-out " + " ".join(f"k={k} {curve[k]:.2f}" for k in picks)
+
+
 def format_status(status: dict) -> str:
     """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
     stages, errors, disk = status["stages"], status["errors"], status["disk"]
@@ -262,7 +281,8 @@ def format_status(status: dict) -> str:
         _sample_line("generate", stages["generate"]),
         _sample_line("extract", stages["extract"]),
         _whole_line("train", stages["train"], (f"  loss {loss:.4f}" if loss is not None else "")
-                    + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")),
+                    + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")
+                    + _validation_text(stages["train"].get("validation") or {})),
         _whole_line("evaluate", stages["evaluate"], _acceptance_text(stages["evaluate"])),
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
         f"{errors['dropped']:,} dropped",

@@ -90,11 +90,6 @@ def first_difference(tokens: list[int], reference: list[int]) -> int | None:
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def chain_lengths(cfg: EvalConfig) -> list[int]:
-    """k = 1 .. curve_max_steps, and the headline ``draft_steps`` where it lies beyond."""
-    return sorted(set(range(1, cfg.curve_max_steps + 1)) | {cfg.draft_steps})
-
-
 @dataclass
 class Tally:
     """Emitted tokens and verification passes of one method at one k, summed over a set."""
@@ -205,10 +200,10 @@ def decode_set(
     run = functools.partial(speculative_generate_batch, target, prompts=prompts, max_new_tokens=cfg.max_new_tokens,
                             layer_ids=layer_ids, prefill=pre)
     plans: list[tuple[str, int, Callable[[], Any]]] = [
-        (DRAFTER, k, lambda: drafter_proposer(drafter)) for k in chain_lengths(cfg)]
+        (DRAFTER, k, lambda: drafter_proposer(drafter)) for k in cfg.chain_lengths]
     if cfg.baselines:
         plans += [(LOOKUP, k, lambda: RowProposers([LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max)
-                                                    for ids in prompts])) for k in chain_lengths(cfg)]
+                                                    for ids in prompts])) for k in cfg.chain_lengths]
         plans.append((NO_DRAFTER, 0, lambda: RowProposers([NoProposer() for _ in prompts])))
     decodes = {}
     for finished_plans, (method, k, proposer) in enumerate(plans, start=1):
@@ -278,7 +273,7 @@ def prompt_limit(target: Any, cfg: EvalConfig) -> int:
     context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
     if not context:
         return cfg.max_prompt_tokens
-    return max(1, min(cfg.max_prompt_tokens, context - cfg.max_new_tokens - max(chain_lengths(cfg)) - 1))
+    return max(1, min(cfg.max_prompt_tokens, context - cfg.max_new_tokens - max(cfg.chain_lengths) - 1))
 
 
 def measure_prompts(target: Any, tokenizer: Any, drafter: TargetTied, prompts: list[EvalPrompt], cfg: EvalConfig,
@@ -346,7 +341,7 @@ def decode_part(target: Any, drafter: TargetTied, prompts: list[EvalPrompt], ids
     decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
     lookup = (cfg.lookup_min, cfg.lookup_max) if cfg.baselines else None
     counts = one_pass_counts(target, [Replay(one, reference) for one, reference in zip(ids, references)],
-                             {DRAFTER: drafter}, chain_lengths(cfg), batch_tokens=cfg.batch_tokens, lookup=lookup)
+                             {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens, lookup=lookup)
     for method, found in counts.items():
         for k in found.emitted:
             measured.add_one_pass(method, k, found.emitted[k], found.passes[k])

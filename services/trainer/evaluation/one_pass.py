@@ -8,7 +8,7 @@ own outputs; a DFlash block reads the verified positions' context. So the drafts
 every point of the reply can be computed at once, from the reply itself:
 
 - one target forward over prompt + reply gives the auxiliary states of every position;
-- EAGLE-3: the training-time-test unroll (``TTTObjective.unroll``, teacher-forced) gives every position's
+- EAGLE-3: the training-time-test unroll (``model.ttt_unroll``, teacher-forced) gives every position's
   chain of K drafts. Only drafts up to the first wrong one count, and up to there the chain's own tokens
   *are* the reply's, so the teacher-forced chain drafts what the served chain drafts
   (tests/services/trainer/test_alignment.py pins the step-by-step equality);
@@ -38,8 +38,7 @@ import torch
 from services.trainer.dflash import DFlashDrafter
 from services.trainer.evaluation.lookup import lookup_proposal
 from services.trainer.evaluation.speculative_batch import pad_id_of
-from services.trainer.model import Eagle3Drafter, TargetTied
-from services.trainer.train import TTTObjective
+from services.trainer.model import Eagle3Drafter, TargetTied, ttt_unroll
 
 
 @dataclass(frozen=True)
@@ -81,27 +80,46 @@ def walk(matches: Sequence[int], k: int) -> tuple[int, int]:
 SCORE_ELEMENTS = 1 << 28
 
 
-@dataclass
-class Pass:
-    """The target's one forward over a batch of replays, right-padded: every layer's states and the ids."""
+@dataclass(frozen=True)
+class Span:
+    """A reply inside a row of ``Rows``: r_0 at index ``start``, what comes before it the reply's prompt."""
 
-    hidden_states: tuple[torch.Tensor, ...]  # HF output_hidden_states: (B, L, Ht) each, index 0 the embeddings
-    ids: torch.Tensor  # (B, L) prompt + reply, padded on the right
-    replays: list[Replay]
+    row: int
+    start: int
+    reply: list[int]
+
+    @property
+    def states(self) -> int:
+        return max(len(self.reply) - 1, 0)
+
+
+@dataclass
+class Rows:
+    """Token sequences (right-padded), the target's states over them by layer, and where the replies lie: a
+    target's pass over prompt + reply (``target_pass``), or a hidden-state file's every assistant turn."""
+
+    states: dict[int, torch.Tensor]  # layer id (decoder_output_0idx) -> (B, L, Ht)
+    ids: torch.Tensor  # (B, L)
+    spans: list[Span]
 
     def aux(self, layer_ids: Sequence[int]) -> torch.Tensor:
         """(B, L, nHt): the auxiliary layers' outputs in the drafter's order (``speculative_batch.aux_of``)."""
-        return torch.cat([self.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return torch.cat([self.states[i] for i in layer_ids], dim=-1)
 
-    def parts(self, cost_per_row: int) -> list[Pass]:
-        """The batch in consecutive parts of rows whose attention scores stay within ``SCORE_ELEMENTS``."""
+    def parts(self, cost_per_row: int) -> list[Rows]:
+        """The rows in consecutive parts whose attention scores stay within ``SCORE_ELEMENTS``."""
         size = max(1, SCORE_ELEMENTS // max(cost_per_row, 1))
-        return [Pass(tuple(h[start: start + size] for h in self.hidden_states), self.ids[start: start + size],
-                     self.replays[start: start + size]) for start in range(0, len(self.replays), size)]
+        found = []
+        for first in range(0, self.ids.shape[0], size):
+            rows = range(first, min(first + size, self.ids.shape[0]))
+            spans = [Span(s.row - first, s.start, s.reply) for s in self.spans if s.row in rows]
+            found.append(Rows({i: t[first: rows.stop] for i, t in self.states.items()}, self.ids[first: rows.stop], spans))
+        return found
 
 
 @torch.inference_mode()
-def target_pass(target: object, replays: Sequence[Replay]) -> Pass:
+def target_pass(target: object, replays: Sequence[Replay]) -> Rows:
+    """The target's one forward over every replay's prompt + reply, right-padded."""
     width = max(len(r.prompt) + len(r.reply) for r in replays)
     ids = torch.full((len(replays), width), pad_id_of(target), dtype=torch.long)
     mask = torch.zeros((len(replays), width), dtype=torch.long)
@@ -111,42 +129,46 @@ def target_pass(target: object, replays: Sequence[Replay]) -> Pass:
         mask[row, : len(sequence)] = 1
     ids, mask = ids.to(target.device), mask.to(target.device)
     out = target(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    return Pass(out.hidden_states, ids, list(replays))
+    states = {i: h for i, h in enumerate(out.hidden_states[1:])}  # HF's index 0 is the embeddings
+    return Rows(states, ids, [Span(row, len(r.prompt), r.reply) for row, r in enumerate(replays)])
 
 
 # ---- each proposer's drafts at every point of a reply -------------------------------------------
 
 @torch.inference_mode()
-def chain_matches(drafter: Eagle3Drafter, one: Pass, steps: int) -> list[list[int]]:
-    """Per replay, m_i for every point i: the EAGLE-3 chain of ``steps`` drafts at index P + i - 1 (the
+def chain_matches(drafter: Eagle3Drafter, rows: Rows, steps: int) -> list[list[int]]:
+    """Per span, m_i for every point i: the EAGLE-3 chain of ``steps`` drafts at index start + i - 1 (the
     target's state there paired with r_i, as ``extend`` pairs the newest verified position)."""
-    aux = one.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype)
-    outputs = TTTObjective(drafter, steps).unroll(one.ids, aux)  # steps x (B, L, H)
+    aux = rows.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype)
+    outputs = ttt_unroll(drafter, rows.ids, aux, steps)  # steps x (B, L, H)
     found = []
-    for row, r in enumerate(one.replays):
-        first = len(r.prompt) - 1
-        at = slice(first, first + r.states)
-        drafts = torch.stack([drafter.to_target_ids(drafter.logits(h[row, at]).argmax(-1)) for h in outputs], dim=-1)
-        found.append([leading_matches(d, r.reply, i) for i, d in enumerate(drafts.tolist())])  # (states, steps)
+    for span in rows.spans:
+        at = slice(span.start - 1, span.start - 1 + span.states)
+        drafts = torch.stack([drafter.to_target_ids(drafter.logits(h[span.row, at]).argmax(-1)) for h in outputs], dim=-1)
+        found.append([leading_matches(d, span.reply, i) for i, d in enumerate(drafts.tolist())])  # (states, steps)
     return found
 
 
 @torch.inference_mode()
-def block_matches(drafter: DFlashDrafter, one: Pass, k: int) -> list[list[int]]:
-    """Per replay, m_i for every point i: the DFlash block of ``k`` mask slots anchored at r_i (position
-    P + i), which sees the context before it, as ``BatchBlockProposer.propose`` drafts it."""
-    b, length = one.ids.shape
-    positions = torch.arange(length, device=one.ids.device)
-    context = drafter.context(one.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype), positions.expand(b, length))
-    anchors = max(max(r.states for r in one.replays), 1)
-    starts = torch.zeros((b, anchors), dtype=torch.long, device=one.ids.device)
-    for row, r in enumerate(one.replays):
-        starts[row, : r.states] = len(r.prompt) + torch.arange(r.states, device=one.ids.device)
+def block_matches(drafter: DFlashDrafter, rows: Rows, k: int) -> list[list[int]]:
+    """Per span, m_i for every point i: the DFlash block of ``k`` mask slots anchored at r_i (index start + i),
+    which sees the context before it, as ``BatchBlockProposer.propose`` drafts it."""
+    b, length = rows.ids.shape
+    device = rows.ids.device
+    positions = torch.arange(length, device=device)
+    context = drafter.context(rows.aux(drafter.config.layer_ids).to(drafter.fc.weight.dtype), positions.expand(b, length))
+    per_row = [sum(s.states for s in rows.spans if s.row == row) for row in range(b)]
+    starts = torch.zeros((b, max(max(per_row), 1)), dtype=torch.long, device=device)
+    first_anchor, filled = [], [0] * b  # each span's first anchor slot in its row
+    for span in rows.spans:
+        first_anchor.append(filled[span.row])
+        starts[span.row, filled[span.row]: filled[span.row] + span.states] = span.start + torch.arange(span.states, device=device)
+        filled[span.row] += span.states
     sees_context = positions[None, None, :] < starts[:, :, None]  # (B, A, L); an unused anchor at 0 sees none
-    hidden = drafter.draft(one.ids.gather(1, starts), starts, k + 1, context, sees_context)  # (B, A, k+1, H)
+    hidden = drafter.draft(rows.ids.gather(1, starts), starts, k + 1, context, sees_context)  # (B, A, k+1, H)
     drafts = drafter.to_target_ids(drafter.logits(hidden[:, :, 1:]).argmax(-1)).tolist()  # (B, A, k)
-    return [[leading_matches(d, r.reply, i) for i, d in enumerate(drafts[row][: r.states])]
-            for row, r in enumerate(one.replays)]
+    return [[leading_matches(d, span.reply, i) for i, d in enumerate(drafts[span.row][a: a + span.states])]
+            for span, a in zip(rows.spans, first_anchor)]
 
 
 def lookup_matches(replay: Replay, steps: int, *, min_n: int, max_n: int) -> list[int]:
@@ -178,17 +200,18 @@ class Counts:
         return {str(k): self.emitted[k] / self.passes[k] if self.passes[k] else 0.0 for k in sorted(self.emitted)}
 
 
-def add_drafter(counts: Counts, drafter: TargetTied, one: Pass) -> None:
-    ks, width = sorted(counts.emitted), one.ids.shape[1]
-    heads = drafter.config.base.num_attention_heads if isinstance(drafter, DFlashDrafter) else drafter.config.num_attention_heads
+def add_drafter(counts: Counts, drafter: TargetTied, rows: Rows) -> None:
+    """Every span's walk at every k of ``counts``, the drafter's parts of ``rows`` sized to ``SCORE_ELEMENTS``."""
+    ks, width = sorted(counts.emitted), rows.ids.shape[1]
     if isinstance(drafter, DFlashDrafter):
+        heads = drafter.config.base.num_attention_heads
         for k in ks:
-            slots = max(r.states for r in one.replays) * (k + 1)
-            for part in one.parts(heads * slots * (width + slots)):
+            slots = max([s.states for s in rows.spans], default=0) * (k + 1)
+            for part in rows.parts(heads * slots * (width + slots)):
                 for matches in block_matches(drafter, part, k):
                     counts.add(k, matches)
         return
-    for part in one.parts(heads * width * width):
+    for part in rows.parts(drafter.config.num_attention_heads * width * width):
         for matches in chain_matches(drafter, part, max(ks)):
             for k in ks:
                 counts.add(k, matches)
@@ -223,10 +246,10 @@ def one_pass_counts(target: object, replays: Sequence[Replay], drafters: Mapping
     ((min_n, max_n)), prompt lookup under the name ``"lookup"``."""
     counts = {name: Counts.empty(ks) for name in drafters}
     for batch in replay_batches([r for r in replays if r.states], batch_tokens):
-        one = target_pass(target, batch)
+        rows = target_pass(target, batch)
         for name, drafter in drafters.items():
-            add_drafter(counts[name], drafter, one)
-        del one
+            add_drafter(counts[name], drafter, rows)
+        del rows
     if lookup is not None:
         counts["lookup"] = Counts.empty(ks)
         add_lookup(counts["lookup"], replays, min_n=lookup[0], max_n=lookup[1])

@@ -176,6 +176,12 @@ def test_trainer_epoch_accuracy_per_position_lr_and_tokens_per_second(redis_url,
     for k, acc in enumerate(accs.values()):
         assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k=str(k)) == acc
     assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k="11") is None
+    assert not any(name == metrics.TRAIN_VALIDATION_ACCEPTANCE for name, _ in samples)  # no files held out
+    state.set_progress("train", 48, 120, val_accept1=1.5, val_accept7=2.25, val_acceptx=9)
+    samples = scrape(redis_url, data_dir)
+    assert value(samples, metrics.TRAIN_VALIDATION_ACCEPTANCE, run="r1", k="1") == 1.5
+    assert value(samples, metrics.TRAIN_VALIDATION_ACCEPTANCE, run="r1", k="7") == 2.25
+    assert value(samples, metrics.TRAIN_ACCURACY, run="r1", k="1") == accs["acc1"]  # the other series stay
 
 
 def test_trainer_series_are_absent_before_training_starts(redis_url, redis_conn, data_dir) -> None:

@@ -82,8 +82,9 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
         body = {
             "dataset": str(dataset), "name": RUN,
             "generation": {"max_tokens": 12, "min_completion_tokens": 1},
+            # Two files held out: the trainer's held-out curve reaches its dashboard panel too.
             "train": {"epochs": 2, "batch_size": 4, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128,
-                      "max_length": 96},
+                      "max_length": 96, "validation_files": 2},
             "evaluate": {"holdout": 2, "max_new_tokens": 12, "draft_steps": 2, "sets": ["holdout"],
                          "curve_max_steps": 2},
         }

@@ -8,7 +8,8 @@ import torch
 
 from services.trainer import train as train_module
 from services.trainer.data import Batch
-from services.trainer.train import Targets, TTTObjective, make_targets, shift
+from services.trainer.model import shift
+from services.trainer.train import Targets, TTTObjective, make_targets
 from services.trainer.vocab import draft_to_target
 from tests.services.trainer.test_model import SMALL, random_drafter
 

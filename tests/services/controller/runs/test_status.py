@@ -53,7 +53,7 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
     assert set(status["stages"]["extract"]) == STAGE_KEYS
-    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding"}
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding", "validation"}
     assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length",
                                                  "engine_acceptance_length", "engine_prompts", "engine_error"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
@@ -82,7 +82,7 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert status["disk"]["path"] == str(data_dir)
     assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
     assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "error": None,
-                                         "loss": None, "padding": None}
+                                         "loss": None, "padding": None, "validation": {}}
     assert status["drafter"] == {"export_path": None, "acceptance_length": None, "warning": None}
 
 
@@ -121,8 +121,13 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "training"
     assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "error": None,
-                                         "loss": 1.25, "padding": 0.025}
-    assert "padding 2.5%" in format_status(status)
+                                         "loss": 1.25, "padding": 0.025, "validation": {}}
+    assert "padding 2.5%" in format_status(status) and "held-out" not in format_status(status)
+    # Held-out files (train.validation_files): the curve the trainer's progress report writes, in k order.
+    state.set_progress("train", 8, 20, **{f"val_accept{k}": 1 + k / 10 for k in (10, 1, 2, 3)})
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["stages"]["train"]["validation"] == {"1": 1.1, "2": 1.2, "3": 1.3, "10": 2.0}
+    assert "held-out k=1 1.10 k=3 1.30 k=10 2.00" in format_status(status)
     state.set_progress("evaluate", 4, 4)
     state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
     status = run_status(data_dir, redis_conn, RUN)
