@@ -51,5 +51,7 @@ def test_on_cuda_the_one_pass_curve_is_the_decoded_one_within_rounding(tiny_mode
     prompts = [EvalPrompt(300 + i, m) for i, m in enumerate([*eval_messages, *demo_messages()[:4]])]
     report = evaluate_prompts(target, tokenizer, drafter, prompts, EvalConfig(max_new_tokens=40, draft_steps=3))
     assert report["greedy_check"]["mismatches"] == []
-    assert report["methods"]["drafter"]["curve"]["3"] > 1.2  # drafts were accepted
-    assert report["one_pass_apart"] <= 0.05
+    drafter_ = report["methods"]["drafter"]
+    assert drafter_["curve"]["3"] > 1.2  # drafts were accepted
+    for k, passes in drafter_["passes"].items():  # a turned near tie moves a prompt's walk by a pass or so
+        assert abs(drafter_["one_pass"]["passes"][k] - passes) <= len(prompts), k

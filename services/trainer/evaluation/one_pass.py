@@ -245,7 +245,7 @@ def one_pass_counts(target: object, replays: Sequence[Replay], drafters: Mapping
     """Emitted and passes at each k for every drafter (one target pass serves them all) and, with ``lookup``
     ((min_n, max_n)), prompt lookup under the name ``"lookup"``."""
     counts = {name: Counts.empty(ks) for name in drafters}
-    for batch in replay_batches([r for r in replays if r.states], batch_tokens):
+    for batch in replay_batches([r for r in replays if r.states], batch_tokens) if drafters else []:  # lookup reads tokens
         rows = target_pass(target, batch)
         for name, drafter in drafters.items():
             add_drafter(counts[name], drafter, rows)

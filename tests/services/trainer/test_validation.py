@@ -56,8 +56,9 @@ def test_the_stored_states_give_the_curve_the_targets_own_forward_gives(make_run
     from_target = one_pass_counts(tiny_target.model, replays, {"d": trained_drafter}, ks, batch_tokens=1 << 16)["d"]
     assert measured["files"] == 6 and measured["turns"] == len(spans) >= 6
     assert measured["tokens"] == from_target.emitted[1] == sum(len(s.reply) - 1 for s in spans)
-    for k in ks:
-        assert measured["curve"][str(k)] == pytest.approx(from_target.curve()[str(k)], abs=0.02), k
+    for k in ks:  # the files' states and a batched forward round apart: a turned near tie moves a turn by a pass
+        passes = round(measured["tokens"] / measured["curve"][str(k)])
+        assert abs(passes - from_target.passes[k]) <= len(spans), k
     assert measured["curve"]["4"] > 1.2  # the drafter learned these conversations: the walk accepted drafts
     assert trained_drafter.training is False
 

@@ -149,7 +149,7 @@ def test_the_curve_at_each_k_equals_an_independent_recomputation(curve_report, t
 
 
 def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_report):
-    _, _, report = curve_report
+    prompts, _, report = curve_report
     methods = report["methods"]
     for method in ("drafter", "lookup"):
         one_pass = methods[method]["one_pass"]
@@ -157,8 +157,9 @@ def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_re
         assert one_pass["emitted"] == methods[method]["emitted"]  # the same replies, every token counted once
         for k, value in one_pass["curve"].items():
             assert abs(value - methods[method]["curve"][k]) <= report["one_pass_apart"]
-    # In float32 the two agree within rounding (test_one_pass pins them pass for pass in float64).
-    assert report["one_pass_apart"] <= 0.05
+            # In float32 a drafter argmax within rounding of a tie may turn (test_one_pass pins the two pass for
+            # pass in float64): a pass or so a prompt at most, never a walk that counts otherwise.
+            assert abs(one_pass["passes"][k] - methods[method]["passes"][k]) <= len(prompts), (method, k)
     assert "one_pass" not in methods["no_drafter"]
 
 

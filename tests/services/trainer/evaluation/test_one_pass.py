@@ -118,5 +118,5 @@ def test_in_float32_the_curve_is_the_decoded_one_within_rounding(trained_drafter
     decoded = decoded_passes(target, lambda: drafter_proposer(trained_drafter), same, 3, trained_drafter.config.layer_ids)
     emitted, passes = map(sum, zip(*decoded))
     assert counts.emitted[3] == emitted
-    assert abs(counts.passes[3] - passes) <= max(1, passes // 100)
+    assert abs(counts.passes[3] - passes) <= len(same)  # a turned near tie moves a prompt's walk by a pass or so
     assert torch.get_default_dtype() == torch.float32
