@@ -38,7 +38,9 @@ TERMINAL = ("complete", "complete_with_failures", "failed")
 # A run small enough for two cores; the tiny target's replies only show the plumbing.
 RUN_CONFIG = {
     "generation": {"max_tokens": 32, "min_completion_tokens": 1, "temperature": 0.0},
-    "train": {"epochs": 1, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 256, "save_every": 50},
+    # Two files held out of training: the trainer's held-out curve reaches Prometheus and its dashboard panel.
+    "train": {"epochs": 1, "batch_size": 8, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 256, "save_every": 50,
+              "validation_files": 2},
     "evaluate": {"holdout": 4, "max_new_tokens": 16, "draft_steps": 2, "humaneval_limit": 2, "curve_max_steps": 2},
 }
 HOLDOUT = RUN_CONFIG["evaluate"]["holdout"]
