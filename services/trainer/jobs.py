@@ -40,6 +40,7 @@ from services.trainer.export_method import export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
+from services.trainer.validation import validation_split
 from services.trainer.target_head import read_target_config, text_config
 from services.trainer.train import (
     TrainResult,
@@ -97,7 +98,8 @@ def train(payload: dict) -> dict:
         spec = RunSpec.load(settings.data, job.run)
         with exclusive_training(paths):
             result = _train_and_export(spec, settings, state, paths)
-        learned = count_loss_tokens([path for _, path in list_hidden_files(paths)], spec.train_max_length)
+        trained, _ = validation_split(list_hidden_files(paths), spec.train.validation_files)
+        learned = count_loss_tokens(trained, spec.train_max_length)
     except TrainingInProgress:
         raise  # the run's state belongs to the trainer holding the lock
     except Exception as exc:  # every way out of here but success leaves the run's train stage named failed

@@ -539,7 +539,7 @@ def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> Tr
     if step != total:
         raise CheckpointFormatError(f"{found}: training stopped at step {step} of {total}")
     drafter.load_embedding(load_target_head(model_dir, dtype=None).embed)
-    files = [path for _, path in list_hidden_files(paths)]
+    files, _ = validation_split(list_hidden_files(paths), spec.train.validation_files)  # what ``prepare`` trained on
     if not files:
         raise HiddenStateFileError(f"{paths.hidden_dir}: no hidden-state files")
     meta = read_header(files[0])[0].get("__metadata__", {})  # the file ``prepare`` takes them from

@@ -138,6 +138,21 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     assert_two_ranks_trained_what_one_did(one, two, single, double, samples, terms)
 
 
+def test_two_processes_measure_the_held_out_files_on_rank_zero_alone(data_dir, tiny_target, tiny_samples,
+                                                                     eval_messages, tiny_model_dir, redis_url):
+    """Rank 0 measures while rank 1 waits at the next step's all-reduce: training finishes on both, the held-out
+    curve is logged once per checkpoint, and the files held out trained on neither rank."""
+    paths = write_run(data_dir, "held", tiny_target, tiny_samples[:8], eval_messages,
+                      train={**DDP_TRAIN, "batch_size": 2, "save_every": 2, "validation_files": 2},
+                      evaluate={"curve_max_steps": 2, "draft_steps": 2})
+    run_torchrun("held", 2, settings_for(data_dir, tiny_model_dir, redis_url))
+    result = trained_from_checkpoint(RunSpec.load(data_dir, "held"), data=data_dir, model_dir=tiny_model_dir)
+    assert result.num_files == 6 and result.steps == 2  # 6 files trained, 4 a global batch of two ranks
+    lines = [json.loads(line) for line in paths.validation_log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2]
+    assert lines[0]["files"] == 2 and set(lines[0]["curve"]) == {"1", "2"}
+
+
 def checkpoint_world(paths, step: int) -> int:
     return json.loads((paths.checkpoint(step) / "state.json").read_text())["world_size"]
 
