@@ -2,7 +2,8 @@
 against the chain length k for the drafter and prompt lookup, and the no-drafter line, all measured in the
 same run on the same prompts (bench/bench_pipeline.py's --json). ``--sweep`` adds the drafters that
 bench/bench_train_sweep.py trained from the same run's files and evaluated on the same sets (DFlash beside
-the run's EAGLE-3, say), one line each.
+the run's EAGLE-3, say), one line each. Where the run held files out of training (train.validation_files), a
+last panel draws their one-pass acceptance at each checkpoint against the training step, one line per k.
 
     python bench/plot_acceptance.py FIGURES.json OUT.png [--sweep SWEEP.json ...] [--title TEXT]
 
@@ -49,14 +50,24 @@ def curves(figures: dict[str, Any], sweeps: tuple[dict[str, Any], ...] = ()) -> 
     return out
 
 
+def held_out_lines(figures: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """Per k, the (training step, held-out one-pass acceptance) points of the run's checkpoints, in step order."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for point in sorted(figures.get("validation_curve") or [], key=lambda p: p["step"]):
+        for k, value in point["curve"].items():
+            out.setdefault(k, []).append((point["step"], value))
+    return dict(sorted(out.items(), key=lambda item: int(item[0])))
+
+
 def plot(figures: dict[str, Any], out: Path, title: str | None = None, sweeps: tuple[dict[str, Any], ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sets = curves(figures, sweeps)
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True, squeeze=False)
+    sets, held_out = curves(figures, sweeps), held_out_lines(figures)
+    panels = len(sets) + (1 if held_out else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6), sharey=True, squeeze=False)
     for ax, (name, methods) in zip(axes[0], sets.items()):
         drafter = method_name(figures["evaluation"][name].get("drafter_method"))
         styles = {"drafter": (f"drafter ({drafter})", "o-"), "lookup": ("prompt lookup", "s--"), "no_drafter": ("no drafter", ":")}
@@ -68,6 +79,15 @@ def plot(figures: dict[str, Any], out: Path, title: str | None = None, sweeps: t
         ax.set_xlabel("draft tokens per pass (k)")
         ax.set_xticks(sorted({k for points in methods.values() for k, _ in points}))
         ax.grid(alpha=0.3)
+    if held_out:
+        ax = axes[0][-1]
+        for k, line in held_out.items():
+            ax.plot([step for step, _ in line], [v for _, v in line], ".-", label=f"k = {k}")
+        files = figures["validation_curve"][-1].get("files")
+        ax.set_title(f"held-out files ({files}), one pass, while training", fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("acceptance length (tokens per target pass)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title or f"{figures.get('target', '')} on {figures.get('device', '')}", fontsize=11)

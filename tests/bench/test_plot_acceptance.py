@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from plot_acceptance import curves  # noqa: E402
+from plot_acceptance import curves, held_out_lines  # noqa: E402
 
 RUN = {"evaluation": {
     "holdout": {"drafter_method": "eagle3", "prompts": 4, "drafter": {"curve": {"2": 1.7, "1": 1.5}},
@@ -32,3 +32,13 @@ def test_a_swept_variant_is_drawn_on_the_sets_it_was_evaluated_on():
     assert lines["holdout"]["sweep:dflash (DFlash)"] == [(1, 1.6), (2, 1.9)]
     assert not any(name.startswith("sweep:") for name in lines["humaneval"])  # not evaluated there: no line
     assert lines["holdout"]["drafter"] == curves(RUN)["holdout"]["drafter"]  # the run's own lines unchanged
+
+
+def test_the_held_out_curve_is_one_line_per_k_over_the_training_steps():
+    figures = {**RUN, "validation_curve": [
+        {"step": 1000, "epoch": 0, "files": 256, "curve": {"1": 1.4, "3": 1.7, "10": 1.9}},
+        {"step": 500, "epoch": 0, "files": 256, "curve": {"1": 1.3, "3": 1.5, "10": 1.6}},
+    ]}
+    assert held_out_lines(figures) == {"1": [(500, 1.3), (1000, 1.4)], "3": [(500, 1.5), (1000, 1.7)],
+                                       "10": [(500, 1.6), (1000, 1.9)]}
+    assert held_out_lines(RUN) == {}  # no files held out: no panel
