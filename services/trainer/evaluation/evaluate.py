@@ -44,7 +44,7 @@ from services.trainer.evaluation.lookup import LookupProposer, NoProposer
 from services.trainer.evaluation.one_pass import Replay, one_pass_counts
 from services.trainer.methods import EAGLE3, method_of
 from services.trainer.model import TargetTied
-from services.trainer.evaluation.speculative import DecodeResult, eos_ids_of
+from services.trainer.evaluation.speculative import DecodeResult, Tally, eos_ids_of
 from services.trainer.train import avoid_cudnn_attention
 from services.trainer.evaluation.verify_attention import use_grouped_attention
 from services.trainer.evaluation.speculative_batch import (
@@ -88,22 +88,6 @@ def first_difference(tokens: list[int], reference: list[int]) -> int | None:
         if a != b:
             return position
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
-
-
-@dataclass
-class Tally:
-    """Emitted tokens and verification passes of one method at one k, summed over a set."""
-
-    emitted: int = 0
-    passes: int = 0
-
-    def add(self, decoded: DecodeResult) -> None:
-        self.emitted += sum(decoded.accepted)
-        self.passes += decoded.steps
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.emitted / self.passes if self.passes else 0.0
 
 
 # Where a speculative decode and ``generate`` part at a position whose two candidate tokens the target scores
@@ -170,14 +154,7 @@ class SetRun:
         self.seconds = max(self.seconds, other["seconds"])  # the shares ran at the same time
         for mine, theirs in ((self.tallies, other["tallies"]), (self.one_pass, other["one_pass"])):
             for method, k, emitted, passes in theirs:
-                tally = mine.setdefault((method, k), Tally())
-                tally.emitted += emitted
-                tally.passes += passes
-
-    def add_one_pass(self, method: str, k: int, emitted: int, passes: int) -> None:
-        tally = self.one_pass.setdefault((method, k), Tally())
-        tally.emitted += emitted
-        tally.passes += passes
+                mine.setdefault((method, k), Tally()).count(emitted, passes)
 
 
 @torch.inference_mode()
@@ -343,8 +320,8 @@ def decode_part(target: Any, drafter: TargetTied, prompts: list[EvalPrompt], ids
     counts = one_pass_counts(target, [Replay(one, reference) for one, reference in zip(ids, references)],
                              {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens, lookup=lookup)
     for method, found in counts.items():
-        for k in found.emitted:
-            measured.add_one_pass(method, k, found.emitted[k], found.passes[k])
+        for k, tally in found.tallies.items():
+            measured.one_pass.setdefault((method, k), Tally()).count(tally.emitted, tally.passes)
     for row, (prompt, prompt_ids, reference) in enumerate(zip(prompts, ids, references)):
         mine = {key: results[row] for key, results in decodes.items()}
         gap = functools.partial(logit_gap, target, prompt_ids, reference)

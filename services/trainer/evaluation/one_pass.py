@@ -37,6 +37,7 @@ import torch
 
 from services.trainer.dflash import DFlashDrafter
 from services.trainer.evaluation.lookup import lookup_proposal
+from services.trainer.evaluation.speculative import Tally
 from services.trainer.evaluation.speculative_batch import pad_id_of
 from services.trainer.model import Eagle3Drafter, TargetTied, ttt_unroll
 
@@ -182,27 +183,32 @@ def lookup_matches(replay: Replay, steps: int, *, min_n: int, max_n: int) -> lis
 
 @dataclass
 class Counts:
-    """Emitted tokens and passes at each k, summed over replays."""
+    """Emitted tokens and passes at each k, summed over replies: one ``Tally`` a k, as the decodes are counted."""
 
-    emitted: dict[int, int]
-    passes: dict[int, int]
+    tallies: dict[int, Tally]
 
     @classmethod
     def empty(cls, ks: Sequence[int]) -> Counts:
-        return cls({k: 0 for k in ks}, {k: 0 for k in ks})
+        return cls({k: Tally() for k in ks})
+
+    @property
+    def emitted(self) -> dict[int, int]:
+        return {k: t.emitted for k, t in self.tallies.items()}
+
+    @property
+    def passes(self) -> dict[int, int]:
+        return {k: t.passes for k, t in self.tallies.items()}
 
     def add(self, k: int, matches: Sequence[int]) -> None:
-        emitted, passes = walk(matches, k)
-        self.emitted[k] += emitted
-        self.passes[k] += passes
+        self.tallies[k].count(*walk(matches, k))
 
     def curve(self) -> dict[str, float]:
-        return {str(k): self.emitted[k] / self.passes[k] if self.passes[k] else 0.0 for k in sorted(self.emitted)}
+        return {str(k): self.tallies[k].acceptance_length for k in sorted(self.tallies)}
 
 
 def add_drafter(counts: Counts, drafter: TargetTied, rows: Rows) -> None:
     """Every span's walk at every k of ``counts``, the drafter's parts of ``rows`` sized to ``SCORE_ELEMENTS``."""
-    ks, width = sorted(counts.emitted), rows.ids.shape[1]
+    ks, width = sorted(counts.tallies), rows.ids.shape[1]
     if isinstance(drafter, DFlashDrafter):
         heads = drafter.config.base.num_attention_heads
         for k in ks:
@@ -218,7 +224,7 @@ def add_drafter(counts: Counts, drafter: TargetTied, rows: Rows) -> None:
 
 
 def add_lookup(counts: Counts, replays: Sequence[Replay], *, min_n: int, max_n: int) -> None:
-    ks = sorted(counts.emitted)
+    ks = sorted(counts.tallies)
     for replay in replays:
         matches = lookup_matches(replay, max(ks), min_n=min_n, max_n=max_n)
         for k in ks:
@@ -245,11 +251,12 @@ def one_pass_counts(target: object, replays: Sequence[Replay], drafters: Mapping
     """Emitted and passes at each k for every drafter (one target pass serves them all) and, with ``lookup``
     ((min_n, max_n)), prompt lookup under the name ``"lookup"``."""
     counts = {name: Counts.empty(ks) for name in drafters}
-    for batch in replay_batches([r for r in replays if r.states], batch_tokens) if drafters else []:  # lookup reads tokens
-        rows = target_pass(target, batch)
-        for name, drafter in drafters.items():
-            add_drafter(counts[name], drafter, rows)
-        del rows
+    if drafters:  # prompt lookup reads tokens alone: no target pass for it
+        for batch in replay_batches([r for r in replays if r.states], batch_tokens):
+            rows = target_pass(target, batch)
+            for name, drafter in drafters.items():
+                add_drafter(counts[name], drafter, rows)
+            del rows
     if lookup is not None:
         counts["lookup"] = Counts.empty(ks)
         add_lookup(counts["lookup"], replays, min_n=lookup[0], max_n=lookup[1])

@@ -78,6 +78,25 @@ class DecodeResult:
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
+@dataclass
+class Tally:
+    """Emitted tokens and verification passes, summed over decodes (one method at one k)."""
+
+    emitted: int = 0
+    passes: int = 0
+
+    def add(self, decoded: DecodeResult) -> None:
+        self.count(sum(decoded.accepted), decoded.steps)
+
+    def count(self, emitted: int, passes: int) -> None:
+        self.emitted += emitted
+        self.passes += passes
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.passes if self.passes else 0.0
+
+
 def aux_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """(T, 3H) from HF ``output_hidden_states`` (index 0 = embeddings, so layer i's output is i + 1)."""
     return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
