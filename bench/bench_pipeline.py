@@ -103,10 +103,11 @@ def training_curve(paths: RunPaths, points: int = 20) -> list[dict[str, Any]]:
 
 
 def validation_curve(paths: RunPaths) -> list[dict[str, Any]]:
-    """Every checkpoint's held-out one-pass acceptance (train.validation_files): step, epoch, curve, turns, seconds."""
+    """Every checkpoint's held-out one-pass acceptance (train.validation_files): step, epoch, curve, turns, seconds,
+    or the error that kept a checkpoint from being measured."""
     if not paths.validation_log.is_file():
         return []
-    keep = ("step", "epoch", "curve", "files", "turns", "seconds")
+    keep = ("step", "epoch", "curve", "files", "turns", "seconds", "error")
     return [{k: row[k] for k in keep if k in row}
             for row in (json.loads(line) for line in paths.validation_log.read_text().splitlines() if line.strip())]
 

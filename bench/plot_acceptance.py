@@ -54,7 +54,7 @@ def held_out_lines(figures: dict[str, Any]) -> dict[str, list[tuple[int, float]]
     """Per k, the (training step, held-out one-pass acceptance) points of the run's checkpoints, in step order."""
     out: dict[str, list[tuple[int, float]]] = {}
     for point in sorted(figures.get("validation_curve") or [], key=lambda p: p["step"]):
-        for k, value in point["curve"].items():
+        for k, value in point.get("curve", {}).items():  # a checkpoint whose measurement failed has none
             out.setdefault(k, []).append((point["step"], value))
     return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
@@ -83,7 +83,7 @@ def plot(figures: dict[str, Any], out: Path, title: str | None = None, sweeps: t
         ax = axes[0][-1]
         for k, line in held_out.items():
             ax.plot([step for step, _ in line], [v for _, v in line], ".-", label=f"k = {k}")
-        files = figures["validation_curve"][-1].get("files")
+        files = next(p["files"] for p in reversed(figures["validation_curve"]) if "files" in p)
         ax.set_title(f"held-out files ({files}), one pass, while training", fontsize=10)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)

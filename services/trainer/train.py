@@ -549,6 +549,24 @@ def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> Tr
 
 # ---- the loop -----------------------------------------------------------------------------------
 
+def measure_held_out(s: Session, step: int, epoch: int, validation_log: TrainLog) -> dict[str, float] | None:
+    """The held-out curve at this checkpoint, logged; None where measuring failed. A failure is logged with its
+    error (and written to validation.jsonl) and training goes on: the measurement watches the run, and a fault in
+    it must not cost the days of training it watches."""
+    assert s.validation is not None
+    try:
+        with s.weights.full_precision():
+            measured = s.validation.measure(s.drafter)
+    except Exception as exc:  # noqa: BLE001 - any fault of the monitor is reported, never fatal to training
+        log.exception("step %d: held-out acceptance not measured", step)
+        validation_log.write({"step": step, "epoch": epoch, "error": f"{type(exc).__name__}: {exc}"})
+        return None
+    validation_log.write({"step": step, "epoch": epoch, **measured})
+    log.info("step %d: held-out acceptance (one pass, %d turns of %d files) %s", step, measured["turns"],
+             measured["files"], " ".join(f"k={k}: {v:.3f}" for k, v in measured["curve"].items()))
+    return measured["curve"]
+
+
 def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None) -> TrainResult:
     """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
     s = prepare(spec, data=data, model_dir=model_dir, device=device)
@@ -580,13 +598,8 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
                              "elapsed_s": round(time.monotonic() - started, 3)})
             checkpoint = s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total)
             if checkpoint and s.validation is not None:
-                with s.weights.full_precision():
-                    measured = s.validation.measure(s.drafter)
-                validation = measured["curve"]
+                validation = measure_held_out(s, step, epoch, validation_log)  # None: no current figure, not a stale one
                 s.result.last = replace(s.result.last, validation=validation)
-                validation_log.write({"step": step, "epoch": epoch, **measured})
-                log.info("step %d: held-out acceptance (one pass, %d turns of %d files) %s", step, measured["turns"],
-                         measured["files"], " ".join(f"k={k}: {v:.3f}" for k, v in validation.items()))
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if checkpoint:

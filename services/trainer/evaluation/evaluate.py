@@ -104,6 +104,7 @@ class SetRun:
     name: str
     tallies: dict[tuple[str, int], Tally] = field(default_factory=dict)
     one_pass: dict[tuple[str, int], Tally] = field(default_factory=dict)  # the same curves, from one_pass
+    one_pass_error: str | None = None  # why the one-pass curves are missing (the decoded ones stand)
     rows: list[dict] = field(default_factory=list)
     checked: int = 0
     mismatches: list[dict] = field(default_factory=list)
@@ -140,7 +141,8 @@ class SetRun:
         return {"name": self.name, "rows": self.rows, "checked": self.checked, "mismatches": self.mismatches,
                 "near_ties": self.near_ties, "tolerance": self.tolerance, "stop_ids": self.stop_ids, "seconds": self.seconds,
                 "too_long": self.too_long, "tallies": [[m, k, t.emitted, t.passes] for (m, k), t in self.tallies.items()],
-                "one_pass": [[m, k, t.emitted, t.passes] for (m, k), t in self.one_pass.items()]}
+                "one_pass": [[m, k, t.emitted, t.passes] for (m, k), t in self.one_pass.items()],
+                "one_pass_error": self.one_pass_error}
 
     def merge(self, other: dict[str, Any]) -> None:
         """Add another process's share of the same set (``to_json``'s form)."""
@@ -155,6 +157,14 @@ class SetRun:
         for mine, theirs in ((self.tallies, other["tallies"]), (self.one_pass, other["one_pass"])):
             for method, k, emitted, passes in theirs:
                 mine.setdefault((method, k), Tally()).count(emitted, passes)
+        if other["one_pass_error"] and not self.one_pass_error:
+            self.fail_one_pass(other["one_pass_error"])
+
+    def fail_one_pass(self, error: str) -> None:
+        """No one-pass curve for this set: a part of it could not be measured, and a curve over the other parts
+        would set different prompts beside the decoded curve."""
+        self.one_pass_error = error
+        self.one_pass.clear()
 
 
 @torch.inference_mode()
@@ -316,18 +326,32 @@ def decode_part(target: Any, drafter: TargetTied, prompts: list[EvalPrompt], ids
     """One batch's decodes, each checked against ``generate``, added to ``measured``."""
     references = greedy_references(target, ids, cfg.max_new_tokens)
     decodes = decode_set(target, drafter, ids, cfg, layer_ids, tick)
-    lookup = (cfg.lookup_min, cfg.lookup_max) if cfg.baselines else None
-    counts = one_pass_counts(target, [Replay(one, reference) for one, reference in zip(ids, references)],
-                             {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens, lookup=lookup)
-    for method, found in counts.items():
-        for k, tally in found.tallies.items():
-            measured.one_pass.setdefault((method, k), Tally()).count(tally.emitted, tally.passes)
+    if measured.one_pass_error is None:
+        add_one_pass(target, drafter, ids, references, cfg, measured)
     for row, (prompt, prompt_ids, reference) in enumerate(zip(prompts, ids, references)):
         mine = {key: results[row] for key, results in decodes.items()}
         gap = functools.partial(logit_gap, target, prompt_ids, reference)
         for (method, k), decoded in mine.items():
             measured.record(prompt, method, k, decoded, reference, gap)
         measured.rows.append(prompt_row(prompt, prompt_ids, mine, cfg))
+
+
+def add_one_pass(target: Any, drafter: TargetTied, ids: list[list[int]], references: list[list[int]], cfg: EvalConfig,
+                 measured: SetRun) -> None:
+    """The part's one-pass curves, added to ``measured``. They cross-check the decoded curves, which are the
+    report's figures: a fault here is logged and named in the report (``one_pass_error``), never fatal to the
+    decodes it checks."""
+    lookup = (cfg.lookup_min, cfg.lookup_max) if cfg.baselines else None
+    try:
+        counts = one_pass_counts(target, [Replay(one, reference) for one, reference in zip(ids, references)],
+                                 {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens, lookup=lookup)
+    except Exception as exc:  # noqa: BLE001 - reported in the set's report, beside the decoded figures
+        log.exception("evaluation set %s: one-pass curves not measured", measured.name)
+        measured.fail_one_pass(f"{type(exc).__name__}: {exc}")
+        return
+    for method, found in counts.items():
+        for k, tally in found.tallies.items():
+            measured.one_pass.setdefault((method, k), Tally()).count(tally.emitted, tally.passes)
 
 
 def evaluate_prompts(
@@ -372,7 +396,8 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
         "steps": head.passes,
         "tokens": sum(r["tokens"] for r in measured.rows),
         "layer_ids": layer_ids,
-        "one_pass_apart": apart,  # the largest |decoded - one-pass| acceptance length over methods and k
+        "one_pass_apart": None if measured.one_pass_error else apart,  # the largest |decoded - one-pass| over methods and k
+        "one_pass_error": measured.one_pass_error,  # why there is no one-pass curve, where there is none
         "drafter_method": drafter_method,  # eagle3: a chain of k one-token passes; dflash: one block pass of k tokens
         "seconds": measured.seconds,
     }

@@ -81,3 +81,29 @@ def test_a_run_with_held_out_files_trains_on_the_rest_and_logs_the_curve_at_ever
         assert all(value >= 1.0 for value in line["curve"].values())
     assert [p.validation is None for p in seen] == [True] * 3 + [False] * 3  # from the first checkpoint on
     assert seen[-1].validation == lines[-1]["curve"]
+
+
+def test_a_checkpoint_whose_measurement_fails_is_logged_with_its_error_and_training_goes_on(make_run, tiny_target,
+                                                                                            monkeypatch, caplog):
+    from services.trainer.train import train_drafter
+
+    real, calls = Validation.measure, []
+
+    def fails_first(self, drafter):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return real(self, drafter)
+
+    monkeypatch.setattr(Validation, "measure", fails_first)
+    paths = make_run(train={"validation_files": 4, "save_every": 4}, evaluate={"curve_max_steps": 3, "draft_steps": 2})
+    seen = []
+    result = train_drafter(RunSpec.load(paths.data, paths.run), data=paths.data, model_dir=tiny_target.model_dir,
+                           device="cpu", progress=seen.append)
+    lines = [json.loads(line) for line in paths.validation_log.read_text().splitlines()]
+    assert lines[0] == {"step": 4, "epoch": 1, "error": "RuntimeError: CUDA out of memory (stand-in)"}
+    assert lines[1]["step"] == result.steps == 6 and set(lines[1]["curve"]) == {"1", "2", "3"}
+    # No figure while the latest checkpoint has none: the status never shows an earlier one as current.
+    assert [p.validation is None for p in seen] == [True] * 5 + [False]
+    assert "held-out acceptance not measured" in caplog.text
+    assert paths.train_log.read_text().count("\n") == 6  # every step trained

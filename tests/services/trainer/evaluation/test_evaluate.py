@@ -163,6 +163,31 @@ def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_re
     assert "one_pass" not in methods["no_drafter"]
 
 
+def test_a_one_pass_fault_is_named_in_the_report_and_the_decoded_curves_stand(curve_report, trained_drafter,
+                                                                            tiny_target, monkeypatch, caplog):
+    prompts, cfg, report = curve_report
+    calls = []
+
+    def breaks_on_the_second_part(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return real(*args, **kwargs)
+
+    real = evaluate.one_pass_counts
+    monkeypatch.setattr(evaluate, "one_pass_counts", breaks_on_the_second_part)
+    one_each = cfg.model_copy(update={"batch_tokens": 1})  # a part per prompt: the fault falls after a good part
+    broken = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, one_each)
+    assert len(calls) == 2  # no part after the fault is measured
+    assert broken["one_pass_error"] == "RuntimeError: CUDA out of memory (stand-in)"
+    assert broken["one_pass_apart"] is None
+    assert all("one_pass" not in m for m in broken["methods"].values())  # not a curve over the good part alone
+    for method in ("drafter", "lookup"):
+        assert broken["methods"][method]["curve"] == report["methods"][method]["curve"]
+    assert report["one_pass_error"] is None
+    assert "one-pass curves not measured" in caplog.text
+
+
 def test_without_a_drafter_every_pass_emits_one_token_and_every_decode_matched_greedy(curve_report):
     prompts, _, report = curve_report
     plain = report["methods"]["no_drafter"]
