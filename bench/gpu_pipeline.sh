@@ -11,6 +11,7 @@
 # Issue the run and every follow in ONE batch of tool calls, the last follow sized to the device time left: a
 # machine stays warm 30 s after a call, and a pause between calls on the caller's side lost a run's evaluation
 # with its machine (bench/RESULTS.md, 2026-12-04, DFlash).
+# `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -133,6 +134,12 @@ send_export() {
   done
 }
 
+gpu_tests() {
+  env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
+    "$PY" -m pytest -q -x -m gpu ${GPU_TESTS:-tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py tests/gpu/test_verify_attention_cuda.py} \
+    -p no:cacheprovider 2>&1 | tail -15
+}
+
 case "${1:-}" in
   stage)
     mkdir -p "$WORK/part" && cp .gpu/part1/* "$WORK/part/" && ls -la "$WORK/part"
@@ -142,9 +149,11 @@ case "${1:-}" in
     # before the run spends device time on them (a minute or two; GPU_CHECK=0 skips it once the same code has
     # passed there, GPU_TESTS names fewer test files).
     [ "${GPU_CHECK:-1}" = 0 ] && exit 0
-    env_vars && DRAFTLINE_REQUIRE_GPU=1 DRAFTLINE_TEST_CACHE=$WORK/test-cache \
-      "$PY" -m pytest -q -x -m gpu ${GPU_TESTS:-tests/gpu/test_continuous_cuda.py tests/gpu/test_dflash_cuda.py tests/gpu/test_verify_attention_cuda.py} \
-      -p no:cacheprovider 2>&1 | tail -15 ;;
+    gpu_tests ;;
+  gpu-tests)
+    # The same checks on a machine already staged, e.g. after the last follow, so they take none of the run's window.
+    [ -d "$WORK/site" ] || { echo "not staged on this machine: run stage first" >&2; exit 3; }
+    gpu_tests ;;
   stage-data)
     # ShareGPT's package (27 MB) does not fit beside a target part in one call's 64 MiB: a call of its own.
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .gpu/part3/*.whl || exit 1
@@ -167,5 +176,5 @@ case "${1:-}" in
     [ -f "$WORK/pipeline.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
       "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES]" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | gpu-tests" >&2; exit 2 ;;
 esac
