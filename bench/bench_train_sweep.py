@@ -44,6 +44,8 @@ from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
 from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
 from services.trainer.evaluation.evaluate import (  # noqa: E402
+    DRAFTER,
+    LOOKUP,
     evaluate_sets,
     exported_drafter,
     load_target,
@@ -137,16 +139,21 @@ def accepted_per_forward(curve: dict[str, float], method: str) -> dict[str, floa
     return {k: (value - 1) / (int(k) if method == "eagle3" else 1) for k, value in curve.items()}
 
 
-def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], cfg: Any, method: str) -> dict[str, Any]:
-    """Per set, the drafter's one-pass curve at k = 1 .. curve_max_steps over the set's greedy replies."""
+def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], cfg: Any, method: str,
+                  lookup: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Per set, the drafter's one-pass curve at k = 1 .. curve_max_steps over the set's greedy replies, and with
+    ``lookup`` ((min_n, max_n)) prompt lookup's over the same replies (``lookup_curve``)."""
     found = {}
     for set_name, one in replays.items():
         started = time.monotonic()
-        counts = one_pass_counts(target, one, {"drafter": drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens)
-        curve = counts["drafter"].curve()
+        counts = one_pass_counts(target, one, {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens,
+                                 lookup=lookup)
+        curve = counts[DRAFTER].curve()
         found[set_name] = {"prompts": len(one), "measured_by": "one_pass", "curve": curve,
                            "accepted_per_drafter_forward": accepted_per_forward(curve, method),
                            "seconds": round(time.monotonic() - started, 1)}
+        if lookup is not None:
+            found[set_name]["lookup_curve"] = counts[LOOKUP].curve()
     return found
 
 
@@ -204,13 +211,20 @@ def measure_source(figures: dict[str, Any], data: Path, source: RunSpec, model_d
     figures["one_pass"] = {"replays_s": round(time.monotonic() - started, 1),
                            "prompts": {name: len(one) for name, one in replays.items()}}
     drafter = exported_drafter(target, model_dir, paths.export_dir)
-    measured = one_pass_sets(target, drafter, replays, cfg, source.train.method)
+    # Prompt lookup too (its one pass costs no target forward): the margin the run is judged by stands in this JSON
+    # even where the run's own decoded evaluation has not finished.
+    measured = one_pass_sets(target, drafter, replays, cfg, source.train.method, lookup=(cfg.lookup_min, cfg.lookup_max))
     decoded = json.loads(paths.eval_report.read_text())["sets"] if paths.eval_report.exists() else {}
     for set_name, one in measured.items():
-        curve = decoded.get(set_name, {}).get("methods", {}).get("drafter", {}).get("curve")
-        if curve:
-            one["decoded_curve"] = curve
-            one["apart"] = max(abs(one["curve"][k] - curve[k]) for k in one["curve"] if k in curve)
+        methods = decoded.get(set_name, {}).get("methods", {})
+        apart = []
+        for mine, theirs, method in (("curve", "decoded_curve", DRAFTER), ("lookup_curve", "decoded_lookup_curve", LOOKUP)):
+            curve = methods.get(method, {}).get("curve")
+            if curve:
+                one[theirs] = curve
+                apart += [abs(one[mine][k] - curve[k]) for k in one[mine] if k in curve]
+        if apart:
+            one["apart"] = max(apart)
     figures["one_pass"]["source"] = measured
     log.info("source run %s by one pass: %s", source.name, json.dumps({s: v["curve"] for s, v in measured.items()}))
     return replays

@@ -83,6 +83,9 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         source = swept["one_pass"]["source"][name]
         assert source["decoded_curve"] == figures["evaluation"][name]["drafter"]["curve"]
         assert source["curve"] == figures["evaluation"][name]["drafter"]["one_pass_curve"]  # the same walk, the same replies
+        # Prompt lookup beside it, by one pass and as the run decoded it: the margin stands without the decodes.
+        assert source["lookup_curve"] == figures["evaluation"][name]["lookup"]["one_pass_curve"]
+        assert source["decoded_lookup_curve"] == figures["evaluation"][name]["lookup"]["curve"]
         assert source["prompts"] == swept["one_pass"]["prompts"][name] == figures["evaluation"][name]["prompts"]
         one = swept["variants"]["lr"]["sets"][name]
         assert one["measured_by"] == "one_pass" and set(one["curve"]) == {"1", "2"}
