@@ -106,7 +106,7 @@ follow() {
     sleep 5
   done
   cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep-*.log "$WORK"/sweep-*.json "$OUT"/ 2>/dev/null
-  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
+  (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/drafter/validation.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   local sweeps=() sweep
   for sweep in "$WORK"/sweep-*.json; do [ -f "$sweep" ] && sweeps+=(--sweep "$sweep"); done
   [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" "${sweeps[@]}" \
