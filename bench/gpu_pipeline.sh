@@ -125,11 +125,13 @@ send_export() {
   ls "$WORK"/data/runs/*/drafter/export/config.json >/dev/null 2>&1 || return 0
   [ -f "$WORK/export.tgz" ] || (cd "$WORK/data" && tar czf "$WORK/export.tgz.tmp" runs/*/drafter/export \
     && mv "$WORK/export.tgz.tmp" "$WORK/export.tgz" && split -b 15M -d "$WORK/export.tgz" "$WORK/export.tgz.part")
-  local sent=0 part
+  # A call brings back at most 8 files: the parts take what the logs and figures leave of them, 3 at most.
+  local sent=0 part room=$(( 8 - $(ls "$OUT" | wc -l) ))
+  [ "$room" -gt 3 ] && room=3
   for part in "$WORK"/export.tgz.part*; do
     case "$part" in *.sent) continue ;; esac
     [ -f "$part.sent" ] && continue
-    [ "$sent" -ge 3 ] && { echo "export: more parts wait for the next follow"; break; }
+    [ "$sent" -ge "$room" ] && { echo "export: more parts wait for the next follow"; break; }
     cp "$part" "$OUT/" && touch "$part.sent" && sent=$((sent + 1))
   done
 }
