@@ -31,7 +31,7 @@ from services.cli.pipeline import PipelineSpec, run_pipeline, say, stage_table  
 from services.cli.target_build import ensure_target  # noqa: E402
 from shared.atomic import atomic_write_text, read_json  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
-from shared.runspec import TrainConfig  # noqa: E402
+from shared.runspec import EvalConfig, TrainConfig  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -134,10 +134,13 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"generator workers (default {GPU_REPLICAS['generator']}; 1 for --small or --device cpu)")
     parser.add_argument("--extractors", type=positive_int, metavar="N",
                         help=f"extractor workers (default {GPU_REPLICAS['extractor']}; 1 for --small or --device cpu)")
-    parser.add_argument("--train", type=train_overrides, default={}, metavar="KEY=VALUE,...",
+    parser.add_argument("--train", type=setting_overrides, default={}, metavar="KEY=VALUE,...",
                         help="train settings over the run's (values read as JSON, dotted keys nest: "
                              "lr=1e-3,epochs=3 or method=dflash,dflash.layers=1); no spaces, so it passes through "
                              "bench/gpu_pipeline.sh's BENCH ARGS")
+    parser.add_argument("--eval", type=setting_overrides, default={}, metavar="KEY=VALUE,...",
+                        help="evaluate settings over the run's, as --train (decode=headline: decode k = draft_steps "
+                             "alone, the rest of the curve by one pass)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -145,12 +148,14 @@ def main(argv: list[str] | None = None) -> None:
 
     chat = args.dataset == "sharegpt"
     run = run_config(args)
-    if args.train:
-        run = {**run, "train": merged(run["train"], args.train)}
-        try:
-            TrainConfig.model_validate(run["train"])  # a misspelt setting fails here, before any GPU time
-        except ValueError as exc:  # pydantic's ValidationError names each bad field
-            parser.error(f"--train: {exc}")
+    for option, section, model in (("--train", "train", TrainConfig), ("--eval", "evaluate", EvalConfig)):
+        over = getattr(args, option[2:])
+        if over:
+            run = {**run, section: merged(run[section], over)}
+            try:
+                model.model_validate(run[section])  # a misspelt setting fails here, before any GPU time
+            except ValueError as exc:  # pydantic's ValidationError names each bad field
+                parser.error(f"{option}: {exc}")
     env = dict(SHAREGPT_ENV if chat else GPU_ENV) if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     data = args.data.resolve()
     started = time.monotonic()
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     say(json.dumps(figures["evaluation"], indent=2))
 
 
-def train_overrides(text: str) -> dict[str, Any]:
+def setting_overrides(text: str) -> dict[str, Any]:
     """``lr=1e-3,method=dflash,dflash.layers=1`` -> ``{"lr": 0.001, "method": "dflash", "dflash": {"layers": 1}}``."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
@@ -265,10 +270,20 @@ def summary(evaluation: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"prompts": len(one["prompts"]), "greedy_check": one["greedy_check"], "seconds": one["seconds"],
                      "headline": {"draft_steps": one["draft_steps"], "acceptance_length": one["acceptance_length"]},
                      "drafter_method": one.get("drafter_method", "eagle3"),
-                     "one_pass_apart": one.get("one_pass_apart"),
-                     **{method: {"curve": m["curve"], **({"one_pass_curve": m["one_pass"]["curve"]} if "one_pass" in m else {})}
-                        if "curve" in m else {"acceptance_length": m["acceptance_length"]}
-                        for method, m in one["methods"].items()}}
+                     "one_pass_apart": one.get("one_pass_apart"), "one_pass_error": one.get("one_pass_error"),
+                     **{method: method_summary(m) for method, m in one["methods"].items()}}
+    return out
+
+
+def method_summary(m: dict[str, Any]) -> dict[str, Any]:
+    """A method's curve, which of its k were decoded (evaluate.decode), and its one-pass curve; no drafter's figure."""
+    if "curve" not in m:
+        return {"acceptance_length": m["acceptance_length"]}
+    out = {"curve": m["curve"]}
+    if "measured_by" in m:
+        out["measured_by"] = m["measured_by"]
+    if "one_pass" in m:
+        out["one_pass_curve"] = m["one_pass"]["curve"]
     return out
 
 

@@ -146,6 +146,13 @@ class EvalConfig(_Frozen):
     humaneval_limit: int | None = Field(None, ge=1, description="The first N HumanEval prompts; None takes all 164.")
     curve_max_steps: int = Field(7, ge=1, le=32, description="Acceptance curve over chain lengths 1..N.")
     baselines: bool = Field(True, description="Also decode without a drafter and with prompt lookup (n-gram).")
+    decode: Literal["curve", "headline"] = Field(
+        "curve", description="curve: every k of the curve is decoded and checked against greedy decoding, the one-pass "
+                             "curve beside it as a check; headline: only draft_steps is decoded (and checked), the "
+                             "curve's other k come from the one-pass curve, equal to decoding but for rounding "
+                             "(services.trainer.evaluation.one_pass), in about 1/curve_max_steps of the decodes' "
+                             "time; the report's measured_by says which k were decoded, and one_pass_apart how far "
+                             "the two forms lie apart at draft_steps on these prompts.")
     lookup_min: int = Field(2, ge=1, description="Prompt lookup: shortest suffix n-gram matched (vLLM's prompt_lookup_min).")
     lookup_max: int = Field(5, ge=1, description="Prompt lookup: longest suffix n-gram matched (vLLM's prompt_lookup_max).")
     batch_prompts: int = Field(
@@ -166,6 +173,11 @@ class EvalConfig(_Frozen):
     def chain_lengths(self) -> list[int]:
         """The k measured: 1 .. curve_max_steps, and the headline draft_steps where it lies beyond."""
         return sorted(set(range(1, self.curve_max_steps + 1)) | {self.draft_steps})
+
+    @property
+    def decoded_lengths(self) -> list[int]:
+        """The k decoded: every k of the curve, or the headline alone (``decode``)."""
+        return self.chain_lengths if self.decode == "curve" else [self.draft_steps]
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:

@@ -105,11 +105,18 @@ def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apa
     result = subprocess.run(
         [sys.executable, "bench/bench_pipeline.py", "--data", str(tmp_path / "data"), "--dataset", "sharegpt",
          "--prompts", "6", "--small", "--device", "cpu", "--model-dir", str(tiny_model_dir), "--json", str(out),
-         "--train", "method=dflash,dflash.block_size=3,dflash.layers=1,dflash.anchors=8"],
+         "--train", "method=dflash,dflash.block_size=3,dflash.layers=1,dflash.anchors=8", "--eval", "decode=headline"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = json.loads(out.read_text())
     assert figures["dataset"] == "sharegpt" and figures["run"]["generation"]["max_turns"] == 2
+    # --eval decode=headline: k = draft_steps (2 in the small run) decoded and checked, k = 1 by one pass.
+    assert figures["run"]["evaluate"]["decode"] == "headline"
+    for one in figures["evaluation"].values():
+        for method in ("drafter", "lookup"):
+            assert one[method]["measured_by"] == {"1": "one_pass", "2": "decode"}
+            assert one[method]["curve"]["1"] == one[method]["one_pass_curve"]["1"]
+        assert one["greedy_check"]["checked"] == 3 * one["prompts"] and one["one_pass_apart"] is not None
     assert figures["run"]["train"]["method"] == "dflash" and figures["run"]["train"]["dflash"]["block_size"] == 3
     assert all(one["drafter_method"] == "dflash" for one in figures["evaluation"].values())
     samples = figures["samples"]

@@ -14,7 +14,10 @@ first token it yields count in neither. Per set it is measured, on the same prom
 - ``lookup``: prompt lookup (n-gram) drafting, vLLM's ``ngram`` method, at the same k;
 - ``no_drafter``: plain greedy decoding through the same loop, 1.0 by construction, measured anyway.
 
-Every k is a real decode. Each decode is compared with the target's ``generate(do_sample=False)``
+By default every k is a real decode (``evaluate.decode = "curve"``); with ``"headline"`` only ``draft_steps``
+is, and the curve's other k come from the one-pass curve below (each method's ``measured_by`` names which k
+were decoded), so a large target's evaluation costs one decode per method instead of one per k. Each decode is
+compared with the target's ``generate(do_sample=False)``
 output, computed once per prompt; the report counts the decodes checked and matched per set, and
 ``verify_greedy_equality`` turns any mismatch into a SpeculativeMismatch once the report is written.
 
@@ -187,10 +190,10 @@ def decode_set(
     run = functools.partial(speculative_generate_batch, target, prompts=prompts, max_new_tokens=cfg.max_new_tokens,
                             layer_ids=layer_ids, prefill=pre)
     plans: list[tuple[str, int, Callable[[], Any]]] = [
-        (DRAFTER, k, lambda: drafter_proposer(drafter)) for k in cfg.chain_lengths]
+        (DRAFTER, k, lambda: drafter_proposer(drafter)) for k in cfg.decoded_lengths]
     if cfg.baselines:
         plans += [(LOOKUP, k, lambda: RowProposers([LookupProposer(ids[0], min_n=cfg.lookup_min, max_n=cfg.lookup_max)
-                                                    for ids in prompts])) for k in cfg.chain_lengths]
+                                                    for ids in prompts])) for k in cfg.decoded_lengths]
         plans.append((NO_DRAFTER, 0, lambda: RowProposers([NoProposer() for _ in prompts])))
     decodes = {}
     for finished_plans, (method, k, proposer) in enumerate(plans, start=1):
@@ -379,11 +382,16 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
     for (method, k), t in sorted(measured.one_pass.items()):
         entry = methods[method].setdefault("one_pass", {"curve": {}, "emitted": {}, "passes": {}})
         entry["curve"][str(k)], entry["emitted"][str(k)], entry["passes"][str(k)] = t.acceptance_length, t.emitted, t.passes
-        apart = max(apart, abs(t.acceptance_length - methods[method]["curve"][str(k)]))
+        if str(k) in methods[method]["curve"]:
+            apart = max(apart, abs(t.acceptance_length - methods[method]["curve"][str(k)]))
+    for method, entry in methods.items():
+        if method != NO_DRAFTER:
+            fill_from_one_pass(entry)
     return {
         "definition": DEFINITION,
         "acceptance_length": head.acceptance_length,  # the drafter at draft_steps: the run's headline
         "draft_steps": cfg.draft_steps,
+        "decode": cfg.decode,  # curve: every k decoded; headline: draft_steps alone, the rest by one pass (measured_by)
         "max_new_tokens": cfg.max_new_tokens,
         "stop_ids": measured.stop_ids,
         "methods": methods,
@@ -401,6 +409,19 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
         "drafter_method": drafter_method,  # eagle3: a chain of k one-token passes; dflash: one block pass of k tokens
         "seconds": measured.seconds,
     }
+
+
+def fill_from_one_pass(entry: dict[str, Any]) -> None:
+    """A method's curve with every k: the decoded ones as they are, the rest (``evaluate.decode = "headline"``)
+    from its one-pass curve; ``measured_by`` says which is which."""
+    entry["measured_by"] = dict.fromkeys(entry["curve"], "decode")
+    one = entry.get("one_pass", {"curve": {}})
+    for k in sorted(one["curve"].keys() - entry["curve"].keys(), key=int):
+        for part in ("curve", "emitted", "passes"):
+            entry[part][k] = one[part][k]
+        entry["measured_by"][k] = "one_pass"
+    for part in ("curve", "emitted", "passes", "measured_by"):
+        entry[part] = dict(sorted(entry[part].items(), key=lambda item: int(item[0])))
 
 
 def evaluate_sets(

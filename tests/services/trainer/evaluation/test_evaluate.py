@@ -163,6 +163,31 @@ def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_re
     assert "one_pass" not in methods["no_drafter"]
 
 
+def test_decoding_the_headline_alone_takes_the_rest_of_the_curve_from_one_pass(curve_report, trained_drafter,
+                                                                               tiny_target):
+    prompts, cfg, report = curve_report
+    headline = cfg.model_copy(update={"decode": "headline"})
+    quick = evaluate_prompts(tiny_target.model, tiny_target.tokenizer, trained_drafter, prompts, headline)
+    assert quick["decode"] == "headline" and report["decode"] == "curve"
+    assert quick["greedy_check"]["checked"] == 3 * len(prompts)  # drafter and lookup at k = 3, and no drafter
+    apart = 0.0
+    for method in ("drafter", "lookup"):
+        full, mine = report["methods"][method], quick["methods"][method]
+        assert list(mine["curve"]) == [str(k) for k in range(1, 8)]
+        assert mine["measured_by"] == {k: "decode" if k == "3" else "one_pass" for k in mine["curve"]}
+        assert full["measured_by"] == dict.fromkeys(full["curve"], "decode")
+        for k in mine["curve"]:
+            source = full if k == "3" else full["one_pass"]  # the same decode, the same walk over the same replies
+            assert (mine["curve"][k], mine["emitted"][k], mine["passes"][k]) == \
+                   (source["curve"][k], source["emitted"][k], source["passes"][k]), (method, k)
+        assert mine["one_pass"]["curve"] == full["one_pass"]["curve"]
+        apart = max(apart, abs(full["curve"]["3"] - full["one_pass"]["curve"]["3"]))
+        assert [row["passes"][method] for row in quick["prompts"]] == [{"3": row["passes"][method]["3"]}
+                                                                       for row in report["prompts"]]
+    assert quick["one_pass_apart"] == apart  # checked where both forms exist: the headline
+    assert quick["acceptance_length"] == report["acceptance_length"]
+
+
 def test_a_one_pass_fault_is_named_in_the_report_and_the_decoded_curves_stand(curve_report, trained_drafter,
                                                                             tiny_target, monkeypatch, caplog):
     prompts, cfg, report = curve_report
