@@ -150,9 +150,10 @@ class EvalConfig(_Frozen):
         "curve", description="curve: every k of the curve is decoded and checked against greedy decoding, the one-pass "
                              "curve beside it as a check; headline: only draft_steps is decoded (and checked), the "
                              "curve's other k come from the one-pass curve, equal to decoding but for rounding "
-                             "(services.trainer.evaluation.one_pass), in about 1/curve_max_steps of the decodes' "
-                             "time; the report's measured_by says which k were decoded, and one_pass_apart how far "
-                             "the two forms lie apart at draft_steps on these prompts.")
+                             "(services.trainer.evaluation.one_pass): three decodes of every prompt instead of "
+                             "2 x curve_max_steps + 1, about a quarter of the time on an H200 (bench/RESULTS.md); "
+                             "the report's measured_by says which k were decoded, and one_pass_apart how far the "
+                             "two forms lie apart at draft_steps on these prompts.")
     lookup_min: int = Field(2, ge=1, description="Prompt lookup: shortest suffix n-gram matched (vLLM's prompt_lookup_min).")
     lookup_max: int = Field(5, ge=1, description="Prompt lookup: longest suffix n-gram matched (vLLM's prompt_lookup_max).")
     batch_prompts: int = Field(
