@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
 
     chat = args.dataset == "sharegpt"
     run = run_config(args)
-    for option, section, model in (("--train", "train", TrainConfig), ("--eval", "evaluate", EvalConfig)):
-        over = getattr(args, option[2:])
+    for option, over, section, model in (("--train", args.train, "train", TrainConfig),
+                                         ("--eval", args.eval, "evaluate", EvalConfig)):
         if over:
             run = {**run, section: merged(run[section], over)}
             try:
