@@ -71,6 +71,9 @@ VERIFY_THREADS = 8
 LOCK_TTL_S = 300.0  # refreshed as the scans progress; a crashed resume blocks its run this long at most
 LOCK_REFRESH_EVERY = 2000  # files checked between refreshes
 REBUILD_BACKOFF_S = 60.0
+# A run the volume cannot rebuild stays so until someone acts on it: looked at again every ten minutes, not
+# every pass, so the log names it without repeating itself every minute.
+NO_PROMPTS_BACKOFF_S = 600.0
 SUBMIT_LOCK = "draftline:submit-lock:{run}"  # held by services.controller.runs.submit while a run is created
 _STEM = re.compile(r"^(\d{8})$")
 
@@ -81,6 +84,10 @@ class MissingPromptRow(DraftlineError):
 
 class RunBusy(DraftlineError):
     """The run is being reconciled, trained or evaluated right now."""
+
+
+class NoPromptList(DraftlineError):
+    """The run's directory holds no ``prompts.jsonl``: its samples cannot be rebuilt from the volume."""
 
 
 @dataclass
@@ -150,9 +157,9 @@ def _backoff_key(run: str) -> str:
     return f"draftline:rebuild-backoff:{run}"
 
 
-def back_off(conn: redis.Redis, run: str) -> None:
+def back_off(conn: redis.Redis, run: str, seconds: float = REBUILD_BACKOFF_S) -> None:
     """Leave a run that could not be rebuilt alone for a while instead of failing on it every tick."""
-    conn.set(_backoff_key(run), str(time.time()), ex=int(REBUILD_BACKOFF_S))
+    conn.set(_backoff_key(run), str(time.time()), ex=int(seconds))
 
 
 def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
@@ -576,6 +583,11 @@ def reconcile_run(data: Path, conn: redis.Redis, run: str, *, deep: bool = False
     spec = RunSpec.load(data, run)
     state = RunState(conn, data, run)
     paths = state.paths
+    if not paths.prompts.is_file():
+        # A run directory made without the controller (bench/bench_train_sweep.py's training-only variants
+        # link a run's hidden states under a new name) or one whose prompt list was deleted.
+        raise NoPromptList(f"run {run}: {paths.prompts} is missing, so the volume cannot say which samples the run "
+                           "expects; a run made outside the controller (a training-only variant) is not rebuilt")
     with _reconcile_lock(conn, run) as refresh:
         report = ReconcileReport(run=run, deep=deep, resumed_at=time.time())
         cutoff = report.resumed_at - grace_s

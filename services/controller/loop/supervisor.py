@@ -29,7 +29,9 @@ from services.controller.loop.feeder import (
 )
 from services.controller.loop.reaper import requeue_abandoned
 from services.controller.loop.reconcile import (
+    NO_PROMPTS_BACKOFF_S,
     REBUILD_BACKOFF_S,
+    NoPromptList,
     back_off,
     lost_runs,
     reconcile_run,
@@ -133,6 +135,10 @@ def rebuild_lost(settings: ControllerSettings, conn: redis.Redis) -> None:
             report = reconcile_run(settings.data, conn, run)
         except REDIS_DOWN:
             raise
+        except NoPromptList as exc:  # a known condition, not a bug: one line, no traceback
+            log.warning("%s; looking again in %.0fs", exc, NO_PROMPTS_BACKOFF_S)
+            back_off(conn, run, NO_PROMPTS_BACKOFF_S)
+            continue
         except Exception:  # noqa: BLE001 - one run that cannot be rebuilt must not stall the others
             log.exception("run %s: rebuilding failed; trying again in %.0fs", run, REBUILD_BACKOFF_S)
             back_off(conn, run)

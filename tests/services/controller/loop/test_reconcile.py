@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from services.controller.loop.reconcile import (
+    NO_PROMPTS_BACKOFF_S,
+    REBUILD_BACKOFF_S,
+    NoPromptList,
     file_identity,
     lost_runs,
     merge_bitmap,
@@ -231,14 +234,37 @@ def test_a_run_being_submitted_is_left_to_its_submitter(data_dir, redis_conn, st
     assert lost_runs(data_dir, redis_conn) == []
 
 
-def test_a_run_that_cannot_be_rebuilt_is_named_and_left_alone_for_a_while(data_dir, redis_conn, state, caplog):
-    state.paths.prompts.unlink()  # a volume damaged beyond what a resume can repair
+def test_a_run_that_fails_to_rebuild_is_logged_with_its_traceback_and_left_alone_for_a_minute(
+        data_dir, redis_conn, state, caplog):
+    with open(state.paths.prompts, "ab") as handle:
+        handle.write(b"not a prompt line\n")  # a volume damaged beyond what a resume can repair
     redis_conn.flushall()
     supervise_once(cfg(data_dir), redis_conn)
-    assert "run rec: rebuilding failed" in caplog.text
+    failed = [r for r in caplog.records if "run rec: rebuilding failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None  # an unexpected fault keeps its traceback
+    assert 0 < redis_conn.ttl(f"draftline:rebuild-backoff:{RUN}") <= REBUILD_BACKOFF_S
     assert lost_runs(data_dir, redis_conn) == []  # backing off instead of failing every tick
     redis_conn.delete(f"draftline:rebuild-backoff:{RUN}")
     assert lost_runs(data_dir, redis_conn) == [RUN]
+
+
+def test_a_run_without_its_prompt_list_is_named_in_one_line_and_looked_at_again_in_ten_minutes(
+        data_dir, redis_conn, state, caplog):
+    """A run directory made outside the controller (bench_train_sweep's training-only variants sit beside a
+    running stack's runs) or one whose prompts.jsonl was deleted: no samples can be rebuilt, which is a
+    condition to name, not a fault to trace back every minute."""
+    state.paths.prompts.unlink()
+    redis_conn.flushall()
+    with pytest.raises(NoPromptList, match="prompts.jsonl is missing"):
+        reconcile_run(data_dir, redis_conn, RUN)  # what `draftline resume` prints
+    supervise_once(cfg(data_dir), redis_conn)
+    named = [r for r in caplog.records if "prompts.jsonl is missing" in r.getMessage()]
+    assert len(named) == 1 and named[0].levelname == "WARNING" and named[0].exc_info is None
+    assert "run rec:" in named[0].getMessage()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert REBUILD_BACKOFF_S < redis_conn.ttl(f"draftline:rebuild-backoff:{RUN}") <= NO_PROMPTS_BACKOFF_S
+    supervise_once(cfg(data_dir), redis_conn)
+    assert len([r for r in caplog.records if "prompts.jsonl is missing" in r.getMessage()]) == 1  # not every pass
 
 
 def test_a_bad_file_replaced_by_its_writer_during_the_scan_is_not_removed(tmp_path):
