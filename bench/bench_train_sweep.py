@@ -14,7 +14,10 @@ an fp8 extraction of the run would have written) instead of linking them.
         --model-dir /tmp/bench-data/models/smollm2 --device cuda --json sweep.json \\
         --variant 'fp8={"storage": "fp8"}' --variant 'lr1e-3={"lr": 1e-3}'
 
-A second key that is not a training setting: ``"measure": "one_pass"`` (or ``--one-pass`` for every variant
+``"files": N`` trains the variant on N of the source's files (a fixed pick by a hash of the sample id; a
+smaller pick is part of every larger one), the data-size axis of a recipe sweep.
+
+A further key that is not a training setting: ``"measure": "one_pass"`` (or ``--one-pass`` for every variant
 that does not say ``"measure": "decode"``) measures the variant by the one-pass curve instead of decoding
 (services/trainer/evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
 the greedy replies, which are computed once for every variant): seconds a variant instead of minutes, so a
@@ -27,6 +30,7 @@ The JSON is rewritten after each variant, so a cut-short sweep keeps what it mea
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -65,7 +69,8 @@ log = logging.getLogger(__name__)
 
 STORAGE_KEY = "storage"  # how the variant's files store the states: linked as they are, or rewritten as fp8
 MEASURE_KEY = "measure"  # how the variant's export is measured: decoded, or by the one-pass curve
-SWEEP_KEYS = (STORAGE_KEY, MEASURE_KEY)  # the variant keys that are not TrainConfig fields
+FILES_KEY = "files"  # how many of the source's files the variant trains on (all by default): the data-size axis
+SWEEP_KEYS = (STORAGE_KEY, MEASURE_KEY, FILES_KEY)  # the variant keys that are not TrainConfig fields
 
 
 def train_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +93,20 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
         raise BadVariant(f"--variant {text!r}: storage must be 'target' or 'fp8'")
     if fields.get(MEASURE_KEY, "decode") not in ("decode", "one_pass"):
         raise BadVariant(f"--variant {text!r}: measure must be 'decode' or 'one_pass'")
+    count = fields.get(FILES_KEY)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise BadVariant(f"--variant {text!r}: files must be a whole number of files, at least 1")
     return name, fields
+
+
+def file_subset(files: list[tuple[int, Path]], count: int | None) -> list[tuple[int, Path]]:
+    """``count`` of ``files`` picked by a hash of the sample id (all of them when ``count`` is None), in sample
+    order. The pick does not follow the dataset's order, and a smaller subset is part of every larger one, so
+    the variants of a data-size sweep differ only in how much they add."""
+    if count is None or count >= len(files):
+        return list(files)
+    ranked = sorted(files, key=lambda item: hashlib.blake2b(str(item[0]).encode(), digest_size=8).digest())
+    return sorted(ranked[:count])
 
 
 def fp8_copy(source: Path, target: Path) -> None:
@@ -116,7 +134,7 @@ def make_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any])
         {**source.train.model_dump(), **train})})
     fp8 = fields.get(STORAGE_KEY) == "fp8"
     paths = RunPaths(data, name)
-    for sample_id, path in list_hidden_files(RunPaths(data, source.name)):
+    for sample_id, path in file_subset(list_hidden_files(RunPaths(data, source.name)), fields.get(FILES_KEY)):
         target = paths.hidden(sample_id)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():

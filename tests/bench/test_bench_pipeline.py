@@ -75,10 +75,14 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     result = subprocess.run(
         [sys.executable, "bench/bench_train_sweep.py", "--data", str(tmp_path / "data"), "--run",
          "bench-smollm2-10", "--model-dir", str(tiny_model_dir), "--device", "cpu", "--json", str(quick),
-         "--one-pass", "--variant", 'lr={"lr": 3e-3, "epochs": 2}', "--variant", 'decoded={"lr": 3e-3, "measure": "decode"}'],
+         "--one-pass", "--variant", 'lr={"lr": 3e-3, "epochs": 2, "files": 5}',
+         "--variant", 'decoded={"lr": 3e-3, "measure": "decode"}'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     swept = json.loads(quick.read_text())
+    # "files": 5 trains on five of the run's files (the variant holds its own validation files out of them).
+    assert swept["variants"]["lr"]["files"] == 5 - figures["run"]["train"]["validation_files"]
+    assert swept["variants"]["decoded"]["files"] == figures["samples"]["extracted"] - 2
     for name in ("holdout", "humaneval"):
         source = swept["one_pass"]["source"][name]
         assert source["decoded_curve"] == figures["evaluation"][name]["drafter"]["curve"]
