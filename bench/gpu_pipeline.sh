@@ -11,7 +11,8 @@
 # Issue the run and every follow in ONE batch of tool calls, the last follow sized to the device time left: a
 # machine stays warm 30 s after a call, and a pause between calls on the caller's side lost a run's evaluation
 # with its machine (bench/RESULTS.md, 2026-12-04, DFlash).
-# `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say).
+# `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say);
+# `bash bench/gpu_pipeline.sh sweep-exports` brings back the sweep's exports (after the sweep is done).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -152,6 +153,11 @@ case "${1:-}" in
     # passed there, GPU_TESTS names fewer test files).
     [ "${GPU_CHECK:-1}" = 0 ] && exit 0
     gpu_tests ;;
+  sweep-exports)
+    # The sweep's exports (a DFlash drafter, say), to be served by the CPU vLLM here: 15 MB parts, 8 at most a call.
+    ls "$WORK"/data/runs/sweep-*/drafter/export/config.json >/dev/null 2>&1 || { echo "no sweep export on this machine" >&2; exit 3; }
+    (cd "$WORK/data" && tar czf "$WORK/sweeps.tgz" runs/sweep-*/drafter/export) && split -b 15M -d "$WORK/sweeps.tgz" "$OUT/sweeps.tgz.part"
+    ls -la "$OUT"; [ "$(ls "$OUT" | wc -l)" -le 8 ] || echo "more than 8 parts: only 8 come back" >&2 ;;
   gpu-tests)
     # The same checks on a machine already staged, e.g. after the last follow, so they take none of the run's window.
     [ -d "$WORK/site" ] || { echo "not staged on this machine: run stage first" >&2; exit 3; }
@@ -178,5 +184,5 @@ case "${1:-}" in
     [ -f "$WORK/pipeline.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
       "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | gpu-tests" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | sweep-exports | gpu-tests" >&2; exit 2 ;;
 esac
