@@ -6,9 +6,10 @@ has the drafter draft at every point of each held-out file's assistant turns (a 
 before it its prompt) from the states the file stores, and walks each turn as a greedy decode would walk it
 (``evaluation.one_pass``): the acceptance length at k = 1 .. ``evaluate.curve_max_steps``.
 
-What it is and is not: the replies are the ones the target wrote in generation, and the states are the
-stored ones (bf16 or fp8), so the figure is close to, not the same as, the evaluation's, which decodes the
-held-out prompts with the target in float32 after training. Its use is the trend: whether the drafter still
+What it is and is not: the replies are the ones the target wrote in generation (both turns, as long as
+generation let them be), and the states are the stored ones (bf16 or fp8), so the figure is not the
+evaluation's, which decodes first and second turns apart for ``evaluate.max_new_tokens`` with the target in
+float32 after training; on ShareGPT it read 0.4 higher, mostly from longer replies (bench/RESULTS.md). Its use is the trend: whether the drafter still
 gets better on conversations it never saw, checkpoint by checkpoint, while it trains (``validation.jsonl``,
 and the status page's ``val_accept<k>``).
 """
