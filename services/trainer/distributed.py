@@ -85,6 +85,10 @@ def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) 
         spec = RunSpec.load(settings.data, run)
         progress = progress_reporter(RunState(connect(settings.redis_url), settings.data, run)) if rank == 0 else None
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress)
+        # Every rank tears down together, after rank 0 has written the last checkpoint: a gloo rank that destroyed
+        # its process group while its peer was still busy aborted at exit ("terminate called without an active
+        # exception"), and the peer's torchrun then waited out its exit barrier for the node that never came.
+        dist.barrier()
         log.info("rank %d done at step %d", rank, result.steps)
     finally:
         dist.destroy_process_group()
