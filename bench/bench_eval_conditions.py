@@ -27,14 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.bench_export_acceptance import curves  # noqa: E402
+from bench.bench_export_acceptance import curves, valid_rows  # noqa: E402
 from services.cli.target_build import ensure_target  # noqa: E402
-from services.controller.runs.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet, turn_prompts  # noqa: E402
 from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated  # noqa: E402
 from services.trainer.validation import validation_split  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
-from shared.errors import RowError  # noqa: E402
 from shared.runspec import EvalConfig  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402
 
@@ -44,13 +42,13 @@ log = logging.getLogger(__name__)
 def row_set(dataset: str, holdout: int, validation_files: int, rows: str) -> list[EvalPrompt]:
     """The run's held-out rows (the last ``holdout`` valid rows), or the rows of its validation files: among
     the rest, the ``validation_files`` whose sample ids hash lowest, as ``validation_split`` picks them."""
-    valid = [(i, m) for i, m in iter_rows(packaged_dataset(dataset) if dataset in PACKAGED else dataset)
-             if not isinstance(m, RowError)]
+    valid = list(valid_rows(dataset))
     held, trained = valid[-holdout:], valid[:-holdout]
     if rows == "validation":
-        by_id = dict(trained)
-        _, picked = validation_split([(i, Path(str(i))) for i, _ in trained], validation_files)
-        held = [(int(path.name), by_id[int(path.name)]) for path in picked]
+        # validation_split picks among (sample id, file) pairs: each row stands in for its file.
+        by_file = {Path(str(i)): (i, m) for i, m in trained}
+        _, picked = validation_split([(i, file) for file, (i, _) in by_file.items()], validation_files)
+        held = [by_file[file] for file in picked]
     return [EvalPrompt(sample_id=i, messages=m) for i, m in held]
 
 

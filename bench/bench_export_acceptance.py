@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,16 @@ log = logging.getLogger(__name__)
 TOLERANCE = TrainerSettings.model_fields["eval_vllm_tolerance"].default
 
 
-def held_out(dataset: str, holdout: int, path: Path) -> None:
-    """The run's held-out conversations as ``eval_prompts.jsonl``: the last ``holdout`` valid rows."""
-    kept: deque = deque(maxlen=holdout)
+def valid_rows(dataset: str) -> Iterator[tuple[int, list[dict]]]:
+    """``(sample_id, messages)`` of every row the controller would take (a path or a packaged name)."""
     for sample_id, item in iter_rows(packaged_dataset(dataset) if dataset in PACKAGED else dataset):
         if not isinstance(item, RowError):
-            kept.append((sample_id, item))
+            yield sample_id, item
+
+
+def held_out(dataset: str, holdout: int, path: Path) -> None:
+    """The run's held-out conversations as ``eval_prompts.jsonl``: the last ``holdout`` valid rows."""
+    kept = deque(valid_rows(dataset), maxlen=holdout)
     path.write_bytes(b"".join(prompt_line(i, m) for i, m in kept))
 
 

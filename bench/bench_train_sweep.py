@@ -105,6 +105,7 @@ def file_subset(files: list[tuple[int, Path]], count: int | None) -> list[tuple[
     the variants of a data-size sweep differ only in how much they add."""
     if count is None or count >= len(files):
         return list(files)
+    # Not validation_split's sha256: with the same ranking every small pick would hold all the validation files.
     ranked = sorted(files, key=lambda item: hashlib.blake2b(str(item[0]).encode(), digest_size=8).digest())
     return sorted(ranked[:count])
 

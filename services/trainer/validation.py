@@ -9,9 +9,9 @@ before it its prompt) from the states the file stores, and walks each turn as a 
 What it is and is not: the replies are the ones the target wrote in generation (both turns, as long as
 generation let them be), and the states are the stored ones (bf16 or fp8), so the figure is not the
 evaluation's, which decodes first and second turns apart for ``evaluate.max_new_tokens`` with the target in
-float32 after training; on ShareGPT it read 0.4 higher, mostly from longer replies (bench/RESULTS.md). Its use is the trend: whether the drafter still
-gets better on conversations it never saw, checkpoint by checkpoint, while it trains (``validation.jsonl``,
-and the status page's ``val_accept<k>``).
+float32 after training; on ShareGPT it read 0.4 higher, mostly from longer replies (bench/RESULTS.md). Its
+use is the trend: whether the drafter still gets better on conversations it never saw, checkpoint by
+checkpoint, while it trains (``validation.jsonl``, and the status page's ``val_accept<k>``).
 """
 
 from __future__ import annotations
