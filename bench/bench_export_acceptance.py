@@ -49,9 +49,11 @@ log = logging.getLogger(__name__)
 TOLERANCE = TrainerSettings.model_fields["eval_vllm_tolerance"].default
 
 
-def valid_rows(dataset: str) -> Iterator[tuple[int, list[dict]]]:
-    """``(sample_id, messages)`` of every row the controller would take (a path or a packaged name)."""
-    for sample_id, item in iter_rows(packaged_dataset(dataset) if dataset in PACKAGED else dataset):
+def valid_rows(dataset: str, *, with_replies: bool = False) -> Iterator[tuple[int, list[dict]]]:
+    """``(sample_id, messages)`` of every row the controller would take (a path or a packaged name); with
+    ``with_replies``, each row's messages as written, its last replies kept."""
+    source = packaged_dataset(dataset) if dataset in PACKAGED else dataset
+    for sample_id, item in iter_rows(source, with_replies=with_replies):
         if not isinstance(item, RowError):
             yield sample_id, item
 
@@ -70,7 +72,7 @@ def curves(report: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"prompts": len(one["prompts"]), "too_long": len(one["too_long"]),
                      "greedy_checked": one["greedy_check"]["checked"], "greedy_matched": one["greedy_check"]["matched"],
                      "seconds": round(one["seconds"], 1), "drafter": methods["drafter"]["curve"],
-                     "lookup": methods.get("lookup", {}).get("curve"),
+                     "lookup": methods.get("lookup", {}).get("curve"), "over_lookup": one.get("over_lookup", {}),
                      "no_drafter": methods.get("no_drafter", {}).get("acceptance_length")}
     return out
 

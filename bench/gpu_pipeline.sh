@@ -12,7 +12,8 @@
 # machine stays warm 30 s after a call, and a pause between calls on the caller's side lost a run's evaluation
 # with its machine (bench/RESULTS.md, 2026-12-04, DFlash).
 # `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say);
-# `bash bench/gpu_pipeline.sh sweep-exports` brings back the sweep's exports (after the sweep is done).
+# `bash bench/gpu_pipeline.sh sweep-exports` brings back the sweep's exports (after the sweep is done);
+# `bash bench/gpu_pipeline.sh vocab` measures the draft vocabulary's coverage over the run's files (seconds).
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -158,6 +159,14 @@ case "${1:-}" in
     ls "$WORK"/data/runs/sweep-*/drafter/export/config.json >/dev/null 2>&1 || { echo "no sweep export on this machine" >&2; exit 3; }
     (cd "$WORK/data" && tar czf "$WORK/sweeps.tgz" runs/sweep-*/drafter/export) && split -b 15M -d "$WORK/sweeps.tgz" "$OUT/sweeps.tgz.part"
     ls -la "$OUT"; [ "$(ls "$OUT" | wc -l)" -le 8 ] || echo "more than 8 parts: only 8 come back" >&2 ;;
+  vocab)
+    # The draft vocabulary's coverage over the run's own files (bench/bench_draft_vocab.py: the target's replies,
+    # the validation files held out), seconds: run it once extraction is done, say with sweep-exports.
+    env_vars
+    run=$(cd "$WORK/data/runs" 2>/dev/null && ls -d bench-smollm2-* 2>/dev/null | head -1)
+    [ -n "$run" ] || { echo "no pipeline run on this machine" >&2; exit 3; }
+    "$PY" bench/bench_draft_vocab.py --target "$WORK/data/models/smollm2" --data "$WORK/data" --run "$run" \
+      --sizes 4000,8000,12000,16000,24000,32000,49152 --json "$OUT/vocab.json" 2>&1 | grep -v " reading " | tail -8 ;;
   gpu-tests)
     # The same checks on a machine already staged, e.g. after the last follow, so they take none of the run's window.
     [ -d "$WORK/site" ] || { echo "not staged on this machine: run stage first" >&2; exit 3; }
@@ -184,5 +193,5 @@ case "${1:-}" in
     [ -f "$WORK/pipeline.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
       "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | sweep-exports | gpu-tests" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | sweep-exports | vocab | gpu-tests" >&2; exit 2 ;;
 esac

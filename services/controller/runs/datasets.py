@@ -110,6 +110,12 @@ class NoUserTurn(RowError):
 
 def normalize_row(row: object) -> list[dict[str, str]]:
     """Messages the target answers, or a RowError naming what is wrong with ``row``."""
+    return _finish(written_messages(row))
+
+
+def written_messages(row: object) -> list[dict[str, str]]:
+    """Every message of ``row`` in chat form, the dataset's own last replies included (``normalize_row`` drops
+    them: the target writes those), or a RowError naming what is wrong with its format."""
     if not isinstance(row, dict):
         raise WrongType(f"row is {_kind(row)}, expected a JSON object")
     if not row:
@@ -125,7 +131,7 @@ def normalize_row(row: object) -> list[dict[str, str]]:
         messages = _plain_messages(present["prompt"], present.get("system"))
     else:
         raise _no_format_field(row)
-    return _finish(messages)
+    return messages
 
 
 def _no_format_field(row: dict) -> MissingField:
@@ -267,7 +273,7 @@ class RowIds:
             self._first[key] = index
 
 
-def _checked(row: object, index: int, ids: RowIds) -> list[dict[str, str]] | RowError:
+def _checked(row: object, index: int, ids: RowIds, with_replies: bool = False) -> list[dict[str, str]] | RowError:
     """The row's messages, or why it fails. Only a valid row claims its id: a row that holds no prompt (an
     empty conversation, say) leaves it to a later row, as ShareGPT's split needs (123 empty parts share
     their id with the conversation after them); a row repeating a claimed id fails even if malformed."""
@@ -277,7 +283,7 @@ def _checked(row: object, index: int, ids: RowIds) -> list[dict[str, str]] | Row
     except RowError as exc:
         return exc
     ids.claim(key, index)
-    return messages
+    return written_messages(row) if with_replies else messages
 
 
 # ---- file readers: each yields parsed rows (or why one could not be parsed), in file order ----
@@ -477,8 +483,11 @@ def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
     return files
 
 
-def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = None) -> Iterator[Row]:
-    """Yield ``(row_index, messages | RowError)`` for every row of ``source``, at most ``limit`` rows."""
+def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = None,
+              with_replies: bool = False) -> Iterator[Row]:
+    """Yield ``(row_index, messages | RowError)`` for every row of ``source``, at most ``limit`` rows.
+    ``with_replies``: a valid row's messages as written, its last replies kept (what a benchmark of the
+    dataset's own text reads); which rows are valid does not change."""
     if limit is not None and limit < 1:
         raise DatasetError(f"limit must be at least 1, got {limit}")
     index, ids = 0, RowIds()
@@ -487,5 +496,5 @@ def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = N
         for item in _file_rows(path):
             if limit is not None and index >= limit:
                 return
-            yield index, item if isinstance(item, RowError) else _checked(item, index, ids)
+            yield index, item if isinstance(item, RowError) else _checked(item, index, ids, with_replies)
             index += 1

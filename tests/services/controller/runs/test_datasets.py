@@ -47,6 +47,20 @@ def test_three_row_formats_normalize_to_chat_messages(tmp_path):
     assert rows[3][1] == [{"role": "user", "content": "No system"}]
     assert rows[4][1] == [{"role": "user", "content": "part one, part two"}]
 
+def test_with_replies_keeps_a_valid_rows_last_replies_and_changes_no_rows_validity(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
+                           {"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]},
+        {"conversations": [{"from": "gpt", "value": "only a reply"}]},  # nothing to answer: fails either way
+        {"prompt": "P"},
+    ])
+    plain, written = list(iter_rows(path)), list(iter_rows(path, with_replies=True))
+    assert plain[0][1][-1] == {"role": "user", "content": "Q2"}  # the target writes the last reply
+    assert written[0][1] == [*plain[0][1], {"role": "assistant", "content": "A2"}]
+    assert type(plain[1][1]) is type(written[1][1]) and isinstance(written[1][1], RowError)
+    assert written[2] == plain[2] == (2, [{"role": "user", "content": "P"}])
+
+
 
 BAD_LINES = [
     (b"{this is not json", "InvalidJson", "invalid JSON"),
