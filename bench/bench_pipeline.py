@@ -271,6 +271,7 @@ def summary(evaluation: dict[str, Any]) -> dict[str, Any]:
                      "headline": {"draft_steps": one["draft_steps"], "acceptance_length": one["acceptance_length"]},
                      "drafter_method": one.get("drafter_method", "eagle3"),
                      "one_pass_apart": one.get("one_pass_apart"), "one_pass_error": one.get("one_pass_error"),
+                     "over_lookup": one.get("over_lookup", {}),  # drafter - lookup where both were decoded
                      **{method: method_summary(m) for method, m in one["methods"].items()}}
     return out
 

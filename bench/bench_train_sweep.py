@@ -22,7 +22,11 @@ that does not say ``"measure": "decode"``) measures the variant by the one-pass 
 (services/trainer/evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
 the greedy replies, which are computed once for every variant): seconds a variant instead of minutes, so a
 sweep's device time goes to training. The source run's own export is measured the same way first, beside
-the decoded curves of its eval.json, so the JSON shows how far the two forms lie apart on these prompts.
+the decoded curves of its eval.json, so the JSON shows how far the two forms lie apart on these prompts. Every
+variant walks the same replies, so each set also holds its margin over the source's export (``over_source``) and
+the source's over prompt lookup (``over_lookup``), per k, each with its paired bootstrap interval over the set's
+prompts (services/trainer/evaluation/margin.py): whether a variant's gain is larger than another draw of prompts
+would move it.
 
 The JSON is rewritten after each variant, so a cut-short sweep keeps what it measured.
 """
@@ -55,7 +59,8 @@ from services.trainer.evaluation.evaluate import (  # noqa: E402
     load_target,
     set_replays,
 )
-from services.trainer.evaluation.one_pass import Replay, one_pass_counts  # noqa: E402
+from services.trainer.evaluation.margin import paired_difference  # noqa: E402
+from services.trainer.evaluation.one_pass import Counts, Replay, one_pass_counts  # noqa: E402
 from services.trainer.export_method import export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
@@ -159,10 +164,14 @@ def accepted_per_forward(curve: dict[str, float], method: str) -> dict[str, floa
 
 
 def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], cfg: Any, method: str,
-                  lookup: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Per set, the drafter's one-pass curve at k = 1 .. curve_max_steps over the set's greedy replies, and with
-    ``lookup`` ((min_n, max_n)) prompt lookup's over the same replies (``lookup_curve``)."""
-    found = {}
+                  lookup: tuple[int, int] | None = None,
+                  baseline: dict[str, Counts] | None = None) -> tuple[dict[str, Any], dict[str, Counts]]:
+    """Per set, the drafter's one-pass curve at k = 1 .. curve_max_steps over the set's greedy replies; with
+    ``lookup`` ((min_n, max_n)) prompt lookup's over the same replies (``lookup_curve``) and the drafter's
+    margin over it (``over_lookup``); with ``baseline`` (another drafter's counts on the same replies) the
+    margin over that one (``over_source``); each margin with its interval over the set's prompts. And the
+    drafter's counts per set, a later variant's baseline."""
+    found, drafted = {}, {}
     for set_name, one in replays.items():
         started = time.monotonic()
         counts = one_pass_counts(target, one, {DRAFTER: drafter}, cfg.chain_lengths, batch_tokens=cfg.batch_tokens,
@@ -173,11 +182,21 @@ def one_pass_sets(target: Any, drafter: Any, replays: dict[str, list[Replay]], c
                            "seconds": round(time.monotonic() - started, 1)}
         if lookup is not None:
             found[set_name]["lookup_curve"] = counts[LOOKUP].curve()
-    return found
+            found[set_name]["over_lookup"] = margins(counts[DRAFTER], counts[LOOKUP])
+        if baseline is not None:
+            found[set_name]["over_source"] = margins(counts[DRAFTER], baseline[set_name])
+        drafted[set_name] = counts[DRAFTER]
+    return found, drafted
+
+
+def margins(mine: Counts, theirs: Counts) -> dict[str, Any]:
+    """k -> acceptance length of ``mine`` minus ``theirs`` over the same replies, with its interval (margin.py)."""
+    return {str(k): paired_difference(mine.replies[k], theirs.replies[k]) for k in sorted(mine.replies)}
 
 
 def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], model_dir: Path, device: str,
-                target: Any, tokenizer: Any, replays: dict[str, list[Replay]] | None = None) -> dict[str, Any]:
+                target: Any, tokenizer: Any, replays: dict[str, list[Replay]] | None = None,
+                baseline: dict[str, Counts] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     spec = make_variant(data, source, name, fields)
     prepared = time.monotonic()
@@ -199,7 +218,7 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     drafter = exported_drafter(target, model_dir, paths.export_dir)
     cfg = source.evaluate.model_copy(update={"baselines": False})
     if replays is not None:
-        figures["sets"] = one_pass_sets(target, drafter, replays, cfg, spec.train.method)
+        figures["sets"], _ = one_pass_sets(target, drafter, replays, cfg, spec.train.method, baseline=baseline)
         figures["evaluate_s"] = round(time.monotonic() - trained, 1)
         return figures
     source_paths = RunPaths(data, source.name)
@@ -219,9 +238,10 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
 
 
 def measure_source(figures: dict[str, Any], data: Path, source: RunSpec, model_dir: Path, target: Any,
-                   tokenizer: Any) -> dict[str, list[Replay]]:
+                   tokenizer: Any) -> tuple[dict[str, list[Replay]], dict[str, Counts]]:
     """The run's sets as greedy replies, once for every variant, and the run's own export measured by one pass
-    beside its eval.json's decoded curves (where the run's evaluation has written them)."""
+    beside its eval.json's decoded curves (where the run's evaluation has written them): the replies, and the
+    export's counts on them that every variant is set beside."""
     paths = RunPaths(data, source.name)
     cfg = source.evaluate.model_copy(update={"baselines": False})
     started = time.monotonic()
@@ -232,7 +252,8 @@ def measure_source(figures: dict[str, Any], data: Path, source: RunSpec, model_d
     drafter = exported_drafter(target, model_dir, paths.export_dir)
     # Prompt lookup too (its one pass costs no target forward): the margin the run is judged by stands in this JSON
     # even where the run's own decoded evaluation has not finished.
-    measured = one_pass_sets(target, drafter, replays, cfg, source.train.method, lookup=(cfg.lookup_min, cfg.lookup_max))
+    measured, counts = one_pass_sets(target, drafter, replays, cfg, source.train.method,
+                                     lookup=(cfg.lookup_min, cfg.lookup_max))
     decoded = json.loads(paths.eval_report.read_text())["sets"] if paths.eval_report.exists() else {}
     for set_name, one in measured.items():
         methods = decoded.get(set_name, {}).get("methods", {})
@@ -246,7 +267,7 @@ def measure_source(figures: dict[str, Any], data: Path, source: RunSpec, model_d
             one["apart"] = max(apart)
     figures["one_pass"]["source"] = measured
     log.info("source run %s by one pass: %s", source.name, json.dumps({s: v["curve"] for s, v in measured.items()}))
-    return replays
+    return replays, counts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,15 +305,15 @@ def main(argv: list[str] | None = None) -> None:
                                "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
     default = "one_pass" if args.one_pass else "decode"
     measures = {name: fields.get(MEASURE_KEY, default) for name, fields in variants}
-    replays = None
+    replays = baseline = None
     if "one_pass" in measures.values():
-        replays = measure_source(figures, data, source, args.model_dir, target, tokenizer)
+        replays, baseline = measure_source(figures, data, source, args.model_dir, target, tokenizer)
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
     for name, fields in variants:
         log.info("variant %s: %s", name, json.dumps(fields))
         figures["variants"][name] = run_variant(data, source, f"sweep-{stamp}-{name}", fields, args.model_dir,
                                                 args.device, target, tokenizer,
-                                                replays if measures[name] == "one_pass" else None)
+                                                *((replays, baseline) if measures[name] == "one_pass" else ()))
         atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")
         log.info("variant %s: %s", name, json.dumps({s: v["curve"] for s, v in figures["variants"][name]["sets"].items()}))
     mismatched = {name: v["sets"] for name, v in figures["variants"].items()

@@ -36,6 +36,8 @@ TRAIN_TOKENS_PER_SECOND = "draftline_train_tokens_per_second"  # loss-mask token
 ACCEPTANCE_LENGTH = "draftline_acceptance_length"  # mean tokens accepted per verification step
 # Labels set, method (drafter, lookup, no_drafter) and k (draft tokens per pass; 0 for no drafter).
 ACCEPTANCE_CURVE = "draftline_acceptance_length_by_k"
+# The headline's margin over prompt lookup (same k, same prompts), label bound: difference, low, high (its interval).
+ACCEPTANCE_OVER_LOOKUP = "draftline_acceptance_over_lookup"
 RUN_DISK_PAUSED = "draftline_run_disk_paused"  # 1 while the run's extraction waits for disk space
 RUN_PROJECTED_BYTES = "draftline_run_projected_bytes"  # bytes the rest of the run still needs on the volume
 
@@ -66,6 +68,11 @@ META_TRAIN_ACCURACY_PREFIX = "train_acc"  # train_acc0, train_acc1, …: one fie
 META_TRAIN_VALIDATION_PREFIX = "train_val_accept"  # train_val_accept1, …: one field per k (train.validation_files)
 META_ACCEPTANCE_LENGTH = "acceptance_length"
 META_ACCEPTANCE_CURVE_PREFIX = "evaluate_accept"  # evaluate_accept.<set>.<method>.<k>, one field per point
+# The headline's margin over prompt lookup: <prefix> (the difference), <prefix>_low, _high, _prompts, _level; with
+# the headline's k and lookup's figure there.
+META_OVER_LOOKUP = "evaluate_over_lookup"
+META_EVALUATE_K = "evaluate_k"
+META_LOOKUP_ACCEPTANCE = "evaluate_lookup_acceptance"
 WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total
 
 # ---- the built-in inference server's own /metrics (services/inference/metrics.py) -------------------------

@@ -197,16 +197,25 @@ def engine_line(engine: dict[str, Any] | None) -> str:
 
 
 def curve_lines(report: dict[str, Any]) -> list[str]:
-    """Per set: its size, the greedy-equality count, and k | drafter | lookup | no-drafter rows."""
+    """Per set: its size, the greedy-equality count, and k | drafter | lookup | no-drafter | drafter − lookup
+    rows, the last with its interval over the set's prompts where both were decoded at that k."""
     lines = []
     for name, one in report.get("sets", {}).items():
         methods, check = one["methods"], one["greedy_check"]
         plain = methods.get("no_drafter", {}).get("acceptance_length")
         lines.append(f"\n{name}: {len(one['prompts'])} prompts, {check['matched']}/{check['checked']} speculative "
                      "decodes equal to the target's greedy output")
-        lines.append(f"  {'k':>3} | {'drafter':>7} | {'lookup':>7} | {'no-drafter':>10}")
+        lines.append(f"  {'k':>3} | {'drafter':>7} | {'lookup':>7} | {'no-drafter':>10} | drafter - lookup")
         for k in sorted(methods["drafter"]["curve"], key=int):
             cells = [methods["drafter"]["curve"][k], methods.get("lookup", {}).get("curve", {}).get(k), plain]
             drafted, lookup, greedy = ("-" if value is None else f"{value:.2f}" for value in cells)
-            lines.append(f"  {k:>3} | {drafted:>7} | {lookup:>7} | {greedy:>10}")
+            lines.append(f"  {k:>3} | {drafted:>7} | {lookup:>7} | {greedy:>10} | {margin_text(one, k)}")
     return lines
+
+
+def margin_text(one: dict[str, Any], k: str) -> str:
+    """``+0.52 (95%: +0.45 to +0.59)``: the drafter's margin over lookup at ``k`` and its interval, or ``-``."""
+    margin = one.get("over_lookup", {}).get(k)
+    if margin is None:
+        return "-"
+    return f"{margin['difference']:+.2f} ({margin['level']:.0%}: {margin['low']:+.2f} to {margin['high']:+.2f})"

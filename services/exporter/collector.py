@@ -212,6 +212,7 @@ def _run_meta(families: Families, run: str, meta: dict[str, str]) -> None:
             families.gauge(metric, doc, ["run"]).add_metric([run], value)
     _train_accuracy(families, run, meta)
     _acceptance_curve(families, run, meta)
+    _over_lookup(families, run, meta)
 
 
 def _acceptance_curve(families: Families, run: str, meta: dict[str, str]) -> None:
@@ -225,6 +226,17 @@ def _acceptance_curve(families: Families, run: str, meta: dict[str, str]) -> Non
                 metrics.ACCEPTANCE_CURVE, "Tokens per target verification pass with k draft tokens, by set and method.",
                 ["run", "set", "method", "k"],
             ).add_metric([run, set_name, method, k], value)
+
+
+def _over_lookup(families: Families, run: str, meta: dict[str, str]) -> None:
+    """The headline's margin over prompt lookup and its interval over the prompts, one series per bound."""
+    prefix = metrics.META_OVER_LOOKUP
+    for bound, field in (("difference", prefix), ("low", f"{prefix}_low"), ("high", f"{prefix}_high")):
+        value = _number(meta, field)
+        if value is not None:
+            families.gauge(metrics.ACCEPTANCE_OVER_LOOKUP, "The drafter's acceptance length minus prompt lookup's at "
+                           "the headline k, same prompts; low and high bound its interval over them.",
+                           ["run", "bound"]).add_metric([run, bound], value)
 
 
 def _train_accuracy(families: Families, run: str, meta: dict[str, str]) -> None:

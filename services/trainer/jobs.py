@@ -25,6 +25,7 @@ from shared.drafter_format import layer_ids_of, read_config
 from shared.errors import DraftlineError, error_class
 from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
+from shared import metrics
 from shared.lifecycle import StageState
 from shared.queues import connect, queue
 from runtime.remote_code import load_from_target
@@ -35,7 +36,13 @@ from services.trainer.data import count_loss_tokens, list_hidden_files
 from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets_in_processes
 from services.trainer.evaluation.evalsets import EvalSet, load_sets
 from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
-from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of, verify_greedy_equality
+from services.trainer.evaluation.evaluate import (
+    LOOKUP,
+    evaluate_sets,
+    load_evaluated,
+    prompt_ids_of,
+    verify_greedy_equality,
+)
 from services.trainer.export_method import export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
@@ -157,7 +164,8 @@ def evaluate(payload: dict) -> dict:
         report = _evaluate_export(settings, paths, spec, state, sets)
         engine_error = _measure_in_engine(settings, paths, sets, report) if settings.eval_vllm_command else None
         atomic_write_json(paths.eval_report, report)
-        state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report), **engine_meta(report))
+        state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report), **engine_meta(report),
+                       **lookup_meta(report))
         # Raised after the report is on the volume: the numbers that failed stay readable.
         verify_greedy_equality(report)
         if engine_error is not None:
@@ -209,6 +217,20 @@ def engine_meta(report: dict) -> dict[str, float | str]:
         return {"evaluate_engine_error": engine["error"]}
     return {"evaluate_engine_acceptance": engine["acceptance_length"] or 0.0,
             "evaluate_engine_prompts": engine["prompts"]}
+
+
+def lookup_meta(report: dict) -> dict[str, float]:
+    """Prompt lookup at the headline's k and the drafter's margin over it, with its interval over the headline
+    set's prompts, for the status (``evaluate_lookup_*``, dropped with the other ``evaluate_`` fields)."""
+    k = str(report["draft_steps"])
+    lookup = report["methods"].get(LOOKUP, {}).get("curve", {}).get(k)
+    margin = report.get("over_lookup", {}).get(k)
+    if lookup is None or margin is None:
+        return {}
+    prefix = metrics.META_OVER_LOOKUP
+    return {metrics.META_EVALUATE_K: int(k), metrics.META_LOOKUP_ACCEPTANCE: lookup, prefix: margin["difference"],
+            f"{prefix}_low": margin["low"], f"{prefix}_high": margin["high"], f"{prefix}_prompts": margin["prompts"],
+            f"{prefix}_level": margin["level"]}
 
 
 def curve_meta(report: dict) -> dict[str, float]:

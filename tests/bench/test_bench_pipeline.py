@@ -40,6 +40,7 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         assert one["drafter_method"] == "eagle3"
         assert set(one["drafter"]["one_pass_curve"]) == set(one["lookup"]["one_pass_curve"]) == {"1", "2"}
         assert one["one_pass_apart"] is not None
+        assert set(one["over_lookup"]) == {"1", "2"}  # every k decoded here, so every k has its margin's interval
 
     # The sweep retrains the run's files three ways (a DFlash drafter from the same files among them) and
     # evaluates each export on the same sets, drafter only.
@@ -94,6 +95,15 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
         one = swept["variants"]["lr"]["sets"][name]
         assert one["measured_by"] == "one_pass" and set(one["curve"]) == {"1", "2"}
         assert all(value >= 1.0 for value in one["curve"].values())
+        # Each margin on the same replies, with its interval over the set's prompts: the source over lookup, the
+        # variant over the source.
+        for k in ("1", "2"):
+            over_lookup, over_source = source["over_lookup"][k], one["over_source"][k]
+            assert over_lookup["difference"] == pytest.approx(source["curve"][k] - source["lookup_curve"][k])
+            assert over_source["difference"] == pytest.approx(one["curve"][k] - source["curve"][k])
+            for margin in (over_lookup, over_source):
+                assert margin["low"] <= margin["difference"] <= margin["high"]
+                assert margin["prompts"] <= source["prompts"]  # replies with a point to draft at
         decoded = swept["variants"]["decoded"]["sets"][name]  # "measure": "decode" overrides --one-pass
         assert decoded["measured_by"] == "decode" and decoded["greedy_checked"] == decoded["prompts"] * 2
         assert set(decoded["one_pass_curve"]) == {"1", "2"}

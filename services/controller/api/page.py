@@ -12,6 +12,7 @@ from html import escape
 
 from runtime.gpu import GpuReading
 from runtime.disk import format_bytes
+from services.controller.runs.status import margin_phrase
 
 REFRESH_S = 5
 STAGES = ("generate", "extract", "train", "evaluate")
@@ -54,8 +55,10 @@ def _run(status: dict) -> str:
         parts.append(f"<p class='paused'>PAUSED: extraction waits for disk space: {escape(str(disk['reason']))}</p>")
     if drafter["export_path"]:
         accept = drafter["acceptance_length"]
+        margin = escape(margin_phrase(status["stages"]["evaluate"])) if accept else ""
         parts.append(f"<p>drafter: <code>{escape(drafter['export_path'])}</code>"
-                     + (f", acceptance length <b data-key='acceptance_length'>{accept:.2f}</b>" if accept else "") + "</p>")
+                     + (f", acceptance length <b data-key='acceptance_length'>{accept:.2f}</b>{margin}" if accept else "")
+                     + "</p>")
     if status["failures"]:
         items = "".join(f"<li data-sample='{f['sample_id']}'>{escape(f['stage'])} sample {f['sample_id']}: "
                         f"{escape(f['error_class'])} ({escape(f['kind'])}): {escape(f['message'])}</li>"

@@ -44,6 +44,7 @@ from runtime.remote_code import load_from_target
 from shared.runspec import EvalConfig
 from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet
 from services.trainer.evaluation.lookup import LookupProposer, NoProposer
+from services.trainer.evaluation.margin import paired_difference
 from services.trainer.evaluation.one_pass import Replay, one_pass_counts
 from services.trainer.methods import EAGLE3, method_of
 from services.trainer.model import TargetTied
@@ -204,16 +205,20 @@ def decode_set(
 
 
 def prompt_row(prompt: EvalPrompt, ids: list[int], decodes: dict[tuple[str, int], DecodeResult], cfg: EvalConfig) -> dict:
-    """The headline decode's steps, as before, and every decode's pass count."""
+    """The headline decode's steps, as before, and every decode's pass and emitted counts (what the margin
+    over prompt lookup resamples, per prompt)."""
     head = decodes[(DRAFTER, cfg.draft_steps)]
     passes: dict[str, Any] = {}
+    emitted: dict[str, Any] = {}
     for (method, k), decoded in decodes.items():
         if method == NO_DRAFTER:
-            passes[method] = decoded.steps
+            passes[method], emitted[method] = decoded.steps, sum(decoded.accepted)
         else:
             passes.setdefault(method, {})[str(k)] = decoded.steps
+            emitted.setdefault(method, {})[str(k)] = sum(decoded.accepted)
     return {"sample_id": prompt.sample_id, "prompt_tokens": len(ids), "tokens": len(head.tokens), "steps": head.steps,
             "accepted": head.accepted, "acceptance_length": head.acceptance_length, "passes": passes,
+            "emitted": emitted,
             "reply": head.tokens,  # what a serving engine's greedy reply must equal (engine_acceptance)
             "matched": head.matched}  # accepted drafts per pass as vLLM counts them (DecodeResult.matched)
 
@@ -395,6 +400,7 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
         "max_new_tokens": cfg.max_new_tokens,
         "stop_ids": measured.stop_ids,
         "methods": methods,
+        "over_lookup": over_lookup(measured),  # drafter - lookup at each k both decoded, with its interval over prompts
         "greedy_check": {"checked": measured.checked,
                          "matched": measured.checked - len(measured.mismatches) - len(measured.near_ties),
                          "mismatches": measured.mismatches, "near_ties": measured.near_ties,
@@ -409,6 +415,22 @@ def set_report(measured: SetRun, cfg: EvalConfig, layer_ids: list[int], drafter_
         "drafter_method": drafter_method,  # eagle3: a chain of k one-token passes; dflash: one block pass of k tokens
         "seconds": measured.seconds,
     }
+
+
+def over_lookup(measured: SetRun) -> dict[str, Any]:
+    """k -> the drafter's acceptance length minus prompt lookup's, with its bootstrap interval over the set's
+    prompts (``margin.paired_difference``), at every k where both were decoded: the margin a drafter must clear,
+    said with how far another draw of prompts would move it."""
+    found = {}
+    for method, k in sorted(measured.tallies):
+        if method != DRAFTER or (LOOKUP, k) not in measured.tallies:
+            continue
+        counts = {one: [(row["emitted"][one][str(k)], row["passes"][one][str(k)]) for row in measured.rows]
+                  for one in (DRAFTER, LOOKUP)}
+        difference = paired_difference(counts[DRAFTER], counts[LOOKUP])
+        if difference is not None:
+            found[str(k)] = difference
+    return found
 
 
 def fill_from_one_pass(entry: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ a tie can go the other way. In float64 the curves equal the decoded ones pass fo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -183,13 +183,17 @@ def lookup_matches(replay: Replay, steps: int, *, min_n: int, max_n: int) -> lis
 
 @dataclass
 class Counts:
-    """Emitted tokens and passes at each k, summed over replies: one ``Tally`` a k, as the decodes are counted."""
+    """Emitted tokens and passes at each k, summed over replies: one ``Tally`` a k, as the decodes are counted;
+    and each reply's own (emitted, passes) at each k, in the order of the replies that have a point to draft
+    at (``Replay.states``), the same order for every proposer of one ``one_pass_counts`` (what a paired margin
+    between two proposers resamples)."""
 
     tallies: dict[int, Tally]
+    replies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, ks: Sequence[int]) -> Counts:
-        return cls({k: Tally() for k in ks})
+        return cls({k: Tally() for k in ks}, {k: [] for k in ks})
 
     @property
     def emitted(self) -> dict[int, int]:
@@ -200,7 +204,9 @@ class Counts:
         return {k: t.passes for k, t in self.tallies.items()}
 
     def add(self, k: int, matches: Sequence[int]) -> None:
-        self.tallies[k].count(*walk(matches, k))
+        counted = walk(matches, k)
+        self.tallies[k].count(*counted)
+        self.replies[k].append(counted)
 
     def curve(self) -> dict[str, float]:
         return {str(k): self.tallies[k].acceptance_length for k in sorted(self.tallies)}
@@ -226,6 +232,8 @@ def add_drafter(counts: Counts, drafter: TargetTied, rows: Rows) -> None:
 def add_lookup(counts: Counts, replays: Sequence[Replay], *, min_n: int, max_n: int) -> None:
     ks = sorted(counts.tallies)
     for replay in replays:
+        if not replay.states:  # nothing to draft at (a drafter's pass skips it too): keeps ``replies`` aligned
+            continue
         matches = lookup_matches(replay, max(ks), min_n=min_n, max_n=max_n)
         for k in ks:
             counts.add(k, matches)

@@ -31,3 +31,14 @@ def test_the_demo_prints_vllms_figure_beside_the_evaluators_or_says_why_not():
     line = demo.engine_line(engine)
     assert "acceptance length 3.88" in line and "the evaluator 3.88" in line and "3.68 counting only emitted" in line
     assert "12/12 vLLM replies" in line
+
+
+def test_the_demo_prints_the_margin_over_lookup_with_its_interval_where_both_were_decoded():
+    one = {"methods": {"drafter": {"curve": {"1": 1.5, "3": 1.9}}, "lookup": {"curve": {"1": 1.2, "3": 1.39}},
+                       "no_drafter": {"acceptance_length": 1.0}},
+           "greedy_check": {"matched": 12, "checked": 12}, "prompts": [{}] * 4,
+           "over_lookup": {"3": {"difference": 0.51, "low": 0.44, "high": 0.587, "prompts": 4, "level": 0.95}}}
+    lines = demo.curve_lines({"sets": {"holdout": one}})
+    assert lines[1].endswith("| drafter - lookup")
+    assert lines[2].split("|")[-1].strip() == "-"  # k = 1 by one pass (decode=headline): no per-prompt counts
+    assert lines[3].split("|")[-1].strip() == "+0.51 (95%: +0.44 to +0.59)"

@@ -144,6 +144,17 @@ def test_the_acceptance_curve_is_one_series_per_set_method_and_k(redis_url, redi
                      "holdout.no_drafter.0": 1.0}
 
 
+def test_the_margin_over_lookup_is_a_series_per_bound(redis_url, redis_conn, data_dir) -> None:
+    state = populate(redis_conn, data_dir)
+    assert not [name for name, _ in scrape(redis_url, data_dir) if name == metrics.ACCEPTANCE_OVER_LOOKUP]
+    # The fields the evaluate job writes (services/trainer/jobs.py lookup_meta).
+    state.set_meta(**{metrics.META_OVER_LOOKUP: 0.52, f"{metrics.META_OVER_LOOKUP}_low": 0.45,
+                      f"{metrics.META_OVER_LOOKUP}_high": 0.59, f"{metrics.META_OVER_LOOKUP}_prompts": 252})
+    samples = scrape(redis_url, data_dir)
+    assert {bound: value(samples, metrics.ACCEPTANCE_OVER_LOOKUP, run="r1", bound=bound)
+            for bound in ("difference", "low", "high")} == {"difference": 0.52, "low": 0.45, "high": 0.59}
+
+
 def test_retries_count_per_stage_and_start_at_zero(redis_url, redis_conn, data_dir) -> None:
     state = populate(redis_conn, data_dir)
     samples = scrape(redis_url, data_dir)

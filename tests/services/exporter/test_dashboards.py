@@ -76,7 +76,8 @@ def test_run_labelled_series_are_filtered_by_the_run_variable(path: Path) -> Non
     """Where a panel shows a per-run series, the run picker applies to it."""
     per_run = {metrics.STAGE_PROGRESS, metrics.STAGE_EXPECTED, metrics.STAGE_DONE, metrics.STAGE_REMAINING,
                metrics.STAGE_FAILED, metrics.STAGE_RETRIED, metrics.TRAIN_LOSS, metrics.ACCEPTANCE_LENGTH,
-               metrics.TRAIN_ACCURACY, metrics.RUN_HIDDEN_BYTES, metrics.RUN_PROJECTED_BYTES}
+               metrics.TRAIN_ACCURACY, metrics.RUN_HIDDEN_BYTES, metrics.RUN_PROJECTED_BYTES, metrics.ACCEPTANCE_CURVE,
+               metrics.ACCEPTANCE_OVER_LOOKUP}
     for query in dashboards.queries(ALL[path]):
         for metric in set(METRIC.findall(query.expr)) & per_run:
             assert re.search(rf'{metric}\{{[^}}]*run=~"\$run"', query.expr), str(query)

@@ -54,3 +54,20 @@ def test_without_runs_the_page_says_how_to_start_one(data_dir, redis_conn, redis
     with TestClient(app) as client:
         html = client.get("/status").text
     assert "No runs yet" in html and "draftline run" in html
+
+
+def test_the_drafters_line_sets_the_baseline_and_the_margins_interval_beside_its_acceptance(data_dir, redis_conn,
+                                                                                            redis_url, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, "done", prompt_rows(4))
+    state.set_meta(export_path="/v/runs/done/drafter/export", acceptance_length=1.9)
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    assert "acceptance length <b data-key='acceptance_length'>1.90</b></p>" in html  # no lookup measured: none claimed
+    state.set_meta(evaluate_k=3, evaluate_lookup_acceptance=1.39, evaluate_over_lookup=0.51,
+                   evaluate_over_lookup_low=0.44, evaluate_over_lookup_high=0.58, evaluate_over_lookup_prompts=252,
+                   evaluate_over_lookup_level=0.95)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    assert ("acceptance length <b data-key='acceptance_length'>1.90</b> at k=3, prompt lookup 1.39: +0.51 "
+            "(95% +0.44 to +0.58 over 252 prompts)</p>") in html

@@ -55,7 +55,8 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["stages"]["extract"]) == STAGE_KEYS
     assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding", "validation"}
     assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length",
-                                                 "engine_acceptance_length", "engine_prompts", "engine_error"}
+                                                 "engine_acceptance_length", "engine_prompts", "engine_error", "k",
+                                                 "lookup_acceptance_length", "over_lookup"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
     assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at",
@@ -133,6 +134,20 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "complete_with_failures"
     assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
+    assert (status["stages"]["evaluate"]["over_lookup"], status["stages"]["evaluate"]["lookup_acceptance_length"]) == \
+        (None, None)
+    assert "acceptance length 2.50\n" in format_status(status) + "\n"  # no baseline measured: none claimed
+    # The baseline it must beat beside it, and how sure the margin is over the prompts measured (the evaluate job's
+    # lookup_meta writes these fields).
+    state.set_meta(evaluate_k=3, evaluate_lookup_acceptance=1.39, evaluate_over_lookup=1.11,
+                   evaluate_over_lookup_low=1.02, evaluate_over_lookup_high=1.2, evaluate_over_lookup_prompts=252,
+                   evaluate_over_lookup_level=0.95)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["stages"]["evaluate"]["over_lookup"] == {"difference": 1.11, "low": 1.02, "high": 1.2, "prompts": 252,
+                                                           "level": 0.95}
+    assert (status["stages"]["evaluate"]["k"], status["stages"]["evaluate"]["lookup_acceptance_length"]) == (3, 1.39)
+    assert ("acceptance length 2.50 at k=3, prompt lookup 1.39: +1.11 (95% +1.02 to +1.20 over 252 prompts)"
+            in format_status(status))
     assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5, "warning": None}
 
 

@@ -148,6 +148,19 @@ def test_the_curve_at_each_k_equals_an_independent_recomputation(curve_report, t
     assert report["acceptance_length"] == methods["drafter"]["curve"]["3"]  # the headline is the curve at draft_steps
 
 
+def test_the_margin_over_lookup_is_the_curves_difference_with_an_interval_from_the_same_prompts(curve_report):
+    prompts, _, report = curve_report
+    methods, margins = report["methods"], report["over_lookup"]
+    assert list(margins) == [str(k) for k in range(1, 8)]  # every k both were decoded at
+    for k, margin in margins.items():
+        for method in ("drafter", "lookup"):  # the per-prompt counts it resamples add up to the curve's
+            assert sum(row["emitted"][method][k] for row in report["prompts"]) == methods[method]["emitted"][k]
+            assert sum(row["passes"][method][k] for row in report["prompts"]) == methods[method]["passes"][k]
+        assert margin["difference"] == pytest.approx(methods["drafter"]["curve"][k] - methods["lookup"]["curve"][k])
+        assert margin["low"] <= margin["difference"] <= margin["high"] and margin["prompts"] == len(prompts)
+    assert margins["7"]["high"] > margins["7"]["low"]  # four different prompts: the interval has a width
+
+
 def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_report):
     prompts, _, report = curve_report
     methods = report["methods"]
@@ -186,6 +199,7 @@ def test_decoding_the_headline_alone_takes_the_rest_of_the_curve_from_one_pass(c
                                                                        for row in report["prompts"]]
     assert quick["one_pass_apart"] == apart  # checked where both forms exist: the headline
     assert quick["acceptance_length"] == report["acceptance_length"]
+    assert quick["over_lookup"] == {"3": report["over_lookup"]["3"]}  # per-prompt counts exist where decoded
 
 
 def test_a_one_pass_fault_is_named_in_the_report_and_the_decoded_curves_stand(curve_report, trained_drafter,

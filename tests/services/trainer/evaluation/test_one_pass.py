@@ -108,6 +108,21 @@ def test_batched_counts_are_the_sum_of_the_prompts_and_every_drafter_shares_one_
     # A small budget cuts the set into one-row batches and the drafters' parts into single rows: same counts.
     small = one_pass_counts(wide, replays, drafters, KS, batch_tokens=1, lookup=(1, 3))
     assert {n: c.curve() for n, c in small.items()} == {n: c.curve() for n, c in together.items()}
+    # Each reply's own counts, in reply order for every proposer (a paired margin resamples them): the prompt's
+    # alone, and every proposer emits the same reply.
+    for k in KS:
+        for name, drafter in drafters.items():
+            assert together[name].replies[k] == small[name].replies[k] == one_pass_passes(wide, drafter, replays, k)
+        assert [e for e, _ in together["lookup"].replies[k]] == [e for e, _ in together["trained"].replies[k]]
+        assert len(together["lookup"].replies[k]) == len(replays)
+
+
+def test_a_reply_with_nothing_to_draft_at_keeps_every_proposers_replies_aligned(trained_drafter, wide, replays):
+    drafter = copy.deepcopy(trained_drafter).double()
+    with_short = [replays[0], Replay(replays[1].prompt, replays[1].reply[:1]), replays[2]]
+    counts = one_pass_counts(wide, with_short, {"d": drafter}, [3], batch_tokens=1 << 16, lookup=(1, 3))
+    assert len(counts["d"].replies[3]) == len(counts["lookup"].replies[3]) == 2  # the one-token reply: no pass
+    assert [e for e, _ in counts["lookup"].replies[3]] == [e for e, _ in counts["d"].replies[3]]
 
 
 def test_in_float32_the_curve_is_the_decoded_one_within_rounding(trained_drafter, tiny_target, replays):
