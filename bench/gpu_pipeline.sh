@@ -118,6 +118,8 @@ follow() {
   [ -f "$WORK/done" ] && cat "$WORK/done"
   for log in "$WORK"/sweep-*.log; do [ -f "$log" ] && { echo "== $log"; tail -3 "$log"; }; done
   for done in "$WORK"/sweep-*.done; do [ -f "$done" ] && echo "$done: $(cat "$done")"; done
+  # What the sweep has measured so far, as RESULTS.md records it (a cut-short sweep's JSON holds its finished variants).
+  [ ${#sweeps[@]} -gt 0 ] && { "$PY" bench/sweep_table.py "$WORK"/sweep-*.json || echo "sweep table failed"; }
 }
 
 # The export as soon as training wrote it, to be served by the CPU vLLM here even when the window ends during
