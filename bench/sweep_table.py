@@ -19,6 +19,8 @@ NOT_TRAINING = {"measure"}  # variant keys that say how it was measured, not wha
 def margin_cell(margin: dict[str, Any] | None) -> str:
     if not margin:
         return ""
+    if margin["low"] is None:
+        return f"{margin['difference']:+.2f} (no interval: {margin['prompts']} prompts)"
     return f"{margin['difference']:+.2f} ({margin['low']:+.2f} to {margin['high']:+.2f})"
 
 

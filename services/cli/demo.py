@@ -214,8 +214,11 @@ def curve_lines(report: dict[str, Any]) -> list[str]:
 
 
 def margin_text(one: dict[str, Any], k: str) -> str:
-    """``+0.52 (95%: +0.45 to +0.59)``: the drafter's margin over lookup at ``k`` and its interval, or ``-``."""
+    """``+0.52 (95%: +0.45 to +0.59)``: the drafter's margin over lookup at ``k`` and its interval (none over
+    fewer than ``margin.MIN_PROMPTS`` prompts, said so), or ``-``."""
     margin = one.get("over_lookup", {}).get(k)
     if margin is None:
         return "-"
+    if margin["low"] is None:
+        return f"{margin['difference']:+.2f} ({margin['prompts']} prompts: too few for an interval)"
     return f"{margin['difference']:+.2f} ({margin['level']:.0%}: {margin['low']:+.2f} to {margin['high']:+.2f})"

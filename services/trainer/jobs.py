@@ -228,9 +228,10 @@ def lookup_meta(report: dict) -> dict[str, float]:
     if lookup is None or margin is None:
         return {}
     prefix = metrics.META_OVER_LOOKUP
+    # Empty, not absent, where too few prompts give no interval: an earlier evaluation's bounds never linger.
+    bounds = {f"{prefix}_{bound}": "" if margin[bound] is None else margin[bound] for bound in ("low", "high")}
     return {metrics.META_EVALUATE_K: int(k), metrics.META_LOOKUP_ACCEPTANCE: lookup, prefix: margin["difference"],
-            f"{prefix}_low": margin["low"], f"{prefix}_high": margin["high"], f"{prefix}_prompts": margin["prompts"],
-            f"{prefix}_level": margin["level"]}
+            **bounds, f"{prefix}_prompts": margin["prompts"], f"{prefix}_level": margin["level"]}
 
 
 def curve_meta(report: dict) -> dict[str, float]:

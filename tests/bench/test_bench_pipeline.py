@@ -101,8 +101,8 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
             over_lookup, over_source = source["over_lookup"][k], one["over_source"][k]
             assert over_lookup["difference"] == pytest.approx(source["curve"][k] - source["lookup_curve"][k])
             assert over_source["difference"] == pytest.approx(one["curve"][k] - source["curve"][k])
-            for margin in (over_lookup, over_source):
-                assert margin["low"] <= margin["difference"] <= margin["high"]
+            for margin in (over_lookup, over_source):  # a handful of prompts: no interval (margin.MIN_PROMPTS)
+                assert margin["low"] is margin["high"] is None
                 assert margin["prompts"] <= source["prompts"]  # replies with a point to draft at
         decoded = swept["variants"]["decoded"]["sets"][name]  # "measure": "decode" overrides --one-pass
         assert decoded["measured_by"] == "decode" and decoded["greedy_checked"] == decoded["prompts"] * 2

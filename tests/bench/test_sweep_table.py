@@ -50,5 +50,11 @@ def test_sweeps_of_different_runs_are_refused(tmp_path, capsys):
     assert "| +0.05 (+0.00 to +0.10) |" in capsys.readouterr().out
 
 
+def test_a_margin_over_too_few_prompts_says_it_has_no_interval():
+    few = variant(2.0)
+    few["sets"]["holdout"]["over_source"]["3"] = {"difference": 0.1, "low": None, "high": None, "prompts": 4}
+    assert table([sweep({"x": few})], "3")[4].endswith("| +0.10 (no interval: 4 prompts) |")
+
+
 def test_a_sweep_cut_short_before_any_figure_gives_the_header_alone():
     assert len(table([{"source_run": "bench", "variants": {}}], "3")) == 2

@@ -283,8 +283,11 @@ def margin_phrase(evaluate: dict) -> str:
     margin, lookup = evaluate.get("over_lookup"), evaluate.get("lookup_acceptance_length")
     if margin is None or lookup is None:
         return ""
-    return (f" at k={evaluate['k']}, prompt lookup {lookup:.2f}: {margin['difference']:+.2f} ({margin['level']:.0%} "
-            f"{margin['low']:+.2f} to {margin['high']:+.2f} over {margin['prompts']} prompts)")
+    head = f" at k={evaluate['k']}, prompt lookup {lookup:.2f}: {margin['difference']:+.2f}"
+    if margin["low"] is None or margin["high"] is None:
+        return f"{head} ({margin['prompts']} prompts: too few for an interval)"
+    return (f"{head} ({margin['level']:.0%} {margin['low']:+.2f} to {margin['high']:+.2f} "
+            f"over {margin['prompts']} prompts)")
 
 
 def _validation_text(curve: dict[str, float | None]) -> str:

@@ -42,3 +42,6 @@ def test_the_demo_prints_the_margin_over_lookup_with_its_interval_where_both_wer
     assert lines[1].endswith("| drafter - lookup")
     assert lines[2].split("|")[-1].strip() == "-"  # k = 1 by one pass (decode=headline): no per-prompt counts
     assert lines[3].split("|")[-1].strip() == "+0.51 (95%: +0.44 to +0.59)"
+    few = {**one, "over_lookup": {"3": {"difference": 0.24, "low": None, "high": None, "prompts": 4, "level": 0.95}}}
+    assert demo.curve_lines({"sets": {"holdout": few}})[3].split("|")[-1].strip() == \
+        "+0.24 (4 prompts: too few for an interval)"

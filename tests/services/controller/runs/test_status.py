@@ -148,6 +148,11 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     assert (status["stages"]["evaluate"]["k"], status["stages"]["evaluate"]["lookup_acceptance_length"]) == (3, 1.39)
     assert ("acceptance length 2.50 at k=3, prompt lookup 1.39: +1.11 (95% +1.02 to +1.20 over 252 prompts)"
             in format_status(status))
+    # Too few prompts for an interval: the evaluate job writes its bounds empty, and the text says why there is none.
+    state.set_meta(evaluate_over_lookup_low="", evaluate_over_lookup_high="", evaluate_over_lookup_prompts=4)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["stages"]["evaluate"]["over_lookup"]["low"] is None
+    assert "prompt lookup 1.39: +1.11 (4 prompts: too few for an interval)" in format_status(status)
     assert status["drafter"] == {"export_path": "/x/export", "acceptance_length": 2.5, "warning": None}
 
 

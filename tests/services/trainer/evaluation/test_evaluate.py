@@ -157,8 +157,9 @@ def test_the_margin_over_lookup_is_the_curves_difference_with_an_interval_from_t
             assert sum(row["emitted"][method][k] for row in report["prompts"]) == methods[method]["emitted"][k]
             assert sum(row["passes"][method][k] for row in report["prompts"]) == methods[method]["passes"][k]
         assert margin["difference"] == pytest.approx(methods["drafter"]["curve"][k] - methods["lookup"]["curve"][k])
-        assert margin["low"] <= margin["difference"] <= margin["high"] and margin["prompts"] == len(prompts)
-    assert margins["7"]["high"] > margins["7"]["low"]  # four different prompts: the interval has a width
+        # Four prompts are too few to resample (margin.MIN_PROMPTS): the difference stands without an interval,
+        # whose arithmetic test_margin checks.
+        assert (margin["low"], margin["high"], margin["prompts"]) == (None, None, len(prompts))
 
 
 def test_the_report_carries_the_one_pass_curves_beside_the_decoded_ones(curve_report):

@@ -6,24 +6,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.trainer.evaluation.margin import paired_difference
+from services.trainer.evaluation.margin import MIN_PROMPTS, paired_difference
 
 
 def test_the_difference_is_of_ratios_of_sums_not_a_mean_of_ratios():
-    a = [(10, 2), (2, 2)]  # 12 emitted in 4 passes: 3.0 (the mean of the prompts' ratios would be 3.0 too)
-    b = [(10, 10), (2, 1)]  # 12 in 11: a mean of ratios would give 1.5
+    a = [(10, 2), (2, 2)] * 5  # 12 emitted in 4 passes a pair: 3.0 (the mean of the prompts' ratios, 3.0 too)
+    b = [(10, 10), (2, 1)] * 5  # 12 in 11: a mean of ratios would give 1.5
     found = paired_difference(a, b)
     assert found["difference"] == pytest.approx(3.0 - 12 / 11)
-    assert found["low"] <= found["difference"] <= found["high"]
-    assert (found["prompts"], found["level"], found["draws"]) == (2, 0.95, 2000)
+    assert found["low"] < found["difference"] < found["high"]
+    assert (found["prompts"], found["level"], found["draws"]) == (10, 0.95, 2000)
+
+
+def test_too_few_prompts_give_the_difference_without_an_interval():
+    few = paired_difference([(10, 2), (2, 2)], [(10, 10), (2, 1)])
+    assert few["difference"] == pytest.approx(3.0 - 12 / 11) and (few["low"], few["high"]) == (None, None)
+    assert few["prompts"] == 2 < MIN_PROMPTS  # two prompts resample into three distinct draws: no spread to trust
 
 
 def test_identical_proposers_or_a_constant_gap_leave_no_spread():
-    rows = [(30, 12), (18, 9), (40, 25)]
+    rows = [(30, 12), (18, 9), (40, 25)] * 4
     same = paired_difference(rows, rows)
     assert (same["difference"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
-    faster = [(e, p) for e, p in [(20, 10)] * 5]
-    slower = [(e, p) for e, p in [(20, 20)] * 5]
+    faster = [(e, p) for e, p in [(20, 10)] * 10]
+    slower = [(e, p) for e, p in [(20, 20)] * 10]
     gap = paired_difference(faster, slower)
     assert (gap["difference"], gap["low"], gap["high"]) == (1.0, 1.0, 1.0)
 
