@@ -14,6 +14,7 @@ from services.cli.commands import (
     make_tiny_model,
     preflight,
     resume,
+    retrain,
     retry,
     run,
     serve,
@@ -28,7 +29,7 @@ log = logging.getLogger("draftline")
 # Every subcommand's module (services/cli/commands/), in the order `draftline --help` lists them. Listed by
 # hand, not discovered: a command exists when it is named here, and this line shows them all.
 COMMANDS: tuple[ModuleType, ...] = (serve, make_tiny_model, make_target, run, worker_health, preflight, status,
-                                    resume, failures, retry, demo)
+                                    resume, failures, retry, retrain, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

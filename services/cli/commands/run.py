@@ -72,7 +72,7 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_config(path: str | None) -> dict[str, dict]:
+def run_config(path: str | None) -> dict[str, dict]:
     """The sections of a ``--run-config`` file: a JSON object with any of generation, extraction, train and
     evaluate, each as ``POST /runs`` takes it. Anything else in it is refused by name."""
     if not path:
@@ -104,7 +104,7 @@ def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
     train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
              "base_checkpoint": args.base_checkpoint}
     evaluate = {"holdout": args.holdout}
-    config = _run_config(getattr(args, "run_config", None))
+    config = run_config(getattr(args, "run_config", None))
     return tuple({**config.get(name, {}), **{k: v for k, v in section.items() if v is not None}}
                  for name, section in zip(RUN_SECTIONS, (generation, extraction, train, evaluate)))
 

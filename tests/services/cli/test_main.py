@@ -16,6 +16,7 @@ from services.cli.commands import (
     make_tiny_model,
     preflight,
     resume,
+    retrain,
     retry,
     run,
     serve,
@@ -39,6 +40,8 @@ REGISTERED = [
     (resume, "resume", ["resume"], {"run": None, "deep": False, "json": False}),
     (failures, "failures", ["failures"], {"run": None, "stage": None, "json": False}),
     (retry, "retry", ["retry", "r1", "5", "7"], {"run": "r1", "ids": [5, 7], "stage": None, "include_dropped": False}),
+    (retrain, "retrain", ["retrain", "r1", "--name", "r2"], {"source": "r1", "name": "r2", "lr": None,
+                                                            "run_config": None}),
     (demo, "demo", ["demo"], {"data": "./data", "target": "smollm2", "timeout": 1800.0}),
 ]
 EXPECTED = [name for _, name, _, _ in REGISTERED]

@@ -1,0 +1,49 @@
+"""``draftline retrain SOURCE --name NEW``: train again on a finished run's capture with other training settings
+(services/controller/runs/retrain.py), tracked like any run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.cli.commands.common import controller_settings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    retrain = subparsers.add_parser("retrain", help="a new run training on a finished run's replies and hidden states "
+                                                    "(linked, not copied) with other train or evaluate settings")
+    retrain.add_argument("source", help="the run whose capture to train on (generation and extraction settled)")
+    retrain.add_argument("--name", required=True, help="the new run's name")
+    retrain.add_argument("--epochs", type=int)
+    retrain.add_argument("--lr", type=float)
+    retrain.add_argument("--ttt-steps", type=int, help="training-time-test unroll length")
+    retrain.add_argument("--draft-vocab-size", type=int)
+    retrain.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
+    retrain.add_argument("--run-config", metavar="FILE",
+                         help="a JSON object of train and evaluate sections; the flags above override its values")
+    retrain.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from services.cli.commands.run import run_config
+    from services.controller.loop.reconcile import reconcile_run
+    from services.controller.runs.retrain import retrain_run
+    from shared.queues import connect
+
+    settings = controller_settings()
+    sections = run_config(args.run_config)
+    flags = {"epochs": args.epochs, "lr": args.lr, "ttt_steps": args.ttt_steps,
+             "draft_vocab_size": args.draft_vocab_size, "base_checkpoint": args.base_checkpoint}
+    train = {**sections.get("train", {}), **{k: v for k, v in flags.items() if v is not None}}
+    if train:
+        sections["train"] = train
+    conn = connect(settings.redis_url)
+    spec = retrain_run(settings.data, conn, args.source, args.name, sections)
+    # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
+    report = reconcile_run(settings.data, conn, spec.name)
+    changed = {k: v for part in ("train", "evaluate") for k, v in sections.get(part, {}).items()}
+    sys.stdout.write(f"run {spec.name}: {report.extracted:,} of {report.expected:,} samples from {args.source}'s "
+                     f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "
+                     f"{changed or 'nothing'}; the controller enqueues its training next "
+                     f"(draftline status {spec.name})\n")
+    return 0

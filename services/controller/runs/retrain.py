@@ -1,0 +1,125 @@
+"""Capture once, train many: a new run that trains again on a finished capture, with other training settings.
+
+Generation and extraction are the days of a run; a recipe is minutes to hours. ``retrain_run`` lays a new run
+on the volume whose prompts, held-out prompts, replies and hidden-state files are the source run's own files
+(hard links: no byte is copied, and either run can be deleted without the other losing a file), whose failure
+records are copies of the source's (each run's record of the same capture), and whose ``run.json`` is the
+source's with the ``train`` and ``evaluate`` sections changed. The directory is built beside ``runs/`` and
+published by one rename, so no reader sees half of it. Then it is an ordinary run on the volume: the
+controller rebuilds its state from the files (``reconcile_run``: every sample already settled), enqueues its
+train job, and the trainer trains, exports and evaluates it on the same held-out prompts as the source, with
+status, Prometheus and the dashboards as for any run.
+
+What the capture fixed cannot change here: generation and extraction settings, the dataset and its split, and
+``evaluate.holdout`` (the held-out rows were split from the training rows when the capture was submitted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from runtime.runstate import RunState, known_runs, read_finished
+from shared.atomic import atomic_write_json, fsync_dir
+from shared.errors import DraftlineError, RunExists
+from shared.layout import RunPaths, check_run_name, runs_root
+from shared.lifecycle import SAMPLE_PHASES, RunPhase
+from shared.runspec import RunSpec
+
+log = logging.getLogger(__name__)
+
+RETRAIN_SECTIONS = ("train", "evaluate")  # what a retrain may change: the capture fixes the rest
+FIXED_EVALUATE = ("holdout",)  # evaluate fields the capture fixed (the held-out rows were split at submission)
+
+def linked(paths: RunPaths) -> list[Path]:
+    """The capture's files, shared as links: prompts, held-out prompts, replies, hidden states (and manifests)."""
+    return [paths.prompts, paths.eval_prompts, paths.generated_dir, paths.hidden_dir]
+
+
+def copied(paths: RunPaths) -> list[Path]:
+    """The capture's failure records: each run's own copy."""
+    return [paths.failures_dir]
+
+
+class RetrainRefused(DraftlineError):
+    """A retrain that cannot be made as asked: its source's capture is unfinished, or it changes what the
+    capture fixed."""
+
+
+def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:
+    """Lay run ``name`` on the volume: ``source``'s capture with ``sections`` (train, evaluate) over its settings."""
+    data = Path(data)
+    spec = derived_spec(RunSpec.load(data, source), check_run_name(name), sections)
+    source_paths, paths = RunPaths(data, source), RunPaths(data, name)
+    if paths.root.exists() or name in known_runs(conn):
+        raise RunExists(f"run {name!r} already exists")
+    check_capture_finished(RunState(conn, data, source), source_paths)
+    building = data / f".retrain-{name}.tmp"  # beside runs/, on the same volume: links and the rename stay there
+    shutil.rmtree(building, ignore_errors=True)  # an earlier attempt's debris
+    try:
+        for part in linked(source_paths):
+            link_tree(part, building / part.relative_to(source_paths.root))
+        for part in copied(source_paths):
+            if part.exists():
+                shutil.copytree(part, building / part.relative_to(source_paths.root))
+        atomic_write_json(building / paths.spec.name, spec.model_dump(mode="json"))
+        fsync_dir(building)
+        runs_root(data).mkdir(parents=True, exist_ok=True)
+        os.rename(building, paths.root)  # refused by the OS if a run of that name appeared meanwhile
+        fsync_dir(runs_root(data))
+    except OSError:
+        shutil.rmtree(building, ignore_errors=True)
+        if paths.root.exists() and not building.exists():
+            raise RunExists(f"run {name!r} already exists") from None
+        raise
+    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source,
+             {k: v for k, v in sections.get("train", {}).items()})
+    return spec
+
+
+def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:
+    """The source's settings with ``sections`` over its train and evaluate ones, validated as a run's are."""
+    other = sorted(set(sections) - set(RETRAIN_SECTIONS))
+    if other:
+        raise RetrainRefused(f"a retrain reuses {source.name}'s capture, so section(s) {', '.join(other)} cannot "
+                             f"change; it may set {', '.join(RETRAIN_SECTIONS)}")
+    fixed = sorted(f"evaluate.{k}" for k in FIXED_EVALUATE
+                   if k in sections.get("evaluate", {}) and sections["evaluate"][k] != getattr(source.evaluate, k))
+    if fixed:
+        raise RetrainRefused(f"{', '.join(fixed)} cannot change: {source.name}'s held-out rows were split from its "
+                             "training rows when the capture was submitted")
+    raw = source.model_dump(mode="json")
+    raw.update(name=name, created_at=time.time(),
+               **{part: {**raw[part], **sections.get(part, {})} for part in RETRAIN_SECTIONS})
+    return RunSpec.model_validate(raw)  # a misspelt or out-of-range setting fails here, named, before any file
+
+
+def check_capture_finished(state: RunState, paths: RunPaths) -> None:
+    """Refuse a source whose generation or extraction is still under way: its files are not the whole capture."""
+    if read_finished(paths) is not None:
+        return
+    phase = RunPhase.of(state.meta().get("state"))
+    if phase in SAMPLE_PHASES:
+        raise RetrainRefused(f"run {state.run} is still {phase}: retrain it once every sample is settled "
+                             "(draftline status shows the run training or later)")
+
+
+def link_tree(source: Path, target: Path) -> None:
+    """``target`` as a tree of hard links to ``source``'s files (nothing when ``source`` is absent)."""
+    if source.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(source, target)
+        return
+    if not source.is_dir():
+        return
+    for root, _, files in os.walk(source):
+        here = target / Path(root).relative_to(source)
+        here.mkdir(parents=True, exist_ok=True)
+        for file in files:
+            os.link(Path(root) / file, here / file)
