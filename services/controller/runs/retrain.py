@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 RETRAIN_SECTIONS = ("train", "evaluate")  # what a retrain may change: the capture fixes the rest
 FIXED_EVALUATE = ("holdout",)  # evaluate fields the capture fixed (the held-out rows were split at submission)
 
+
+class RetrainRefused(DraftlineError):
+    """A retrain that cannot be made as asked: its source's capture is unfinished, or it changes what the
+    capture fixed."""
+
+
 def linked(paths: RunPaths) -> list[Path]:
     """The capture's files, shared as links: prompts, held-out prompts, replies, hidden states (and manifests)."""
     return [paths.prompts, paths.eval_prompts, paths.generated_dir, paths.hidden_dir]
@@ -45,11 +51,6 @@ def linked(paths: RunPaths) -> list[Path]:
 def copied(paths: RunPaths) -> list[Path]:
     """The capture's failure records: each run's own copy."""
     return [paths.failures_dir]
-
-
-class RetrainRefused(DraftlineError):
-    """A retrain that cannot be made as asked: its source's capture is unfinished, or it changes what the
-    capture fixed."""
 
 
 def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:
@@ -68,6 +69,9 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
         for part in copied(source_paths):
             if part.exists():
                 shutil.copytree(part, building / part.relative_to(source_paths.root))
+        # Durable before it is published: a crash after the rename must not leave a run whose volume lacks a
+        # sample's file or failure record, which the controller would take as work still to do.
+        fsync_tree(building)
         atomic_write_json(building / paths.spec.name, spec.model_dump(mode="json"))
         fsync_dir(building)
         runs_root(data).mkdir(parents=True, exist_ok=True)
@@ -123,3 +127,14 @@ def link_tree(source: Path, target: Path) -> None:
         here.mkdir(parents=True, exist_ok=True)
         for file in files:
             os.link(Path(root) / file, here / file)
+
+
+def fsync_tree(root: Path) -> None:
+    """Every directory under ``root`` and every file copied into it (a hard link's data is already durable)."""
+    for here, _, files in os.walk(root):
+        for file in files:
+            path = Path(here) / file
+            if os.stat(path).st_nlink == 1:  # a copy: its bytes are new
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(Path(here))

@@ -47,6 +47,8 @@ def paired_difference(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]
             chunks.append(ratio(first[picks].sum(1)) - ratio(second[picks].sum(1)))
     spread = np.concatenate(chunks)
     spread = spread[np.isfinite(spread)]
+    if not spread.size:
+        return found
     low, high = np.quantile(spread, [(1 - level) / 2, (1 + level) / 2])
     return {**found, "low": float(low), "high": float(high)}
 
