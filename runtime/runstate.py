@@ -45,6 +45,9 @@ FIRST = "first"  # field of a throughput hash: when the stage first settled a sa
 TOTAL = "total"  # field of a throughput hash: samples the stage ever settled (never pruned)
 FIELDS = (BEGUN, LAST, FIRST, TOTAL)  # the hash's fields that are not buckets
 GENERATE_REQUESTS = "generate_requests"  # run meta: requests the target answered (a turn each; retries aside)
+# run meta, set when the run's state was rebuilt from the volume after its replies were made: the count above
+# began again at the rebuild (reply files do not say how many requests made them), so the run's total is unknown
+GENERATE_REQUESTS_UNCOUNTED = "generate_requests_uncounted"
 
 ERROR = "error"
 DROPPED = "dropped"

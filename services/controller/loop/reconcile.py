@@ -55,6 +55,7 @@ from shared.runspec import RunSpec
 from runtime.runstate import (
     DROPPED,
     ERROR,
+    GENERATE_REQUESTS_UNCOUNTED,
     Failure,
     RunState,
     bitmap_ids,
@@ -547,6 +548,8 @@ def restore_meta(state: RunState, spec: RunSpec, ids: RunIds, sizes: dict[str, i
         "feed_offset": 0, "fed_until": 0, "extract_cursor": 0, "resumed_at": report.resumed_at, **sizes,
         **where.fields,
     }
+    if report.registered and sizes.get("generated_bytes"):
+        fields[GENERATE_REQUESTS_UNCOUNTED] = 1  # the replies on the volume were asked before this Redis knew the run
     layers = _recorded_layers(state.paths)
     if "layer_ids" not in meta and layers is not None:
         fields.update(layer_ids=json.dumps(layers), layer_convention="decoder_output_0idx")

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import redis
 
-from runtime.runstate import ERROR, GENERATE_REQUESTS, RunState, StageCounts, known_runs, read_finished, run_key
+from runtime.runstate import (
+    ERROR,
+    GENERATE_REQUESTS,
+    GENERATE_REQUESTS_UNCOUNTED,
+    RunState,
+    StageCounts,
+    known_runs,
+    read_finished,
+    run_key,
+)
 from runtime.disk import disk_status, format_bytes, format_disk_pause
 from shared import metrics
 from shared.errors import RunNotFound
@@ -163,7 +172,7 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
     gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
     generate = sample_stage(state, "generate", expected, gen, now)
-    generate.update(generate_requests(meta, gen))
+    generate.update(generate_requests(meta, gen, uncounted=finished is not None))
     extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
     train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
     train["loss"] = _float(meta, "train_loss")
@@ -212,9 +221,13 @@ def validation_curve(meta: dict[str, str]) -> dict[str, float | None]:
     return {str(k): _float(meta, f"{prefix}{k}") for k in ks}
 
 
-def generate_requests(meta: dict[str, str], counts: StageCounts) -> dict:
+def generate_requests(meta: dict[str, str], counts: StageCounts, uncounted: bool = False) -> dict:
     """The generation's cost: requests the target answered (one per turn of a conversation; a retry of the
-    same turn is not another) and their mean per settled sample, None before any settled."""
+    same turn is not another) and their mean per settled sample, None before any settled; both None where
+    the count is not the run's whole (``uncounted``: its state was rebuilt from the volume after replies were
+    made, or only its finished record is left)."""
+    if uncounted or meta.get(GENERATE_REQUESTS_UNCOUNTED):
+        return {"requests": None, "requests_per_sample": None}
     requests = int(float(meta.get(GENERATE_REQUESTS, 0) or 0))
     settled = counts.done + counts.failed + counts.dropped
     return {"requests": requests, "requests_per_sample": round(requests / settled, 3) if settled else None}
@@ -255,6 +268,8 @@ def _rate(s: dict) -> str:
 def _sample_line(name: str, s: dict) -> str:
     per_sample = s.get("requests_per_sample")
     cost = f"  {per_sample:.2f} requests/sample" if per_sample is not None else ""
+    if "requests" in s and s["requests"] is None:
+        cost = "  requests/sample unknown (state read back from the volume)"
     return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
             f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
 

@@ -69,6 +69,15 @@ def test_a_run_redis_lost_is_registered_again_from_the_volume(data_dir, redis_co
         (12, "InferenceRejected", "error"), (13, "InferenceRejected", "dropped"), (15, "InvalidJson", "error")]
     status = run_status(data_dir, redis_conn, RUN)
     assert status["stages"]["generate"]["done"] == 10 and status["stages"]["extract"]["done"] == 6
+    # The requests that made those ten replies went with Redis: the run's request count is unknown from here on.
+    assert meta["generate_requests_uncounted"] == "1" and status["stages"]["generate"]["requests"] is None
+
+
+def test_a_run_rebuilt_before_any_reply_keeps_counting_its_requests(data_dir, redis_conn, state):
+    redis_conn.flushall()
+    reconcile_run(data_dir, redis_conn, RUN)
+    assert "generate_requests_uncounted" not in state.meta()
+    assert run_status(data_dir, redis_conn, RUN)["stages"]["generate"]["requests"] == 0
 
 
 def test_files_of_ids_outside_the_run_are_not_counted(data_dir, redis_conn, state):
@@ -226,6 +235,7 @@ def test_a_finished_run_is_marked_on_the_volume_and_never_rebuilt(data_dir, redi
     assert known_runs(redis_conn) == []
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "complete_with_failures" and status["stages"]["extract"]["done"] == 17
+    assert status["stages"]["generate"]["requests"] is None  # the finished record does not hold the count
 
 
 def test_a_run_being_submitted_is_left_to_its_submitter(data_dir, redis_conn, state):

@@ -264,3 +264,10 @@ def test_generation_reports_its_requests_per_settled_sample(data_dir, redis_conn
     generate = run_status(data_dir, redis_conn, RUN)["stages"]["generate"]
     assert (generate["requests"], generate["requests_per_sample"]) == (21, 2.1)
     assert "2.10 requests/sample" in format_status(run_status(data_dir, redis_conn, RUN)).splitlines()[1]
+    # Rebuilt from the volume after replies were made (reconcile sets the mark): the count began again there, so
+    # neither figure is the run's; unknown, not a mean over requests the count never saw.
+    state.set_meta(generate_requests_uncounted=1)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert (status["stages"]["generate"]["requests"], status["stages"]["generate"]["requests_per_sample"]) == \
+        (None, None)
+    assert "requests/sample unknown (state read back from the volume)" in format_status(status).splitlines()[1]
