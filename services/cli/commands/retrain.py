@@ -41,7 +41,7 @@ def handle(args: argparse.Namespace) -> int:
     spec = retrain_run(settings.data, conn, args.source, args.name, sections)
     # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
     report = reconcile_run(settings.data, conn, spec.name)
-    changed = {k: v for part in ("train", "evaluate") for k, v in sections.get(part, {}).items()}
+    changed = ", ".join(f"{part}.{k}={v}" for part in ("train", "evaluate") for k, v in sections.get(part, {}).items())
     sys.stdout.write(f"run {spec.name}: {report.extracted:,} of {report.expected:,} samples from {args.source}'s "
                      f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "
                      f"{changed or 'nothing'}; the controller enqueues its training next "

@@ -105,7 +105,7 @@ def test_the_command_lays_the_run_and_registers_it_at_once(data_dir, redis_conn,
     done = draftline(env, "retrain", SOURCE, "--name", "ttt5", "--run-config", str(config), "--lr", "0.001")
     assert done.returncode == 0, done.stderr
     assert "17 of 18 samples from src's capture" in done.stdout  # row 15 malformed: its failure kept
-    assert "1 failures kept" in done.stdout
+    assert "1 failures kept" in done.stdout and "changed train.ttt_steps=5, train.lr=0.001" in done.stdout
     spec = RunSpec.load(data_dir, "ttt5")
     assert (spec.train.ttt_steps, spec.train.lr) == (5, 1e-3)  # the flag over the file
     assert "ttt5" in known_runs(redis_conn)
