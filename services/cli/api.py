@@ -48,6 +48,10 @@ class ControllerClient:
         """``POST /runs``: the created run's spec."""
         return self._answer(self._send("POST", "/runs", json=body), expect=201)
 
+    def retrain(self, source: str, body: dict) -> dict:
+        """``POST /runs/<source>/retrain``: the new run's spec."""
+        return self._answer(self._send("POST", f"/runs/{source}/retrain", json=body), expect=201)
+
     def run_status(self, run: str) -> dict:
         return self._answer(self._send("GET", f"/runs/{run}"), expect=200)
 

@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     retrain.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
     retrain.add_argument("--run-config", metavar="FILE",
                          help="a JSON object of train and evaluate sections; the flags above override its values")
+    retrain.add_argument("--controller", metavar="URL",
+                         help="ask this controller's API (POST /runs/SOURCE/retrain), sending DRAFTLINE_API_TOKEN, "
+                              "instead of the volume and Redis directly")
     retrain.set_defaults(func=handle)
 
 
@@ -37,6 +40,8 @@ def handle(args: argparse.Namespace) -> int:
     train = {**sections.get("train", {}), **{k: v for k, v in flags.items() if v is not None}}
     if train:
         sections["train"] = train
+    if args.controller:
+        return _through_api(args, sections, settings)
     conn = connect(settings.redis_url)
     spec = retrain_run(settings.data, conn, args.source, args.name, sections)
     # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
@@ -46,4 +51,16 @@ def handle(args: argparse.Namespace) -> int:
                      f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "
                      f"{changed or 'nothing'}; the controller enqueues its training next "
                      f"(draftline status {spec.name})\n")
+    return 0
+
+
+def _through_api(args: argparse.Namespace, sections: dict, settings) -> int:
+    """The same retrain through ``POST /runs/<source>/retrain``, with the API token."""
+    from services.cli.api import ControllerClient
+
+    token = settings.api_token
+    with ControllerClient(args.controller, token=token.get_secret_value() if token else None) as client:
+        spec = client.retrain(args.source, {"name": args.name, **sections})
+    sys.stdout.write(f"run {spec['name']}: laid from {args.source}'s capture through {args.controller}; the "
+                     f"controller enqueues its training next (draftline status {spec['name']})\n")
     return 0

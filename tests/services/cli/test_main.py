@@ -41,7 +41,7 @@ REGISTERED = [
     (failures, "failures", ["failures"], {"run": None, "stage": None, "json": False}),
     (retry, "retry", ["retry", "r1", "5", "7"], {"run": "r1", "ids": [5, 7], "stage": None, "include_dropped": False}),
     (retrain, "retrain", ["retrain", "r1", "--name", "r2"], {"source": "r1", "name": "r2", "lr": None,
-                                                            "run_config": None}),
+                                                            "run_config": None, "controller": None}),
     (demo, "demo", ["demo"], {"data": "./data", "target": "smollm2", "timeout": 1800.0}),
 ]
 EXPECTED = [name for _, name, _, _ in REGISTERED]

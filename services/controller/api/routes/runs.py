@@ -1,4 +1,5 @@
-"""``/runs``: submit a run (after preflight), list runs, one run's status, its failures.
+"""``/runs``: submit a run (after preflight), list runs, one run's status, its failures, and a retrain of a
+finished capture (``POST /runs/<run>/retrain``).
 
 Submission goes through ``start.start_run`` (preflight, then submission) and answers **412** with the
 failed checks, each naming its fix, unless the body says ``"force": true``; a local dataset outside the
@@ -8,12 +9,14 @@ dataset roots is **403**. Who may call these routes is ``services.controller.api
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.controller.api.routes.deps import ConnDep, SettingsDep
+from services.controller.loop.reconcile import reconcile_run
+from services.controller.runs.retrain import RetrainRefused, retrain_run
 from services.controller.runs.served import served_model
 from services.controller.runs.start import DatasetOutsideRoots, PreflightFailed, RunRequest, start_run
 from services.controller.runs.status import list_status, run_status
@@ -61,6 +64,22 @@ class SubmitRequest(BaseModel):
         return None if name is None else check_run_name(name)
 
 
+class RetrainRequest(BaseModel):
+    """The body of ``POST /runs/<run>/retrain``: the new run's name and the train and evaluate settings it changes
+    (partial sections, laid over the source's; ``retrain.derived_spec`` validates them as a run's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    train: dict[str, Any] | None = None
+    evaluate: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        return check_run_name(name)
+
+
 def _known_run(run: str) -> str:
     try:
         return check_run_name(run)
@@ -88,6 +107,22 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
         raise HTTPException(status_code=503, detail=str(exc)) from None
     except ValueError as exc:  # an invalid default run name derived from the dataset, say
         raise HTTPException(status_code=422, detail=str(exc)) from None
+    return spec.model_dump(mode="json")
+
+
+@router.post("/{run}/retrain", status_code=201)
+def retrain(run: str, body: RetrainRequest, settings: SettingsDep, conn: ConnDep) -> dict:
+    """A new run training on ``run``'s finished capture (services/controller/runs/retrain.py), registered at once."""
+    sections = {part: value for part, value in (("train", body.train), ("evaluate", body.evaluate)) if value}
+    try:
+        spec = retrain_run(settings.data, conn, _known_run(run), body.name, sections)
+    except RunNotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+    except (RunExists, RetrainRefused) as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
+    except ValueError as exc:  # a setting out of range or misspelt, named
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    reconcile_run(settings.data, conn, spec.name)
     return spec.model_dump(mode="json")
 
 

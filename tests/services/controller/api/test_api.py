@@ -202,3 +202,46 @@ def test_a_repo_id_that_names_a_local_path_is_checked_as_that_path(tmp_path, mon
     (roots[0] / "owner" / "name").mkdir(parents=True)
     write_jsonl(roots[0] / "owner" / "name" / "train.jsonl", [{"prompt": "on the volume"}])
     assert resolve_dataset("datasets/owner/name", data, roots) == str((roots[0] / "owner" / "name").resolve())
+
+
+def test_retrain_lays_a_run_from_a_finished_capture_and_refuses_what_it_cannot(api):
+    from services.cli.api import ControllerClient, ControllerRefused
+    from services.controller.loop.reconcile import reconcile_run
+    from runtime.runstate import RunState
+    from shared.runspec import RunSpec
+    from tests.services.controller.volume import finish_samples, prompt_rows, submit
+
+    data, conn = api["data"], api["conn"]
+    state = submit(data, conn, api["root"], "captured", prompt_rows(6), holdout=1)
+    finish_samples(state, generated=range(5), extracted=range(5))
+    reconcile_run(data, conn, "captured")
+    deadline = time.monotonic() + 30
+    while state.meta().get("state") != "training" and time.monotonic() < deadline:  # the live supervisor advances it
+        time.sleep(0.1)
+    assert state.meta().get("state") == "training"
+    url = f"{api['url']}/runs/captured/retrain"
+    made = httpx.post(url, json={"name": "captured-lr", "train": {"lr": 1e-3}}, timeout=30)
+    assert made.status_code == 201, made.text
+    assert made.json()["name"] == "captured-lr" and RunSpec.load(data, "captured-lr").train.lr == 1e-3
+    assert RunState(conn, data, "captured-lr").meta()["expected"] == "5"  # registered at once
+    for body, status, words in (({"name": "captured-lr"}, 409, "already exists"),
+                                ({"name": "x", "generation": {"max_tokens": 9}}, 422, "generation"),
+                                ({"name": "x", "extraction": {}}, 422, "extraction"),
+                                ({"name": "x", "evaluate": {"holdout": 3}}, 409, "evaluate.holdout"),
+                                ({"name": "x", "train": {"lr": -1}}, 422, "lr"),
+                                ({"name": "../x"}, 422, "invalid run name")):
+        refused = httpx.post(url, json=body, timeout=30)
+        assert refused.status_code == status and words in refused.text, (body, refused.text)
+    assert httpx.post(f"{api['url']}/runs/nothing/retrain", json={"name": "y"}, timeout=30).status_code == 404
+    with ControllerClient(api["url"]) as client:  # what `draftline retrain --controller URL` sends
+        made = client.retrain("captured", {"name": "captured-ttt5", "train": {"ttt_steps": 5}})
+        assert made["train"]["ttt_steps"] == 5
+        with pytest.raises(ControllerRefused, match="409"):
+            client.retrain("captured", {"name": "captured-ttt5"})
+    from tests.services.cli.test_resume_failures_retry import draftline
+
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0", "DRAFTLINE_DATA": str(api["root"] / "elsewhere")}
+    done = draftline(env, "retrain", "captured", "--name", "captured-3ep", "--epochs", "3", "--controller", api["url"])
+    assert done.returncode == 0, done.stderr  # through the API alone: this shell's Redis and volume are not the stack's
+    assert "run captured-3ep: laid from captured's capture" in done.stdout
+    assert RunSpec.load(data, "captured-3ep").train.epochs == 3
