@@ -69,21 +69,20 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
         for part in copied(source_paths):
             if part.exists():
                 shutil.copytree(part, building / part.relative_to(source_paths.root))
+                fsync_files(building / part.relative_to(source_paths.root))
         # Durable before it is published: a crash after the rename must not leave a run whose volume lacks a
         # sample's file or failure record, which the controller would take as work still to do.
-        fsync_tree(building)
+        fsync_dirs(building)
         atomic_write_json(building / paths.spec.name, spec.model_dump(mode="json"))
-        fsync_dir(building)
         runs_root(data).mkdir(parents=True, exist_ok=True)
         os.rename(building, paths.root)  # refused by the OS if a run of that name appeared meanwhile
-        fsync_dir(runs_root(data))
-    except OSError:
+    except BaseException:
         shutil.rmtree(building, ignore_errors=True)
-        if paths.root.exists() and not building.exists():
+        if paths.root.exists():
             raise RunExists(f"run {name!r} already exists") from None
         raise
-    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source,
-             {k: v for k, v in sections.get("train", {}).items()})
+    fsync_dir(runs_root(data))
+    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source, sections.get("train", {}))
     return spec
 
 
@@ -129,12 +128,15 @@ def link_tree(source: Path, target: Path) -> None:
             os.link(Path(root) / file, here / file)
 
 
-def fsync_tree(root: Path) -> None:
-    """Every directory under ``root`` and every file copied into it (a hard link's data is already durable)."""
+def fsync_files(root: Path) -> None:
+    """Every file under ``root``: copies, whose bytes are new (a hard link's are already durable)."""
     for here, _, files in os.walk(root):
         for file in files:
-            path = Path(here) / file
-            if os.stat(path).st_nlink == 1:  # a copy: its bytes are new
-                with open(path, "rb") as handle:
-                    os.fsync(handle.fileno())
+            with open(Path(here) / file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def fsync_dirs(root: Path) -> None:
+    """Every directory under ``root``: the entries that name the links and the copies."""
+    for here, _, _ in os.walk(root):
         fsync_dir(Path(here))
