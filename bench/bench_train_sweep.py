@@ -61,10 +61,11 @@ from services.trainer.evaluation.evaluate import (  # noqa: E402
 )
 from services.trainer.evaluation.margin import paired_difference  # noqa: E402
 from services.trainer.evaluation.one_pass import Counts, Replay, one_pass_counts  # noqa: E402
-from services.trainer.export_method import export_trained  # noqa: E402
+from services.trainer.export_method import export_dtype, export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
+from shared.drafter_format import read_config  # noqa: E402
 from shared.hidden_file import read_header, verify_hidden_file  # noqa: E402
 from shared.hidden_write import RawTensor, write_safetensors  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
@@ -202,14 +203,17 @@ def run_variant(data: Path, source: RunSpec, name: str, fields: dict[str, Any], 
     prepared = time.monotonic()
     result = train_drafter(spec, data=data, model_dir=model_dir, device=device)
     paths = RunPaths(data, name)
+    # In the target's dtype, as the run's trainer exports: a variant then differs from the source in its
+    # training alone (a bf16 export beside the source's float32 one rounded every variant's weights).
     export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
-                   target_fingerprint=result.target_fingerprint)
+                   target_fingerprint=result.target_fingerprint, dtype=export_dtype(model_dir))
     trained = time.monotonic()
     last = result.last
     figures: dict[str, Any] = {
         "fields": fields, "train": spec.train.model_dump(mode="json"), "files": result.num_files,
         "hidden_bytes": hidden_bytes(paths), "steps": result.steps, "prepare_s": round(prepared - started, 1),
-        "train_s": round(trained - prepared, 1), "loss": None if last is None else last.loss,
+        "train_s": round(trained - prepared, 1), "export_dtype": read_config(paths.export_dir)["torch_dtype"],
+        "loss": None if last is None else last.loss,
         "acc": None if last is None else last.acc, "sets": {},
     }
     del result
@@ -303,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
                                "source_train": source.train.model_dump(mode="json"),
                                "source_hidden_bytes": hidden_bytes(RunPaths(data, source.name)),
                                "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
+    source_export = RunPaths(data, source.name).export_dir
+    if (source_export / "config.json").exists():  # each variant's export_dtype must equal it
+        figures["source_export_dtype"] = read_config(source_export)["torch_dtype"]
     default = "one_pass" if args.one_pass else "decode"
     measures = {name: fields.get(MEASURE_KEY, default) for name, fields in variants}
     replays = baseline = None

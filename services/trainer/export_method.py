@@ -6,12 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from services.trainer.dflash import DFlashDrafter
 from services.trainer.dflash_export import export_dflash
 from services.trainer.export import export_drafter
 from services.trainer.model import TargetTied
+from services.trainer.target_head import read_target_config, text_config
+
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def export_trained(drafter: TargetTied, out_dir: Path, **kwargs: Any) -> Path:
     """Write ``drafter``'s export to ``out_dir``; ``kwargs`` as ``export.export_drafter`` takes them."""
     return (export_dflash if isinstance(drafter, DFlashDrafter) else export_drafter)(drafter, out_dir, **kwargs)
+
+
+def export_dtype(model_dir: Path) -> torch.dtype:
+    """The target's own dtype (``torch_dtype``, or ``dtype`` in transformers 5 configs); bf16 otherwise. Every
+    export of a run's drafter is written in it, so two drafters of one target differ only in how they trained."""
+    config = text_config(read_target_config(model_dir))
+    return EXPORT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)

@@ -14,7 +14,6 @@ import functools
 import logging
 import shlex
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -43,12 +42,12 @@ from services.trainer.evaluation.evaluate import (
     prompt_ids_of,
     verify_greedy_equality,
 )
-from services.trainer.export_method import export_trained
+from services.trainer.export_method import export_dtype, export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
 from services.trainer.validation import validation_split
-from services.trainer.target_head import read_target_config, text_config
+from services.trainer.target_head import read_target_config
 from services.trainer.train import (
     TrainResult,
     check_base_checkpoint,
@@ -63,18 +62,11 @@ log = logging.getLogger(__name__)
 
 EVALUATE_TIMEOUT_S = 6 * 3600
 ACCEPTANCE_CURVE_FIELD = "evaluate_accept"  # run meta prefix the exporter reads (META_ACCEPTANCE_CURVE_PREFIX)
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @functools.cache
 def get_settings() -> TrainerSettings:
     return load_settings(TrainerSettings)
-
-
-def export_dtype(model_dir: Path) -> torch.dtype:
-    """The target's own dtype (``torch_dtype``, or ``dtype`` in transformers 5 configs); bf16 otherwise."""
-    config = text_config(read_target_config(model_dir))
-    return EXPORT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
 
 
 # Below this many learned tokens a drafter predicts little past the commonest words: published EAGLE-3

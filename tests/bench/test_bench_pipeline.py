@@ -61,6 +61,8 @@ def test_the_benchmark_runs_the_pipeline_and_writes_its_figures(tmp_path, tiny_m
     assert fp8["hidden_bytes"] < 0.5 * swept["source_hidden_bytes"]  # float32 states as one byte each
     assert lr["steps"] > fp8["steps"]  # two epochs against the small run's one
     assert dflash["files"] == lr["files"] and dflash["train"]["method"] == "dflash"
+    # Exported as the run's trainer exports (the target's dtype), so a variant differs in its training alone.
+    assert {v["export_dtype"] for v in (fp8, lr, dflash)} == {swept["source_export_dtype"]}
     for variant in (fp8, lr, dflash):
         assert variant["loss"] > 0
         for name in ("holdout", "humaneval"):
