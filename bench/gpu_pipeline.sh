@@ -17,6 +17,9 @@
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
+# On an H100 (80 GB) the run's trainer (batches of 16 of up to 4,096 tokens) ran out of memory beside the server's
+# KV cache (0.35 of the free memory, 31.6 GiB; bench/RESULTS.md, 2026-12-05): there, give the run call
+# DRAFTLINE_KV_CACHE_FRACTION=0.15 (the services inherit the environment; not yet tried), or take an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-pipeline-out}
