@@ -59,7 +59,7 @@ QUICK_EVAL = {"holdout": 32, "max_new_tokens": 64, "draft_steps": 3, "curve_max_
 SHAREGPT_RUN: dict[str, Any] = {
     "generation": {"max_tokens": 256, "min_completion_tokens": 1, "temperature": 0.0, "turns": "all", "max_turns": 2},
     "extraction": {"storage": "fp8"},
-    "train": {"epochs": 2, "batch_size": 16, "lr": 5e-4, "ttt_steps": 7, "draft_vocab_size": 32000,
+    "train": {"epochs": 2, "batch_size": 16, "lr": 1e-3, "ttt_steps": 7, "draft_vocab_size": 32000,
               "save_every": 500, "validation_files": 256},
     "evaluate": {"holdout": 256, "sets": ["holdout", "holdout_turn2", "humaneval"], "max_new_tokens": 128,
                  "draft_steps": 3, "curve_max_steps": 7, "batch_prompts": 256, "earlier_reply_tokens": 256},

@@ -227,12 +227,16 @@ def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run
 
 
 def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
-    from services.trainer.train import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, auto_epochs
+    from services.trainer.train import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, MIN_AUTO_EPOCHS, auto_epochs
 
     assert auto_epochs(3, 10) == 3 and auto_epochs(1, 10**9) == 1  # a set value wins, whatever the data
     assert auto_epochs(None, 1_186_981) == 6  # the 5,000-prompt SmolLM2 run the default was measured on
-    assert auto_epochs(None, AUTO_EPOCH_POSITIONS) == 1 and auto_epochs(None, 10 * AUTO_EPOCH_POSITIONS) == 1
-    assert auto_epochs(None, AUTO_EPOCH_POSITIONS // 2) == 2 and auto_epochs(None, AUTO_EPOCH_POSITIONS // 2 + 1) == 2
+    assert auto_epochs(None, 2_420_463) == 3  # the quarter ShareGPT capture, where 3 passes beat 2
+    # However large the data, at least two passes: the whole ShareGPT capture (10.7M a pass) still gained in its second.
+    assert MIN_AUTO_EPOCHS == 2
+    assert auto_epochs(None, 10_700_000) == auto_epochs(None, 10 * AUTO_EPOCH_POSITIONS) == MIN_AUTO_EPOCHS
+    assert auto_epochs(None, AUTO_EPOCH_POSITIONS) == 2
+    assert auto_epochs(None, AUTO_EPOCH_POSITIONS // 2) == 2 and auto_epochs(None, AUTO_EPOCH_POSITIONS // 2 - 1) == 3
     assert auto_epochs(None, AUTO_EPOCH_POSITIONS // 3 - 1) == 4
     assert auto_epochs(None, 1) == auto_epochs(None, 0) == MAX_AUTO_EPOCHS
 
