@@ -17,6 +17,7 @@ from runtime.runstate import RunState, known_runs
 from shared.errors import RunExists
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
+from shared.lifecycle import RunPhase, StageState
 from shared.queues import queue
 from shared.runspec import RunSpec
 from shared.settings import ControllerSettings
@@ -89,6 +90,19 @@ def test_what_the_capture_fixed_cannot_change_and_nothing_is_laid_down_when_refu
     # The held-out count as it is, repeated, changes nothing and is accepted.
     holdout = RunSpec.load(data_dir, SOURCE).evaluate.holdout
     assert retrain_run(data_dir, redis_conn, SOURCE, "same", {"evaluate": {"holdout": holdout}}).evaluate.holdout == 2
+
+
+def test_a_run_whose_training_failed_is_trained_again_with_smaller_batches(data_dir, redis_conn, captured):
+    # The README's fix for a trainer out of GPU memory: the capture is whole, only its training failed.
+    captured.set_stage("train", StageState.FAILED, train_error="OutOfMemoryError: CUDA out of memory")
+    captured.set_phase(RunPhase.FAILED)
+    assert run_status(data_dir, redis_conn, SOURCE)["state"] == "failed"
+    spec = retrain_run(data_dir, redis_conn, SOURCE, "smaller", {"train": {"max_tokens": 16384}})
+    assert spec.train.max_tokens == 16384 and RunSpec.load(data_dir, SOURCE).train.max_tokens is None
+    supervise_once(cfg(data_dir), redis_conn)
+    supervise_once(cfg(data_dir), redis_conn)
+    assert RunState(redis_conn, data_dir, "smaller").meta()["state"] == "training"
+    assert train_job_id("smaller") in queue(TRAIN_QUEUE, redis_conn).job_ids
 
 
 def test_a_capture_still_under_way_is_refused(data_dir, redis_conn, tmp_path):
