@@ -65,7 +65,7 @@ from services.trainer.export_method import export_dtype, export_trained  # noqa:
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
-from shared.drafter_format import read_config  # noqa: E402
+from shared.drafter_format import CONFIG_FILE, read_config  # noqa: E402
 from shared.hidden_file import read_header, verify_hidden_file  # noqa: E402
 from shared.hidden_write import RawTensor, write_safetensors  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                                "source_hidden_bytes": hidden_bytes(RunPaths(data, source.name)),
                                "evaluate": source.evaluate.model_dump(mode="json"), "variants": {}}
     source_export = RunPaths(data, source.name).export_dir
-    if (source_export / "config.json").exists():  # each variant's export_dtype must equal it
+    if (source_export / CONFIG_FILE).exists():  # each variant's export_dtype must equal it
         figures["source_export_dtype"] = read_config(source_export)["torch_dtype"]
     default = "one_pass" if args.one_pass else "decode"
     measures = {name: fields.get(MEASURE_KEY, default) for name, fields in variants}

@@ -10,11 +10,11 @@ import torch
 
 from services.trainer.dflash import DFlashDrafter
 from services.trainer.dflash_export import export_dflash
-from services.trainer.export import export_drafter
+from services.trainer.export import TORCH_DTYPE_NAMES, export_drafter
 from services.trainer.model import TargetTied
 from services.trainer.target_head import read_target_config, text_config
 
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXPORT_DTYPES = {name: dtype for dtype, name in TORCH_DTYPE_NAMES.items()}  # the dtypes an export is written in
 
 
 def export_trained(drafter: TargetTied, out_dir: Path, **kwargs: Any) -> Path:
