@@ -76,9 +76,10 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
         atomic_write_json(building / paths.spec.name, spec.model_dump(mode="json"))
         runs_root(data).mkdir(parents=True, exist_ok=True)
         os.rename(building, paths.root)  # refused by the OS if a run of that name appeared meanwhile
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(building, ignore_errors=True)
-        if paths.root.exists():
+        # Only the rename's refusal means another run took the name; an interrupt or a full disk is itself.
+        if isinstance(exc, OSError) and paths.root.exists():
             raise RunExists(f"run {name!r} already exists") from None
         raise
     fsync_dir(runs_root(data))
