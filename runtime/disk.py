@@ -40,7 +40,8 @@ import redis
 
 from shared.errors import DraftlineError, RunNotFound
 from shared.runspec import RunSpec
-from runtime.runstate import RunState, run_key
+from runtime.runstate import RunState
+from shared.lifecycle import RunKeys, Stage
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,7 @@ def _number(meta: dict[str, str], key: str) -> float:
 
 def remaining_samples(state: RunState, expected: int) -> int:
     """Samples that may still get a hidden-state file: expected less those settled either way."""
-    gen, ext = state.counts("generate"), state.counts("extract")
-    settled = gen.failed + gen.dropped + ext.done + ext.failed + ext.dropped
+    settled = state.counts(Stage.GENERATE).unverified + state.counts(Stage.EXTRACT).settled
     return max(expected - settled, 0)
 
 
@@ -191,7 +191,7 @@ def assess(
     reserve = reserve_for(total, reserve_bytes, reserve_fraction)
     remaining = remaining_samples(state, int(_number(meta, "expected")))
     landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
-    done = state.counts("extract").done
+    done = state.counts(Stage.EXTRACT).done
     measured = landed_tokens > 0 and done > 0
     if measured:
         per_token, per_sample = landed_bytes / landed_tokens, landed_tokens / done
@@ -246,7 +246,7 @@ def _s(value: bytes | str | None) -> str | None:
 
 def set_paused(conn: redis.Redis, run: str, reason: str) -> None:
     """Pause the run's extraction for lack of disk space (the first pause time is kept)."""
-    key = run_key(run, "meta")
+    key = RunKeys(run).meta
     pipe = conn.pipeline()
     pipe.hset(key, PAUSED, reason)
     pipe.hsetnx(key, PAUSED_AT, str(time.time()))
@@ -254,12 +254,12 @@ def set_paused(conn: redis.Redis, run: str, reason: str) -> None:
 
 
 def clear_paused(conn: redis.Redis, run: str) -> None:
-    conn.hdel(run_key(run, "meta"), PAUSED, PAUSED_AT)
+    conn.hdel(RunKeys(run).meta, PAUSED, PAUSED_AT)
 
 
 def paused_reason(conn: redis.Redis, run: str) -> str | None:
     """Why the run is paused for disk space, or None when it is not."""
-    return _s(conn.hget(run_key(run, "meta"), PAUSED))
+    return _s(conn.hget(RunKeys(run).meta, PAUSED))
 
 
 def wait_for_headroom(
@@ -302,7 +302,7 @@ def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
                       reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint)
     values = (headroom.projected_bytes, headroom.bytes_per_token or "", headroom.free_bytes,
               headroom.reserve_bytes, time.time())
-    conn.hset(run_key(run, "meta"), mapping={k: str(v) for k, v in zip(LAST_CHECK, values)})
+    conn.hset(RunKeys(run).meta, mapping={k: str(v) for k, v in zip(LAST_CHECK, values)})
     was_paused = paused_reason(conn, run) is not None
     if not headroom.ok:
         set_paused(conn, run, headroom.message)
@@ -317,7 +317,7 @@ def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
 def disk_status(conn: redis.Redis, run: str) -> dict:
     """The pause and the last projection, from the run's meta only (cheap at any run size)."""
     fields = (PAUSED, PAUSED_AT, HIDDEN_BYTES, HIDDEN_TOKENS, *LAST_CHECK)
-    meta = dict(zip(fields, (_s(v) for v in conn.hmget(run_key(run, "meta"), fields))))
+    meta = dict(zip(fields, (_s(v) for v in conn.hmget(RunKeys(run).meta, fields))))
     landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
     if landed_tokens > 0:
         per_token: float | None = landed_bytes / landed_tokens

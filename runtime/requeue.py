@@ -21,6 +21,7 @@ from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 
 from shared.jobs import EXTRACT_FUNC, GENERATE_FUNC, payload_sample_ids
+from shared.lifecycle import Stage
 from runtime.runstate import RunState
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def give_up(job: Job, cause: str) -> None:
 
 def note_retries(conn: redis.Redis, job: Job) -> None:
     """Count one retry per sample of a requeued generate or extract job; train and evaluate jobs have none."""
-    stage = {GENERATE_FUNC: "generate", EXTRACT_FUNC: "extract"}.get(job.func_name)
+    stage = {GENERATE_FUNC: Stage.GENERATE, EXTRACT_FUNC: Stage.EXTRACT}.get(job.func_name)
     try:
         payload = job.args[0] if stage and job.args else None
     except DeserializationError:

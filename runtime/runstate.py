@@ -13,7 +13,6 @@ rate. See ``Throughput`` for the rate and ETA rules.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,9 +23,24 @@ import numpy as np
 import redis
 
 from shared.atomic import atomic_write_json, read_json
-from shared.jobs import SAMPLE_STAGES
 from shared.layout import RunPaths
-from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState, advance
+from shared.lifecycle import (
+    OUTCOMES,
+    RUNS_KEY,
+    SAMPLE_STAGES,
+    TERMINAL_PHASES,
+    Failure,
+    FailureKind,
+    Outcome,
+    RunKeys,
+    RunPhase,
+    Stage,
+    StageState,
+    advance,
+    failure_field,
+    phase_for_stage,
+    sample_stage,
+)
 
 log = logging.getLogger(__name__)
 FINISHED_FILE = "state.json"  # runs/<run>/state.json: the run's terminal record
@@ -49,9 +63,6 @@ GENERATE_REQUESTS = "generate_requests"  # run meta: requests the target answere
 # began again at the rebuild (reply files do not say how many requests made them), so the run's total is unknown
 GENERATE_REQUESTS_UNCOUNTED = "generate_requests_uncounted"
 
-ERROR = "error"
-DROPPED = "dropped"
-OUTCOMES = ("done", "failed", "dropped")  # one bitmap per outcome and per-sample stage
 
 
 # KEYS: the stage's done, failed and dropped bitmaps, the run's failures hash, its meta hash.
@@ -81,35 +92,22 @@ return was
 """
 
 
-def runs_key() -> str:
-    return f"{PREFIX}:runs"
-
-
-def run_key(run: str, suffix: str) -> str:
-    return f"{PREFIX}:run:{run}:{suffix}"
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One sample that did not make it through a stage, and why."""
-
-    run: str
-    stage: str
-    sample_id: int
-    error_class: str
-    message: str
-    kind: str = ERROR  # "error" or "dropped" (filtered on purpose, e.g. a reply that is too short)
-    at: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-
 @dataclass(frozen=True)
 class StageCounts:
+    """How many samples of a per-sample stage settled as each ``Outcome``."""
+
     done: int
     failed: int
     dropped: int
+
+    @property
+    def settled(self) -> int:
+        return self.done + self.failed + self.dropped
+
+    @property
+    def unverified(self) -> int:
+        """Settled without a verified output: failed or dropped."""
+        return self.failed + self.dropped
 
 
 @dataclass(frozen=True)
@@ -154,37 +152,65 @@ class RunState:
         self.conn = conn
         self.paths = RunPaths(Path(data), run)
         self.run = run
+        self.keys = RunKeys(run)
 
     # ---- registration and metadata -------------------------------------------------------------
     def register(self, expected: int, **meta: object) -> None:
         fields = {"name": self.run, "expected": expected, "created_at": time.time(), **meta}
         pipe = self.conn.pipeline()
-        pipe.sadd(runs_key(), self.run)
-        pipe.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
+        pipe.sadd(RUNS_KEY, self.run)
+        pipe.hset(self.keys.meta, mapping={k: str(v) for k, v in fields.items()})
         pipe.execute()
 
     def meta(self) -> dict[str, str]:
-        raw = self.conn.hgetall(run_key(self.run, "meta"))
+        raw = self.conn.hgetall(self.keys.meta)
         return {_s(k): _s(v) for k, v in raw.items()}
 
     def set_meta(self, **fields: object) -> None:
-        self.conn.hset(run_key(self.run, "meta"), mapping={k: str(v) for k, v in fields.items()})
+        self.conn.hset(self.keys.meta, mapping={k: str(v) for k, v in fields.items()})
 
     def phase(self) -> RunPhase:
-        return RunPhase.of(_s(self.conn.hget(run_key(self.run, "meta"), "state") or ""))
+        return RunPhase.of(_s(self.conn.hget(self.keys.meta, "state") or ""))
 
     def set_phase(self, new: RunPhase, **fields: object) -> None:
         """Move the run to phase ``new`` (IllegalTransition unless ``shared.lifecycle`` allows it), writing
         ``fields`` in the same HSET."""
         self._transition("state", RunPhase.of, RunPhase(new), fields)
 
-    def set_stage(self, stage: str, new: StageState, **fields: object) -> None:
-        """Move whole-run ``stage`` (train, evaluate) to ``new``, as ``set_phase`` does the run."""
-        self._transition(f"{stage}_state", StageState.of, StageState(new), fields)
+    def set_stage(self, stage: Stage, new: StageState, **fields: object) -> RunPhase:
+        """Move whole-run ``stage`` to ``new`` and the run to the phase that gives it (``phase_for_stage``),
+        both checked by ``advance`` and written with ``fields`` in one transaction; returns the run's phase.
+
+        A run that leaves a terminal phase (a failed run's job running again) loses its finished record on the
+        volume first, then ``finished_at``: the supervisor records the run's end again when it comes."""
+        stage = Stage(stage)
+        if stage.per_sample:
+            raise ValueError(f"{stage} is a per-sample stage; whole-run stages are train and evaluate")
+        # Counted before the transaction: no sample settles once the run trains (its sample stages are over).
+        unverified = self.unverified() if stage is Stage.EVALUATE and new in (StageState.DONE, StageState.SKIPPED) else 0
+        key, field = self.keys.meta, f"{stage}_state"
+
+        def check_and_write(pipe: redis.client.Pipeline) -> RunPhase:
+            stored_stage, stored_phase = pipe.hmget(key, [field, "state"])
+            advance(StageState.of(_s(stored_stage or "")), StageState(new))
+            before = RunPhase.of(_s(stored_phase or ""))
+            phase = advance(before, phase_for_stage(stage, StageState(new), unverified=unverified) or before)
+            leaves_end = before.terminal and phase is not before
+            if leaves_end:
+                finished_path(self.paths).unlink(missing_ok=True)
+            pipe.multi()
+            pipe.hset(key, mapping={field: StageState(new).value, "state": phase.value,
+                                    **{k: str(v) for k, v in fields.items()}})
+            if leaves_end:
+                pipe.hdel(key, "finished_at")
+            return phase
+
+        # WATCH: the supervisor, a retry and the trainer must not move the run from the same state at once.
+        return self.conn.transaction(check_and_write, key, value_from_callable=True)
 
     def _transition(self, field: str, parse: Callable[[str], RunPhase | StageState], new: RunPhase | StageState,
                     fields: dict[str, object]) -> None:
-        key = run_key(self.run, "meta")
+        key = self.keys.meta
 
         def check_and_write(pipe: redis.client.Pipeline) -> None:
             advance(parse(_s(pipe.hget(key, field) or "")), new)
@@ -196,14 +222,14 @@ class RunState:
 
     def incr(self, field: str, amount: int | float = 1) -> float:
         """Add to a numeric meta field (bytes written, tokens seen) atomically."""
-        return float(self.conn.hincrbyfloat(run_key(self.run, "meta"), field, amount))
+        return float(self.conn.hincrbyfloat(self.keys.meta, field, amount))
 
     def incr_many(self, amounts: dict[str, int | float]) -> None:
         """``incr`` for several fields in one round trip; fields whose amount is 0 are left alone."""
         pipe = self.conn.pipeline(transaction=False)
         for field, amount in amounts.items():
             if amount:
-                pipe.hincrbyfloat(run_key(self.run, "meta"), field, amount)
+                pipe.hincrbyfloat(self.keys.meta, field, amount)
         pipe.execute()
 
     def expected(self) -> int:
@@ -211,8 +237,7 @@ class RunState:
 
     def note_retry(self, stage: str) -> None:
         """Count one more attempt at a sample of ``stage`` after a transient error or a lost job."""
-        _check_sample_stage(stage)
-        self.incr(retried_field(stage))
+        self.incr(retried_field(sample_stage(stage)))
 
     # ---- per-sample outcomes -------------------------------------------------------------------
     def mark_done(self, stage: str, sample_id: int, *, landed: Mapping[str, float] | None = None,
@@ -235,7 +260,7 @@ class RunState:
         so a worker killed between "done" and "counted" cannot exist: a sample's bytes are counted exactly
         once, however often its job is killed and run again. A job that settles many samples at once pays one
         round trip instead of two per sample."""
-        _check_sample_stage(stage)
+        stage = sample_stage(stage)
         ids = list(sample_ids)
         if not ids:
             return []
@@ -245,8 +270,8 @@ class RunState:
         for sample_id in ids:
             counts = landed.get(sample_id, {})
             args += [sample_id, *(repr(float(counts.get(field, 0))) for field in fields)]
-        keys = [run_key(self.run, f"{outcome}:{stage}") for outcome in OUTCOMES]
-        before = self.conn.eval(_MARK_DONE, 5, *keys, run_key(self.run, "failures"), run_key(self.run, "meta"),
+        keys = [self.keys.outcome(stage, outcome) for outcome in OUTCOMES]
+        before = self.conn.eval(_MARK_DONE, 5, *keys, self.keys.failures, self.keys.meta,
                                 *args)
         for sample_id in ids:
             self.paths.failure(stage, sample_id).unlink(missing_ok=True)
@@ -261,57 +286,60 @@ class RunState:
 
         Counts toward the stage's throughput (at ``failure.at``) when the sample was not settled before,
         unless ``count_in_rate`` is False: rows named at submission are not work the stage did."""
-        _check_sample_stage(failure.stage)
+        stage = sample_stage(failure.stage)
         if not failure.at:
             failure = Failure(**{**asdict(failure), "at": time.time()})
-        atomic_write_json(self.paths.failure(failure.stage, failure.sample_id), asdict(failure))
-        bitmap = "dropped" if failure.kind == DROPPED else "failed"
+        atomic_write_json(self.paths.failure(stage, failure.sample_id), asdict(failure))
         pipe = self.conn.pipeline()  # a MULTI/EXEC: the outcomes read are the ones the setbit replaced
         for outcome in OUTCOMES:
-            pipe.getbit(run_key(self.run, f"{outcome}:{failure.stage}"), failure.sample_id)
-        pipe.setbit(run_key(self.run, f"{bitmap}:{failure.stage}"), failure.sample_id, 1)
-        pipe.hset(run_key(self.run, "failures"), f"{failure.stage}:{failure.sample_id}", failure.to_json())
+            pipe.getbit(self.keys.outcome(stage, outcome), failure.sample_id)
+        pipe.setbit(self.keys.outcome(stage, FailureKind(failure.kind).outcome), failure.sample_id, 1)
+        pipe.hset(self.keys.failures, failure.field, failure.to_json())
         *before, _, _ = pipe.execute()
         if count_in_rate and not any(before):
             self._count_settled(failure.stage, failure.at)
 
     def clear_failure(self, stage: str, sample_id: int) -> None:
         """Forget a failure so the sample can run again: the volume record first, then Redis."""
-        _check_sample_stage(stage)
+        stage = sample_stage(stage)
         self.paths.failure(stage, sample_id).unlink(missing_ok=True)
         pipe = self.conn.pipeline()
-        pipe.setbit(run_key(self.run, f"failed:{stage}"), sample_id, 0)
-        pipe.setbit(run_key(self.run, f"dropped:{stage}"), sample_id, 0)
-        pipe.hdel(run_key(self.run, "failures"), f"{stage}:{sample_id}")
+        pipe.setbit(self.keys.outcome(stage, Outcome.FAILED), sample_id, 0)
+        pipe.setbit(self.keys.outcome(stage, Outcome.DROPPED), sample_id, 0)
+        pipe.hdel(self.keys.failures, failure_field(stage, sample_id))
         pipe.execute()
 
     def clear_done(self, stage: str, sample_id: int) -> None:
         """Forget that a sample finished ``stage`` (its output is gone and must be made again)."""
-        _check_sample_stage(stage)
-        self.conn.setbit(run_key(self.run, f"done:{stage}"), sample_id, 0)
+        self.conn.setbit(self.keys.outcome(stage, Outcome.DONE), sample_id, 0)
 
-    def outcomes(self, stage: str, start: int, stop: int) -> dict[str, np.ndarray]:
-        """``{"done"|"failed"|"dropped": bool array}`` for sample ids ``start..stop-1`` (one round trip)."""
-        _check_sample_stage(stage)
+    def outcomes(self, stage: str, start: int, stop: int) -> dict[Outcome, np.ndarray]:
+        """``{Outcome: bool array}`` for sample ids ``start..stop-1`` (one round trip)."""
+        stage = sample_stage(stage)
         pipe = self.conn.pipeline()
         for outcome in OUTCOMES:
-            pipe.getrange(run_key(self.run, f"{outcome}:{stage}"), start // 8, max(stop - 1, start) // 8)
+            pipe.getrange(self.keys.outcome(stage, outcome), start // 8, max(stop - 1, start) // 8)
         return {o: bits_in_range(raw, start, stop) for o, raw in zip(OUTCOMES, pipe.execute())}
 
     def is_done(self, stage: str, sample_id: int) -> bool:
-        return bool(self.conn.getbit(run_key(self.run, f"done:{stage}"), sample_id))
+        return bool(self.conn.getbit(self.keys.outcome(stage, Outcome.DONE), sample_id))
+
+    def unverified(self) -> int:
+        """Samples that settled without a verified file: failed or dropped in either per-sample stage. A sample
+        counts once: one that failed generation never reaches extraction."""
+        return sum(self.counts(stage).unverified for stage in SAMPLE_STAGES)
 
     def counts(self, stage: str) -> StageCounts:
-        _check_sample_stage(stage)
+        stage = sample_stage(stage)
         pipe = self.conn.pipeline()
-        for bitmap in ("done", "failed", "dropped"):
-            pipe.bitcount(run_key(self.run, f"{bitmap}:{stage}"))
+        for outcome in OUTCOMES:
+            pipe.bitcount(self.keys.outcome(stage, outcome))
         done, failed, dropped = pipe.execute()
         return StageCounts(done=done, failed=failed, dropped=dropped)
 
     def failures(self, stage: str | None = None) -> list[Failure]:
-        raw = self.conn.hgetall(run_key(self.run, "failures"))
-        found = [Failure(**json.loads(v)) for v in raw.values()]
+        raw = self.conn.hgetall(self.keys.failures)
+        found = [Failure.from_json(v) for v in raw.values()]
         if stage:
             found = [f for f in found if f.stage == stage]
         return sorted(found, key=lambda f: (f.stage, f.sample_id))
@@ -323,9 +351,8 @@ class RunState:
         A ``finished`` stage (nothing left to settle) reads its own rate: every sample it settled over the time
         from its first settled sample to its last, so neither the idle time after it nor a slow last window
         stands for the whole stage."""
-        _check_sample_stage(stage)
         now = time.time() if now is None else now
-        raw = {_s(k): _s(v) for k, v in self.conn.hgetall(settled_key(self.run, stage)).items()}
+        raw = {_s(k): _s(v) for k, v in self.conn.hgetall(self.keys.settled(stage)).items()}
         begun = float(raw.pop(BEGUN, "inf"))
         last = float(raw.pop(LAST, "inf"))
         first, total = raw.pop(FIRST, None), raw.pop(TOTAL, None)
@@ -343,7 +370,7 @@ class RunState:
 
     def _count_settled(self, stage: str, at: float, count: int = 1) -> None:
         """``count`` more samples of ``stage`` settled at ``at``: O(1) commands, plus a prune per new bucket."""
-        key, bucket = settled_key(self.run, stage), _bucket(at)
+        key, bucket = self.keys.settled(stage), _bucket(at)
         pipe = self.conn.pipeline(transaction=False)
         pipe.hincrby(key, str(bucket), count)
         pipe.hsetnx(key, BEGUN, repr(at))
@@ -377,10 +404,10 @@ class RunState:
         return int(meta.get(f"{stage}_done", 0)), int(meta.get(f"{stage}_total", 0))
 
     def delete(self) -> None:
-        keys = list(self.conn.scan_iter(match=run_key(self.run, "*")))
+        keys = list(self.conn.scan_iter(match=self.keys.pattern))
         if keys:
             self.conn.delete(*keys)
-        self.conn.srem(runs_key(), self.run)
+        self.conn.srem(RUNS_KEY, self.run)
 
 
 def bits_in_range(raw: bytes, start: int, stop: int) -> np.ndarray:
@@ -411,11 +438,6 @@ def ids_bitmap(ids: Iterable[int]) -> bytes:
     return np.packbits(bits).tobytes()
 
 
-def settled_key(run: str, stage: str) -> str:
-    """The throughput hash of a per-sample stage: bucket number -> samples settled, and ``begun``."""
-    return run_key(run, f"settled:{stage}")
-
-
 def _bucket(at: float) -> int:
     return int(at // RATE_BUCKET_SECONDS)
 
@@ -426,12 +448,7 @@ def retried_field(stage: str) -> str:
 
 
 def known_runs(conn: redis.Redis) -> list[str]:
-    return sorted(_s(r) for r in conn.smembers(runs_key()))
-
-
-def _check_sample_stage(stage: str) -> None:
-    if stage not in SAMPLE_STAGES:
-        raise ValueError(f"per-sample stage must be one of {SAMPLE_STAGES}, got {stage!r}")
+    return sorted(_s(r) for r in conn.smembers(RUNS_KEY))
 
 
 def _s(value: bytes | str) -> str:
@@ -461,9 +478,8 @@ def write_finished(state: RunState, final: RunPhase) -> dict:
     """Mark the run finished on the volume, then in Redis; IllegalTransition before either when the run's
     phase cannot move to ``final``."""
     final = advance(state.phase(), RunPhase(final))  # checked first: a refused phase reaches neither store
-    gen, ext = state.counts("generate"), state.counts("extract")
     record = {"run": state.run, "state": final, "finished_at": time.time(), "expected": state.expected(),
-              "generate": asdict(gen), "extract": asdict(ext)}
+              **{stage: asdict(state.counts(stage)) for stage in SAMPLE_STAGES}}
     atomic_write_json(finished_path(state.paths), record)
     state.set_phase(final, finished_at=record["finished_at"])
     return record

@@ -38,9 +38,6 @@ JOB_FUNCS: dict[str, frozenset[str]] = {
 _RQ_ID_CHARS = re.compile(r"[A-Za-z0-9_-]+")
 _RQ_ID_BAD = re.compile(r"[^A-Za-z0-9_-]")
 
-STAGES = ("generate", "extract", "train", "evaluate")
-SAMPLE_STAGES = ("generate", "extract")
-
 
 class _Payload(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

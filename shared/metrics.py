@@ -73,7 +73,6 @@ META_ACCEPTANCE_CURVE_PREFIX = "evaluate_accept"  # evaluate_accept.<set>.<metho
 META_OVER_LOOKUP = "evaluate_over_lookup"
 META_EVALUATE_K = "evaluate_k"
 META_LOOKUP_ACCEPTANCE = "evaluate_lookup_acceptance"
-WHOLE_RUN_STAGES = ("train", "evaluate")  # progress in meta as <stage>_done / <stage>_total
 
 # ---- the built-in inference server's own /metrics (services/inference/metrics.py) -------------------------
 INFERENCE_REQUEST_DURATION = "draftline_inference_request_duration_seconds"  # histogram, label endpoint

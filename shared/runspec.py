@@ -12,6 +12,13 @@ from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json, read_json
 from shared.errors import RunNotFound
 from shared.layout import RunPaths
+from shared.lifecycle import Stage
+
+DEFAULT_SPLIT = "train"  # the split a dataset on the hub names its training rows (not the train stage)
+# A run's settings, a section per stage: the sample stages' are named for their work, the whole-run stages' for
+# the stage itself. A retrain may change only the last two: the capture fixed the others.
+SECTIONS = ("generation", "extraction", Stage.TRAIN.value, Stage.EVALUATE.value)
+RETRAIN_SECTIONS = SECTIONS[2:]
 
 
 class _Frozen(BaseModel):
@@ -196,7 +203,7 @@ class RunSpec(_Frozen):
     schema_version: int = SCHEMA_VERSION
     name: str
     dataset: str = Field(..., description="Path to JSONL/Parquet, or a Hugging Face dataset repo id.")
-    split: str = "train"
+    split: str = DEFAULT_SPLIT
     limit: int | None = None
     model: str = Field(..., description="Served model name the generator asks for.")
     created_at: float = Field(default_factory=time.time)

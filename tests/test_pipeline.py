@@ -14,12 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from services.cli.demo import demo_prompts_path
 from services.cli.stack import LocalStack, StackConfig
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
+from shared.lifecycle import SAMPLE_STAGES, Outcome, RunKeys
 from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.browser import chromium, dump_dom
 from tests.support.runs import wait_terminal
@@ -58,7 +60,10 @@ def finished_run(tmp_path_factory, redis_server, tiny_model_dir):
         status = wait_terminal(stack, RUN, timeout=420.0)
         # The status page as a browser renders it, while the real run's services still answer.
         page = dump_dom(f"{stack.url('controller')}/status") if chromium() else None
-    return {"status": status, "data": data, "redis_url": redis_server.url, "page": page, "model_dir": tiny_model_dir}
+        conn = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        keys = {key: conn.type(key) for key in conn.scan_iter(match=f"*{RUN}*") if not key.startswith("rq:")}
+    return {"status": status, "data": data, "redis_url": redis_server.url, "page": page, "model_dir": tiny_model_dir,
+            "redis_keys": keys}
 
 
 def test_run_completes_and_names_every_malformed_row(finished_run):
@@ -69,6 +74,13 @@ def test_run_completes_and_names_every_malformed_row(finished_run):
     assert all(failed[i]["stage"] == "generate" and failed[i]["error_class"] for i in MALFORMED)
     gen = status["stages"]["generate"]
     assert gen["done"] + gen["failed"] + gen["dropped"] == status["expected"] == 36  # 40 rows, 4 held out
+
+
+def test_every_redis_key_the_run_left_is_one_the_lifecycle_names_with_its_type(finished_run):
+    layout, found = RunKeys(RUN).types(), finished_run["redis_keys"]
+    assert {key: kind for key, kind in found.items() if key not in layout or layout[key] != kind} == {}
+    run_keys = RunKeys(RUN)
+    assert {run_keys.meta, run_keys.failures} | {run_keys.outcome(s, Outcome.DONE) for s in SAMPLE_STAGES} <= set(found)
 
 
 def test_every_generated_sample_has_one_verified_hidden_state_file(finished_run):

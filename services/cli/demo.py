@@ -29,6 +29,7 @@ from services.cli.target_build import ensure_target
 from services.trainer.evaluation.vllm_launch import python_command
 from shared.atomic import atomic_write_bytes, read_json
 from shared.layout import RunPaths
+from shared.lifecycle import OUTCOMES, Stage
 from shared.targets import default_target_dir
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,16 @@ log = logging.getLogger(__name__)
 DEMO_RUNS: dict[str, dict[str, Any]] = {
     "smollm2": {
         "generation": {"max_tokens": 96, "min_completion_tokens": 8, "temperature": 0.0},
-        "train": {"epochs": 4, "batch_size": 8, "lr": 1e-3, "ttt_steps": 4, "draft_vocab_size": 4096,
+        Stage.TRAIN: {"epochs": 4, "batch_size": 8, "lr": 1e-3, "ttt_steps": 4, "draft_vocab_size": 4096,
                   "save_every": 100},
-        "evaluate": {"holdout": 4, "max_new_tokens": 32, "draft_steps": 3, "humaneval_limit": 2,
+        Stage.EVALUATE: {"holdout": 4, "max_new_tokens": 32, "draft_steps": 3, "humaneval_limit": 2,
                      "curve_max_steps": 7},
     },
     "tiny": {
         "generation": {"max_tokens": 48, "min_completion_tokens": 8, "temperature": 0.0},
-        "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "ttt_steps": 3, "draft_vocab_size": 256,
+        Stage.TRAIN: {"epochs": 6, "batch_size": 8, "lr": 2e-3, "ttt_steps": 3, "draft_vocab_size": 256,
                   "save_every": 50},
-        "evaluate": {"holdout": 8, "max_new_tokens": 48, "draft_steps": 3, "humaneval_limit": 4,
+        Stage.EVALUATE: {"holdout": 8, "max_new_tokens": 48, "draft_steps": 3, "humaneval_limit": 4,
                      "curve_max_steps": 7},
     },
 }
@@ -148,7 +149,7 @@ def run_demo(data: Path, *, target: str = "smollm2", timeout_s: float = DEMO_TIM
     prepared = round(time.monotonic() - started, 1)
     spec = PipelineSpec(data=data, model_dir=model_dir, dataset=place_dataset(data), run=DEMO_RUNS[target],
                         name=f"demo-{target}-{time.strftime('%Y%m%d-%H%M%S')}", timeout_s=timeout_s,
-                        env={**DEMO_ENV, **engine_env(target, DEMO_RUNS[target]["evaluate"]["holdout"])})
+                        env={**DEMO_ENV, **engine_env(target, DEMO_RUNS[target][Stage.EVALUATE]["holdout"])})
     result = run_pipeline(spec)
     report(result, data, prepared_s=prepared)
     return result
@@ -161,9 +162,9 @@ def report(result: PipelineResult, data: Path, *, prepared_s: float | None = Non
     drafter = status["drafter"]
     say("")
     say(f"exported drafter: {drafter['export_path']}")
-    generate = status["stages"]["generate"]
+    generate = status["stages"][Stage.GENERATE]
     if generate.get("requests_per_sample") is not None:
-        settled = generate["done"] + generate["failed"] + generate["dropped"]
+        settled = sum(generate[outcome] for outcome in OUTCOMES)
         say(f"generation: {generate['requests']:,} requests for {settled:,} samples "
             f"({generate['requests_per_sample']:.2f} a sample: each turn of a conversation is one)")
     if drafter.get("acceptance_length") is not None:

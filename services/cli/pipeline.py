@@ -22,11 +22,10 @@ from typing import Any
 from services.cli.api import ControllerClient
 from services.cli.stack import LocalStack, StackConfig
 from shared.errors import DraftlineError
+from shared.lifecycle import Outcome, RunPhase, Stage, StageState
 
 log = logging.getLogger(__name__)
 
-TERMINAL_STATES = {"complete", "complete_with_failures", "failed"}
-STAGES = ("generate", "extract", "train", "evaluate")
 POLL_S = 1.0
 
 
@@ -73,7 +72,7 @@ class StageClock:
 
     def observe(self, status: dict[str, Any]) -> None:
         now = time.monotonic()
-        for stage in STAGES:
+        for stage in Stage:
             if stage in self.seconds:
                 continue
             if not stage_finished(status, stage):
@@ -82,11 +81,11 @@ class StageClock:
             self.mark = now
 
 
-def stage_finished(status: dict[str, Any], stage: str) -> bool:
+def stage_finished(status: dict[str, Any], stage: Stage) -> bool:
     s = status["stages"][stage]
-    if stage in ("generate", "extract"):
-        return s["total"] > 0 and s.get("remaining", s["total"] - s["done"]) == 0
-    return s.get("state") in ("done", "skipped", "failed")
+    if Stage(stage).per_sample:
+        return s["total"] > 0 and s.get("remaining", s["total"] - s[Outcome.DONE]) == 0
+    return s.get("state") in (StageState.DONE, StageState.SKIPPED, StageState.FAILED)
 
 
 def run_pipeline(spec: PipelineSpec) -> PipelineResult:
@@ -105,7 +104,7 @@ def run_pipeline(spec: PipelineSpec) -> PipelineResult:
         status = follow(stack, api, spec.name, clock, timeout_s=spec.timeout_s)
     wall = round(time.monotonic() - clock.start, 1)
     drafter = status["drafter"]
-    if status["state"] == "failed" or not drafter.get("export_path"):
+    if status["state"] == RunPhase.FAILED or not drafter.get("export_path"):
         raise PipelineFailed(f"run {spec.name} ended as {status['state']} without an exported drafter; "
                              f"logs in {config.log_dir}")
     return PipelineResult(status=status, stage_seconds=clock.seconds, wall_seconds=wall, log_dir=config.log_dir)
@@ -125,7 +124,7 @@ def follow(stack: LocalStack, api: ControllerClient, name: str, clock: StageCloc
         if line != last:
             say(line)
             last = line
-        if status["state"] in TERMINAL_STATES:
+        if RunPhase(status["state"]).terminal:
             say(format_status(status))
             return status
         time.sleep(POLL_S)
@@ -135,9 +134,9 @@ def follow(stack: LocalStack, api: ControllerClient, name: str, clock: StageCloc
 def progress_line(status: dict) -> str:
     stages = status["stages"]
     parts = [f"[{status['state']}]"]
-    for stage in STAGES:
+    for stage in Stage:
         s = stages[stage]
-        parts.append(f"{stage} {s['done']}/{s['total']}")
+        parts.append(f"{stage} {s[Outcome.DONE]}/{s['total']}")
     parts.append(f"errors {status['errors']['total']}")
     return "  ".join(parts)
 
@@ -145,7 +144,7 @@ def progress_line(status: dict) -> str:
 def stage_table(result: PipelineResult) -> list[str]:
     """``stage  seconds  share`` lines, the slowest stage named last."""
     lines = []
-    for stage in STAGES:
+    for stage in Stage:
         seconds = result.stage_seconds.get(stage)
         share = f"{100 * seconds / result.wall_seconds:4.0f}%" if seconds is not None and result.wall_seconds else "   -"
         lines.append(f"  {stage:<9} {'-' if seconds is None else f'{seconds:7.1f}s'}  {share}")

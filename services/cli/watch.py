@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import TextIO
 
 from services.controller.runs.status import format_status
+from shared.lifecycle import Outcome, RunPhase, Stage
 
-TERMINAL_STATES = {"complete", "complete_with_failures", "failed"}
 BAR_WIDTH = 30
-STAGES = ("generate", "extract", "train", "evaluate")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
 
 
@@ -24,9 +23,10 @@ def bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
 def render(status: dict) -> str:
     """One bar per stage above the operator text."""
     lines = []
-    for stage in STAGES:
+    for stage in Stage:
         s = status["stages"][stage]
-        lines.append(f"{stage:<9} {bar(s['done'], s['total'])} {s['done']:>8,} / {s['total']:<8,} {s['percent']:5.1f}%")
+        done = s[Outcome.DONE]
+        lines.append(f"{stage:<9} {bar(done, s['total'])} {done:>8,} / {s['total']:<8,} {s['percent']:5.1f}%")
     return "\n".join(lines) + "\n\n" + format_status(status)
 
 
@@ -37,6 +37,6 @@ def watch(fetch: Callable[[], dict], *, interval_s: float = 2.0, out: TextIO = s
         status = fetch()
         out.write((CLEAR if clear else "") + render(status) + "\n")
         out.flush()
-        if status["state"] in TERMINAL_STATES:
+        if RunPhase(status["state"]).terminal:
             return status
         time.sleep(interval_s)

@@ -31,12 +31,12 @@ from runtime.gpu import GpuReader, GpuReading
 from runtime.disk import disk_status
 from shared.jobs import (
     QUEUES,
-    SAMPLE_STAGES,
     evaluate_job_id,
     extract_job_id,
     generate_job_id,
     train_job_id,
 )
+from shared.lifecycle import SAMPLE_STAGES, WHOLE_RUN_STAGES, Stage
 from shared.queues import SERIALIZER, queue
 from runtime.runstate import RunState, known_runs, retried_field
 
@@ -134,7 +134,7 @@ class DraftlineCollector(Collector):
             meta = state.meta()
             for stage in SAMPLE_STAGES:
                 _sample_stage(families, state, meta, stage, in_flight[(run, stage)], now)
-            for stage in metrics.WHOLE_RUN_STAGES:
+            for stage in WHOLE_RUN_STAGES:
                 _whole_run_stage(families, run, meta, stage, in_flight[(run, stage)])
             _run_meta(families, run, meta)
             _run_disk(families, run, disk_status(self.conn, run))
@@ -148,7 +148,7 @@ def _sample_stage(
     labels = [state.run, stage]
     expected = int(_number(meta, "expected") or 0)
     counts = state.counts(stage)
-    remaining = max(expected - counts.done - counts.failed - counts.dropped, 0)
+    remaining = max(expected - counts.settled, 0)
     families.counter(metrics.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
         labels, counts.done
     )
@@ -294,10 +294,10 @@ def _job_id_owners(runs: list[str]) -> dict[str, tuple[str, str]]:
     """Job id (per-sample ids without their ``_<sample id>`` suffix) -> (run, stage)."""
     owners = {}
     for run in runs:
-        owners[generate_job_id(run, 0).rpartition("_")[0]] = (run, "generate")
-        owners[extract_job_id(run, 0).rpartition("_")[0]] = (run, "extract")
-        owners[train_job_id(run)] = (run, "train")
-        owners[evaluate_job_id(run)] = (run, "evaluate")
+        owners[generate_job_id(run, 0).rpartition("_")[0]] = (run, Stage.GENERATE)
+        owners[extract_job_id(run, 0).rpartition("_")[0]] = (run, Stage.EXTRACT)
+        owners[train_job_id(run)] = (run, Stage.TRAIN)
+        owners[evaluate_job_id(run)] = (run, Stage.EVALUATE)
     return owners
 
 

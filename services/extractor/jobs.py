@@ -39,7 +39,8 @@ from shared.manifest import ManifestEntry, append_entry, manifest_path
 from shared.queues import job_connection
 from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
-from runtime.runstate import Failure, RunState, run_key
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, RunKeys, SampleResult, Stage
 from shared.settings import ExtractorSettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def extract(payload: dict) -> dict:
     source = make_source(settings, model=cached_spec(settings.data, job.run).model, start=job.sample_ids[0])
     try:
         tokenizer = load_tokenizer(str(settings.model_dir), settings.trust_remote_code)
-        summary = dict(Counter(run_extract(job, settings, job_connection(settings.redis_url), tokenizer, source)))
+        results = run_extract(job, settings, job_connection(settings.redis_url), tokenizer, source)
+        summary = {result.value: count for result, count in Counter(results).items()}
     finally:
         source.close()
     log.info("run %s: extract batch from %d: %s", job.run, job.sample_ids[0], summary)
@@ -100,18 +102,18 @@ def extract(payload: dict) -> dict:
 
 
 def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis, tokenizer,
-                client: HiddenStateSource) -> list[str]:
-    """Extract each sample of ``job`` in turn; returns each one's ``done``, ``skipped`` or ``failed``
-    (failures are recorded, not raised)."""
+                client: HiddenStateSource) -> list[SampleResult]:
+    """Extract each sample of ``job`` in turn; returns what became of each (done, skipped or failed: failures
+    are recorded, not raised)."""
     state = RunState(conn, settings.data, job.run)
     return [extract_one(state, sample_id, settings, tokenizer, client) for sample_id in job.sample_ids]
 
 
 def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, tokenizer,
-                client: HiddenStateSource) -> str:
-    """Settle one sample: ``done``, ``skipped`` (already extracted) or ``failed`` (named on the volume)."""
-    if state.is_done("extract", sample_id):
-        return "skipped"
+                client: HiddenStateSource) -> SampleResult:
+    """Settle one sample: done, skipped (already extracted) or failed (named on the volume)."""
+    if state.is_done(Stage.EXTRACT, sample_id):
+        return SampleResult.SKIPPED
     wait_for_headroom(state.conn, settings.data, state.run)  # a paused run's samples wait here instead of failing
     spec = cached_spec(settings.data, state.run)
     try:
@@ -122,16 +124,16 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
         if not isinstance(exc, DraftlineError):
             log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
-        state.mark_failed(Failure(run=state.run, stage="extract", sample_id=sample_id,
+        state.mark_failed(Failure(run=state.run, stage=Stage.EXTRACT, sample_id=sample_id,
                                   error_class=error_class(exc), message=str(exc)))
         log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
-        return "failed"
+        return SampleResult.FAILED
     with state.conn.pipeline() as pipe:  # recorded first: a sample marked done implies the run's layer record
         _record_layers(pipe, state.run, result)
         pipe.execute()
     # The done bit and the file's counts in one atomic step: a kill between them would count it never or twice.
-    state.mark_done("extract", sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
-    return "done"
+    state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
+    return SampleResult.DONE
 
 
 def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
@@ -148,7 +150,7 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
     result = client.extract(
         input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
         layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
-        storage=spec.extraction.storage, on_retry=lambda: state.note_retry("extract"),
+        storage=spec.extraction.storage, on_retry=lambda: state.note_retry(Stage.EXTRACT),
     )
     path = state.paths.hidden(sample_id)
     try:
@@ -254,12 +256,12 @@ def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> l
     """The layer ids every file of the run must carry: the spec's, else those of the first verified sample."""
     if spec.extraction.layer_ids is not None:
         return list(spec.extraction.layer_ids)
-    recorded = state.conn.hget(run_key(state.run, "meta"), "layer_ids")  # one field, not the whole meta hash
+    recorded = state.conn.hget(state.keys.meta, "layer_ids")  # one field, not the whole meta hash
     return json.loads(recorded) if recorded else list(result.layer_ids)
 
 
 def _record_layers(pipe: redis.client.Pipeline, run: str, result: HiddenStatesResult) -> None:
     """First success wins (HSETNX), so concurrent extractors agree on one record; joins ``pipe``."""
-    meta = run_key(run, "meta")
+    meta = RunKeys(run).meta
     pipe.hsetnx(meta, "layer_ids", json.dumps(result.layer_ids))
     pipe.hsetnx(meta, "layer_convention", result.layer_convention)

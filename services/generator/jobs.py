@@ -41,7 +41,8 @@ from shared.jobs import GenerateJob, PromptItem
 from shared.queues import job_connection
 from runtime.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
-from runtime.runstate import DROPPED, ERROR, GENERATE_REQUESTS, Failure, RunState
+from runtime.runstate import GENERATE_REQUESTS, RunState
+from shared.lifecycle import Failure, FailureKind, SampleResult, Stage
 from runtime.sample_queue import enqueue_extract
 from shared.settings import GeneratorSettings, load_settings
 
@@ -69,17 +70,17 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     state = RunState(conn, settings.data, job.run)
     results = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
     outcomes = [outcome for outcome, _, _ in results]
-    replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in ("done", "skipped")]
+    replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in (SampleResult.DONE, SampleResult.SKIPPED)]
     sizes = {item.sample_id: nbytes for item, (_, nbytes, _) in zip(job.items, results)}
     mark_generated(state, replies, sizes, sum(asked for _, _, asked in results))
     queue_extractions(state, replies, settings)
-    summary = dict(Counter(outcomes))
+    summary = {result.value: count for result, count in Counter(outcomes).items()}
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
     return summary
 
 
 async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
-                        retry_delays_s: Sequence[float]) -> list[tuple[str, int, int]]:
+                        retry_delays_s: Sequence[float]) -> list[tuple[SampleResult, int, int]]:
     limit = asyncio.Semaphore(settings.concurrency)
     # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
     policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
@@ -91,12 +92,12 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
 
 
 async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient,
-               limit: asyncio.Semaphore) -> tuple[str, int, int]:
+               limit: asyncio.Semaphore) -> tuple[SampleResult, int, int]:
     """The sample's outcome, the bytes of its reply file and the requests its turns took (each
     counted once, retries apart); a saved reply is marked with the job's."""
     sample_id = item.sample_id
     if state.paths.generated(sample_id).is_file():  # saved by a job killed before marking it: counted now
-        return "skipped", state.paths.generated(sample_id).stat().st_size, 0
+        return SampleResult.SKIPPED, state.paths.generated(sample_id).stat().st_size, 0
     segments = turn_segments(item.messages, spec.generation.turns)[: spec.generation.max_turns]
     conversation: list[dict] = []
     turns: list[Turn] = []
@@ -115,7 +116,7 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
         asked = len(turns) + 1  # the turn that failed asked too
         where = "" if len(segments) == 1 else f"turn {asked} of {len(segments)}: "
         return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, asked
-    return "done", await asyncio.to_thread(save_reply, state, item, turns), len(turns)
+    return SampleResult.DONE, await asyncio.to_thread(save_reply, state, item, turns), len(turns)
 
 
 async def _ask(client: ChatClient, limit: asyncio.Semaphore, state: RunState, spec: RunSpec,
@@ -124,7 +125,7 @@ async def _ask(client: ChatClient, limit: asyncio.Semaphore, state: RunState, sp
     async with limit:
         return await client.complete(
             chat_payload(spec.model, conversation, spec.generation, spec.generation.seed + sample_id),
-            on_retry=lambda: state.note_retry("generate"))
+            on_retry=lambda: state.note_retry(Stage.GENERATE))
 
 
 @dataclass(frozen=True)
@@ -143,14 +144,14 @@ def check_length(completion: Completion, generation: GenerationConfig) -> None:
         )
 
 
-def record_failure(state: RunState, sample_id: int, exc: BaseException, where: str = "") -> str:
+def record_failure(state: RunState, sample_id: int, exc: BaseException, where: str = "") -> SampleResult:
     """Name the sample's failure; ``where`` says which turn of a conversation it happened in."""
-    kind = DROPPED if isinstance(exc, ReplyTooShort) else ERROR
+    kind = FailureKind.DROPPED if isinstance(exc, ReplyTooShort) else FailureKind.ERROR
     message = f"{where}{exc}"
-    state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
+    state.mark_failed(Failure(run=state.run, stage=Stage.GENERATE, sample_id=sample_id,
                               error_class=error_class(exc), message=message, kind=kind))
     log.warning("run %s: sample %d %s: %s: %s", state.run, sample_id, kind, error_class(exc), message)
-    return "dropped" if kind == DROPPED else "failed"
+    return kind.result
 
 
 def turn_record(completion: Completion) -> dict:
@@ -192,13 +193,13 @@ def mark_generated(state: RunState, sample_ids: list[int], sizes: dict[int, int]
     """Mark the job's saved replies generated with their file sizes (``sizes``, bytes by sample id: counted in
     the same atomic step, for the samples not generated before), then count the requests the job's samples
     took: two round trips for the whole job."""
-    state.mark_done_many("generate", sample_ids, landed={i: {"generated_bytes": sizes.get(i, 0)} for i in sample_ids})
+    state.mark_done_many(Stage.GENERATE, sample_ids, landed={i: {"generated_bytes": sizes.get(i, 0)} for i in sample_ids})
     state.incr_many({GENERATE_REQUESTS: requests})
 
 
 def queue_extractions(state: RunState, sample_ids: list[int], settings: GeneratorSettings) -> list[list[int]]:
     """Make sure the extraction of every reply in ``sample_ids`` not yet extracted is queued (idempotent);
     returns the batches queued now."""
-    open_ids = [sample_id for sample_id in sample_ids if not state.is_done("extract", sample_id)]
+    open_ids = [sample_id for sample_id in sample_ids if not state.is_done(Stage.EXTRACT, sample_id)]
     return enqueue_extract(state.conn, state.run, open_ids, batch=settings.extract_batch,
                            result_ttl=settings.sample_result_ttl_s)

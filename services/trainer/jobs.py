@@ -25,7 +25,7 @@ from shared.errors import DraftlineError, error_class
 from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
 from shared.layout import RunPaths
 from shared import metrics
-from shared.lifecycle import StageState
+from shared.lifecycle import Stage, StageState
 from shared.queues import connect, queue
 from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec
@@ -102,12 +102,12 @@ def train(payload: dict) -> dict:
     except TrainingInProgress:
         raise  # the run's state belongs to the trainer holding the lock
     except Exception as exc:  # every way out of here but success leaves the run's train stage named failed
-        state.set_stage("train", StageState.FAILED, train_error=f"{error_class(exc)}: {exc}")
+        state.set_stage(Stage.TRAIN, StageState.FAILED, train_error=f"{error_class(exc)}: {exc}")
         raise
     warning = too_small_warning(learned)
     if warning:
         log.warning("run %s: %s", job.run, warning)
-    state.set_stage("train", StageState.DONE, export_path=str(paths.export_dir), train_finished_at=time.time(),
+    state.set_stage(Stage.TRAIN, StageState.DONE, export_path=str(paths.export_dir), train_finished_at=time.time(),
                     train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
     queue(TRAIN_QUEUE, conn).enqueue_call(
         EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
@@ -125,7 +125,7 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     # ranks it would surface as a failed rank).
     check_base_checkpoint(spec.train, data=settings.data, model_dir=settings.model_dir, target_config=target_config,
                           layer_ids=expected_layer_ids(spec, target_config))
-    state.set_stage("train", StageState.RUNNING, train_started_at=time.time(), train_procs=procs,
+    state.set_stage(Stage.TRAIN, StageState.RUNNING, train_started_at=time.time(), train_procs=procs,
                     train_nodes=settings.train_nodes)
     if settings.train_nodes > 1 or procs > 1:  # rank 0 reports progress and writes the checkpoints
         if settings.train_nodes > 1:
@@ -144,13 +144,13 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
 def evaluate(payload: dict) -> dict:
     job = EvaluateJob.model_validate(payload)
     settings, _, state, paths = _run_context(job.run)
-    state.set_stage("evaluate", StageState.RUNNING)
+    state.set_stage(Stage.EVALUATE, StageState.RUNNING)
     try:
         spec = RunSpec.load(settings.data, job.run)
         sets = load_sets(spec.evaluate, eval_prompts=paths.eval_prompts, train_prompts=paths.prompts,
                          turns=spec.generation.turns)
         if not sets:
-            state.set_stage("evaluate", StageState.SKIPPED)
+            state.set_stage(Stage.EVALUATE, StageState.SKIPPED)
             log.info("run %s: no evaluation set (no rows held out), evaluation skipped", job.run)
             return {"run": job.run, "acceptance_length": None, "eval_report": None}
         report = _evaluate_export(settings, paths, spec, state, sets)
@@ -165,9 +165,9 @@ def evaluate(payload: dict) -> dict:
         if "engine" in report:
             verify_agreement(report["engine"])
     except Exception as exc:
-        state.set_stage("evaluate", StageState.FAILED, evaluate_error=f"{error_class(exc)}: {exc}")
+        state.set_stage(Stage.EVALUATE, StageState.FAILED, evaluate_error=f"{error_class(exc)}: {exc}")
         raise
-    state.set_stage("evaluate", StageState.DONE)
+    state.set_stage(Stage.EVALUATE, StageState.DONE)
     log.info("run %s: acceptance length %.3f over %d prompts of %s", job.run, report["acceptance_length"],
              len(report["prompts"]), report["headline_set"])
     return {"run": job.run, "acceptance_length": report["acceptance_length"], "eval_report": str(paths.eval_report)}
@@ -243,8 +243,8 @@ def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, 
     ``eval_procs`` processes (services.trainer.evaluation.eval_pool) or in this one."""
     device = pick_device(settings.device)
     total = sum(len(s.prompts) for s in sets)
-    state.set_progress("evaluate", 0, total)
-    progress = lambda done, total: state.set_progress("evaluate", done, total)  # noqa: E731
+    state.set_progress(Stage.EVALUATE, 0, total)
+    progress = lambda done, total: state.set_progress(Stage.EVALUATE, done, total)  # noqa: E731
     if settings.eval_procs > 1:
         models = EvaluatedModels(settings.model_dir, paths.export_dir, str(device), settings.eval_dtype,
                                  trust_remote_code=settings.trust_remote_code)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from services.trainer.train import ProgressFn, TrainProgress
 from runtime.runstate import RunState
+from shared.lifecycle import Stage
 
 
 def progress_reporter(state: RunState) -> ProgressFn:
@@ -16,7 +17,7 @@ def progress_reporter(state: RunState) -> ProgressFn:
     def report(p: TrainProgress) -> None:
         accs = {f"acc{k}": round(a, 4) for k, a in enumerate(p.acc)}
         held_out = {f"val_accept{k}": round(v, 4) for k, v in (p.validation or {}).items()}
-        state.set_progress("train", p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
+        state.set_progress(Stage.TRAIN, p.step, p.total, loss=round(p.loss, 5), epoch=p.epoch, lr=p.lr,
                            tokens_per_s=round(p.tokens_per_s, 1),
                            epoch_padding=round(p.padding, 4), **accs, **held_out)
 

@@ -11,7 +11,8 @@ import pytest
 
 from runtime import disk
 from shared.runspec import ExtractionConfig, GenerationConfig, RunSpec
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind
 from shared.settings import ControllerSettings
 from tests.support.tmpfs import mounted_tmpfs
 
@@ -43,7 +44,7 @@ def test_landed_samples_give_the_measured_projection(data_dir, redis_conn):
     for sample_id, (nbytes, tokens) in enumerate([(1000, 10), (3000, 30), (2000, 20), (4000, 40)]):
         land(state, sample_id, nbytes, tokens)
     state.mark_failed(Failure(run=RUN, stage="generate", sample_id=9, error_class="X", message="bad row"))
-    state.mark_failed(Failure(run=RUN, stage="generate", sample_id=8, error_class="Y", message="short", kind=DROPPED))
+    state.mark_failed(Failure(run=RUN, stage="generate", sample_id=8, error_class="Y", message="short", kind=FailureKind.DROPPED))
     meta = state.meta()
     assert (float(meta["hidden_bytes"]), float(meta["hidden_tokens"])) == (10000, 100)
 

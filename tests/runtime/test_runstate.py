@@ -1,18 +1,18 @@
 import pytest
 
 from runtime.runstate import (
-    DROPPED,
     RATE_BUCKET_SECONDS,
     RATE_BUCKETS,
     RATE_MIN_SPAN_SECONDS,
     RATE_WINDOW_SECONDS,
-    Failure,
     RunState,
     StageCounts,
     known_runs,
     FIELDS,
-    settled_key,
+    read_finished,
+    write_finished,
 )
+from shared.lifecycle import Failure, FailureKind, IllegalTransition, RunKeys, RunPhase, Stage, StageState
 
 
 @pytest.fixture()
@@ -31,7 +31,7 @@ def test_marking_a_sample_twice_counts_it_once(state):
 
 def test_failures_are_named_on_the_volume_and_in_redis(state):
     state.mark_failed(Failure("r", "generate", 4, "RowError", "row 4: no user turn"))
-    state.mark_failed(Failure("r", "generate", 6, "ReplyTooShort", "2 < 8 tokens", kind=DROPPED))
+    state.mark_failed(Failure("r", "generate", 6, "ReplyTooShort", "2 < 8 tokens", kind=FailureKind.DROPPED))
     counts = state.counts("generate")
     assert (counts.failed, counts.dropped) == (1, 1)
     assert state.paths.failure("generate", 4).is_file()
@@ -123,7 +123,7 @@ def test_bursts_give_the_true_rate_within_one_burst_over_the_span(state):
 
 def test_old_buckets_are_pruned_so_memory_is_bounded(state):
     """A sample every 2 s for four windows: the hash never holds more than a window of buckets."""
-    key = settled_key("r", "extract")
+    key = RunKeys("r").settled(Stage.EXTRACT)
     for i in range(2 * RATE_WINDOW_SECONDS):
         state.mark_done("extract", i, now=T0 + 2 * i)
         assert state.conn.hlen(key) <= RATE_BUCKETS + len(FIELDS)  # the window's buckets, begun, last, first, total
@@ -152,8 +152,8 @@ def test_every_outcome_settles_a_sample_once(state):
     state.mark_done("extract", 1, now=at)  # done again: nothing new settled
     state.mark_failed(Failure("r", "extract", 2, "InferenceUnavailable", "refused", at=at))
     state.mark_done("extract", 2, now=at)  # a failed sample that succeeds on retry: settled already
-    state.mark_failed(Failure("r", "extract", 3, "ReplyTooShort", "2 < 8 tokens", kind=DROPPED, at=at))
-    state.mark_failed(Failure("r", "extract", 3, "ReplyTooShort", "2 < 8 tokens", kind=DROPPED, at=at))
+    state.mark_failed(Failure("r", "extract", 3, "ReplyTooShort", "2 < 8 tokens", kind=FailureKind.DROPPED, at=at))
+    state.mark_failed(Failure("r", "extract", 3, "ReplyTooShort", "2 < 8 tokens", kind=FailureKind.DROPPED, at=at))
     assert state.throughput("extract", now=at).settled == 3
     state.clear_failure("extract", 3)  # back to unsettled: its next outcome settles it again
     state.mark_done("extract", 3, now=at)
@@ -204,3 +204,44 @@ def test_a_finished_stage_longer_than_the_window_reads_its_whole_run(state):
     assert whole.per_second == pytest.approx(2200 / (times[-1] - T0))
     last_window = state.throughput("generate", now=times[-1])
     assert last_window.per_second == pytest.approx(0.5, rel=0.05)  # what the stage did lately, while running
+
+
+# ---- whole-run stages move the run's phase ---------------------------------------------------------------
+
+
+def _training(state: RunState) -> RunState:
+    state.register(4, state="generating")
+    state.set_phase(RunPhase.TRAINING, train_enqueued_at=1.0)
+    return state
+
+
+def test_a_stage_move_stores_the_phase_it_gives_in_the_same_write(redis_conn, data_dir):
+    state = _training(RunState(redis_conn, data_dir, "moves"))
+    assert state.set_stage(Stage.TRAIN, StageState.RUNNING) is RunPhase.TRAINING
+    assert state.set_stage(Stage.TRAIN, StageState.DONE, export_path="/x") is RunPhase.EVALUATING
+    assert state.meta()["state"] == "evaluating" and state.meta()["export_path"] == "/x"
+    state.mark_failed(Failure(run="moves", stage=Stage.GENERATE, sample_id=3, error_class="E", message="m",
+                              kind=FailureKind.DROPPED))
+    assert state.set_stage(Stage.EVALUATE, StageState.RUNNING) is RunPhase.EVALUATING
+    assert state.set_stage(Stage.EVALUATE, StageState.DONE) is RunPhase.COMPLETE_WITH_FAILURES  # one sample dropped
+    assert state.meta()["evaluate_state"] == "done" and state.phase() is RunPhase.COMPLETE_WITH_FAILURES
+
+
+def test_a_stage_move_the_phase_cannot_make_writes_nothing(redis_conn, data_dir):
+    state = RunState(redis_conn, data_dir, "early")
+    state.register(4, state="generating")
+    with pytest.raises(IllegalTransition, match="'generating' -> 'evaluating'"):
+        state.set_stage(Stage.TRAIN, StageState.DONE)
+    assert "train_state" not in state.meta() and state.phase() is RunPhase.GENERATING
+    with pytest.raises(ValueError, match="per-sample"):
+        state.set_stage(Stage.EXTRACT, StageState.RUNNING)
+
+
+def test_a_failed_runs_job_running_again_takes_back_its_finished_record(redis_conn, data_dir):
+    state = _training(RunState(redis_conn, data_dir, "again"))
+    state.paths.root.mkdir(parents=True)
+    assert state.set_stage(Stage.TRAIN, StageState.FAILED, train_error="OSError: no space") is RunPhase.FAILED
+    write_finished(state, RunPhase.FAILED)
+    assert read_finished(state.paths)["state"] == "failed" and "finished_at" in state.meta()
+    assert state.set_stage(Stage.TRAIN, StageState.RUNNING) is RunPhase.TRAINING
+    assert read_finished(state.paths) is None and "finished_at" not in state.meta()

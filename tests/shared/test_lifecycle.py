@@ -8,10 +8,20 @@ import pytest
 from shared.lifecycle import (
     PHASE_TRANSITIONS,
     STAGE_TRANSITIONS,
+    Failure,
+    FailureKind,
     IllegalTransition,
+    KeyType,
+    Outcome,
+    RunKeys,
     RunPhase,
+    SampleResult,
+    Stage,
     StageState,
     advance,
+    phase_for_stage,
+    phase_of_stages,
+    sample_stage,
 )
 from runtime.runstate import RunState
 
@@ -101,3 +111,83 @@ def test_run_state_writes_only_legal_transitions(redis_conn, tmp_path):
 def test_an_illegal_transition_survives_pickling():
     again = pickle.loads(pickle.dumps(IllegalTransition(RunPhase.FAILED, RunPhase.COMPLETE)))
     assert str(again) == "illegal transition 'failed' -> 'complete'"
+
+
+# ---- stages, outcomes and the failure record -------------------------------------------------------------
+
+
+def test_the_stages_are_in_order_and_the_first_two_work_per_sample():
+    assert list(Stage) == ["generate", "extract", "train", "evaluate"]
+    assert [s.per_sample for s in Stage] == [True, True, False, False]
+    assert sample_stage("extract") is Stage.EXTRACT
+    with pytest.raises(ValueError, match="per-sample stage"):
+        sample_stage("train")
+
+
+def test_a_failure_kind_settles_as_its_outcome_and_result():
+    assert FailureKind.ERROR.outcome is Outcome.FAILED and FailureKind.DROPPED.outcome is Outcome.DROPPED
+    assert FailureKind.ERROR.result is SampleResult.FAILED and FailureKind.DROPPED.result is SampleResult.DROPPED
+
+
+def test_a_failure_record_round_trips_as_the_json_stored_before_the_enums():
+    # What runtime.runstate wrote before the record moved here: plain strings for stage and kind.
+    stored = ('{"at": 5.0, "error_class": "ReplyTooShort", "kind": "dropped", "message": "m", "run": "r", '
+              '"sample_id": 7, "stage": "generate"}')
+    failure = Failure.from_json(stored)
+    assert failure == Failure(run="r", stage=Stage.GENERATE, sample_id=7, error_class="ReplyTooShort", message="m",
+                              kind=FailureKind.DROPPED, at=5.0)
+    assert failure.to_json() == stored and failure.field == "generate:7"
+
+
+# ---- the phase whole-run stages give ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stage", "state", "unverified", "phase"), [
+    (Stage.TRAIN, StageState.PENDING, 0, None),
+    (Stage.TRAIN, StageState.RUNNING, 0, RunPhase.TRAINING),
+    (Stage.TRAIN, StageState.DONE, 3, RunPhase.EVALUATING),
+    (Stage.TRAIN, StageState.FAILED, 0, RunPhase.FAILED),
+    (Stage.EVALUATE, StageState.RUNNING, 0, RunPhase.EVALUATING),
+    (Stage.EVALUATE, StageState.DONE, 0, RunPhase.COMPLETE),
+    (Stage.EVALUATE, StageState.DONE, 1, RunPhase.COMPLETE_WITH_FAILURES),
+    (Stage.EVALUATE, StageState.SKIPPED, 0, RunPhase.COMPLETE),
+    (Stage.EVALUATE, StageState.SKIPPED, 2, RunPhase.COMPLETE_WITH_FAILURES),
+    (Stage.EVALUATE, StageState.FAILED, 0, RunPhase.FAILED),
+])
+def test_a_whole_run_stage_state_gives_one_phase(stage, state, unverified, phase):
+    assert phase_for_stage(stage, state, unverified=unverified) is phase
+
+
+def test_every_phase_a_stage_gives_is_reachable_from_the_one_before_it():
+    # The trainer's moves in order, and a requeued or retried job starting again, pass the transition table.
+    order = [(Stage.TRAIN, StageState.RUNNING), (Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.RUNNING),
+             (Stage.EVALUATE, StageState.DONE)]
+    phase = RunPhase.TRAINING
+    for stage, state in order:
+        phase = advance(phase, phase_for_stage(stage, state, unverified=0))
+    assert phase is RunPhase.COMPLETE
+    assert advance(RunPhase.EVALUATING, RunPhase.TRAINING) is RunPhase.TRAINING  # a requeued train job
+    assert advance(RunPhase.FAILED, RunPhase.TRAINING) is RunPhase.TRAINING  # a failed training run again
+
+
+def test_a_run_read_back_takes_its_phase_from_the_last_stage_that_began():
+    assert phase_of_stages({}, unverified=0) is None
+    assert phase_of_stages({Stage.TRAIN: StageState.RUNNING}, unverified=0) is RunPhase.TRAINING
+    both = {Stage.TRAIN: StageState.DONE, Stage.EVALUATE: StageState.DONE}
+    assert phase_of_stages(both, unverified=4) is RunPhase.COMPLETE_WITH_FAILURES
+
+
+# ---- the keys a run owns ---------------------------------------------------------------------------------------
+
+
+def test_a_runs_keys_keep_the_names_stored_before_the_layout_was_written_down():
+    keys = RunKeys("r")
+    assert keys.meta == "draftline:run:r:meta" and keys.failures == "draftline:run:r:failures"
+    assert keys.outcome(Stage.EXTRACT, Outcome.DONE) == "draftline:run:r:done:extract"
+    assert keys.settled(Stage.GENERATE) == "draftline:run:r:settled:generate"
+    assert keys.reconcile_lock == "draftline:reconcile-lock:r"
+    with pytest.raises(ValueError, match="per-sample stage"):
+        keys.outcome(Stage.TRAIN, Outcome.DONE)
+    types = keys.types()
+    assert types[keys.meta] is KeyType.HASH and types[keys.outcome(Stage.GENERATE, Outcome.DROPPED)] is KeyType.STRING
+    assert len(types) == 6 + 2 * (1 + 2 * len(Outcome))

@@ -7,8 +7,7 @@ import time
 import httpx
 
 from services.cli.stack import LocalStack
-
-TERMINAL_STATES = ("complete", "complete_with_failures", "failed")
+from shared.lifecycle import RunPhase
 
 
 def wait_terminal(stack: LocalStack, run: str, timeout: float) -> dict:
@@ -18,7 +17,7 @@ def wait_terminal(stack: LocalStack, run: str, timeout: float) -> dict:
     while time.monotonic() < deadline:
         stack.check_alive()
         status = httpx.get(f"{stack.url('controller')}/runs/{run}", timeout=30).json()
-        if status["state"] in TERMINAL_STATES:
+        if RunPhase(status["state"]).terminal:
             return status
         time.sleep(1)
     raise AssertionError(f"run {run} did not finish in {timeout:.0f}s: {status}")

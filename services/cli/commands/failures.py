@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from services.cli.commands.common import controller_settings, pick_run
+from shared.lifecycle import SAMPLE_STAGES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     failures = subparsers.add_parser("failures", help="every failed or dropped sample of a run, with its error")
     failures.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
-    failures.add_argument("--stage", choices=("generate", "extract"))
+    failures.add_argument("--stage", choices=[stage.value for stage in SAMPLE_STAGES])
     failures.add_argument("--json", action="store_true")
     failures.set_defaults(func=handle)
 

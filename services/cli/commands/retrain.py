@@ -7,6 +7,8 @@ import argparse
 import sys
 
 from services.cli.commands.common import controller_settings
+from shared.lifecycle import Stage
+from shared.runspec import RETRAIN_SECTIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,16 +39,16 @@ def handle(args: argparse.Namespace) -> int:
     sections = run_config(args.run_config)
     flags = {"epochs": args.epochs, "lr": args.lr, "ttt_steps": args.ttt_steps,
              "draft_vocab_size": args.draft_vocab_size, "base_checkpoint": args.base_checkpoint}
-    train = {**sections.get("train", {}), **{k: v for k, v in flags.items() if v is not None}}
+    train = {**sections.get(Stage.TRAIN, {}), **{k: v for k, v in flags.items() if v is not None}}
     if train:
-        sections["train"] = train
+        sections[Stage.TRAIN] = train
     if args.controller:
         return _through_api(args, sections, settings)
     conn = connect(settings.redis_url)
     spec = retrain_run(settings.data, conn, args.source, args.name, sections)
     # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
     report = reconcile_run(settings.data, conn, spec.name)
-    changed = ", ".join(f"{part}.{k}={v}" for part in ("train", "evaluate") for k, v in sections.get(part, {}).items())
+    changed = ", ".join(f"{part}.{k}={v}" for part in RETRAIN_SECTIONS for k, v in sections.get(part, {}).items())
     sys.stdout.write(f"run {spec.name}: {report.extracted:,} of {report.expected:,} samples from {args.source}'s "
                      f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "
                      f"{changed or 'nothing'}; the controller enqueues its training next "

@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 from services.cli.commands.common import controller_settings, pick_run
+from shared.lifecycle import SAMPLE_STAGES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     retry = subparsers.add_parser("retry", help="run failed samples again (all errors of the run, or the ids named)")
     retry.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
     retry.add_argument("ids", nargs="*", type=int, help="sample ids (default: every failure of kind error)")
-    retry.add_argument("--stage", choices=("generate", "extract"))
+    retry.add_argument("--stage", choices=[stage.value for stage in SAMPLE_STAGES])
     retry.add_argument("--include-dropped", action="store_true", help="also retry dropped samples")
     retry.set_defaults(func=handle)
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from services.cli.commands.common import controller_settings
 from shared.errors import DraftlineError
-
-RUN_SECTIONS = ("generation", "extraction", "train", "evaluate")
+from shared.runspec import DEFAULT_SPLIT, SECTIONS
 
 
 class RunConfigError(DraftlineError):
@@ -22,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--dataset", required=True, help="JSONL or Parquet file, or a Hugging Face dataset repo id")
     run.add_argument("--name", help="run name (default: derived from the dataset and the time)")
     run.add_argument("--limit", type=int, help="read at most this many rows")
-    run.add_argument("--split", default="train", help="dataset split for a Hugging Face repo")
+    run.add_argument("--split", default=DEFAULT_SPLIT, help="dataset split for a Hugging Face repo")
     run.add_argument("--model", help="served model name (default: the first one the inference server lists)")
     run.add_argument("--max-tokens", type=int, help="longest reply asked of the target")
     run.add_argument("--min-completion-tokens", type=int, help="shorter replies are dropped, each named")
@@ -85,10 +84,10 @@ def run_config(path: str | None) -> dict[str, dict]:
         raise RunConfigError(f"run config {path}: {exc}") from None
     if not isinstance(config, dict):
         raise RunConfigError(f"run config {path}: a JSON object of sections is needed, not {type(config).__name__}")
-    unknown = sorted(set(config) - set(RUN_SECTIONS))
+    unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise RunConfigError(f"run config {path}: unknown section(s) {', '.join(unknown)}; "
-                             f"it may hold {', '.join(RUN_SECTIONS)}")
+                             f"it may hold {', '.join(SECTIONS)}")
     wrong = sorted(name for name, section in config.items() if not isinstance(section, dict))
     if wrong:
         raise RunConfigError(f"run config {path}: section(s) {', '.join(wrong)} must be JSON objects")
@@ -106,7 +105,7 @@ def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
     evaluate = {"holdout": args.holdout}
     config = run_config(getattr(args, "run_config", None))
     return tuple({**config.get(name, {}), **{k: v for k, v in section.items() if v is not None}}
-                 for name, section in zip(RUN_SECTIONS, (generation, extraction, train, evaluate)))
+                 for name, section in zip(SECTIONS, (generation, extraction, train, evaluate)))
 
 
 def _run_through_api(args: argparse.Namespace) -> int:
@@ -115,8 +114,8 @@ def _run_through_api(args: argparse.Namespace) -> int:
 
     generation, extraction, train, evaluate = _run_sections(args)
     body = {"dataset": args.dataset, "name": args.name, "limit": args.limit, "split": args.split, "model": args.model,
-            "generation": generation or None, "extraction": extraction or None, "train": train or None,
-            "evaluate": evaluate or None, "force": args.force}
+            **{name: section or None for name, section in zip(SECTIONS, (generation, extraction, train, evaluate))},
+            "force": args.force}
     token = controller_settings().api_token
     with ControllerClient(args.controller, token=token.get_secret_value() if token else None) as client:
         try:
@@ -132,10 +131,12 @@ def _run_through_api(args: argparse.Namespace) -> int:
 
 def _refused_preflight(detail: object) -> str:
     """The controller's 412: its message, then each failed check with its fix."""
+    from services.controller.runs.preflight import FAILED_CHECKS
+
     if not isinstance(detail, dict):
         return f"preflight failed: {detail}"
     lines = [str(detail.get("message", "preflight failed"))]
-    for check in detail.get("failed", []):
+    for check in detail.get(FAILED_CHECKS, []):
         lines.append(f"  [FAIL] {check.get('name', '?'):<26} {check.get('message', '')}")
         if check.get("fix"):
             lines.append(f"         {'':<26} fix: {check['fix']}")

@@ -13,9 +13,9 @@ from html import escape
 from runtime.gpu import GpuReading
 from runtime.disk import format_bytes
 from services.controller.runs.status import margin_phrase
+from shared.lifecycle import Outcome, Stage
 
 REFRESH_S = 5
-STAGES = ("generate", "extract", "train", "evaluate")
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2rem;color:#222;max-width:70rem}
@@ -38,7 +38,7 @@ def render_page(statuses: list[dict], gpus: list[GpuReading]) -> str:
 
 
 def _run(status: dict) -> str:
-    rows = "".join(_stage(name, status["stages"][name]) for name in STAGES)
+    rows = "".join(_stage(name, status["stages"][name]) for name in Stage)
     errors, disk, drafter = status["errors"], status["disk"], status["drafter"]
     parts = [
         f"<h2 id='run-{escape(status['run'])}'>{escape(status['run'])} "
@@ -46,7 +46,7 @@ def _run(status: dict) -> str:
         "<table><tr><th>stage</th><th>progress</th><th>done / total</th><th>%</th><th>samples/s</th><th>ETA</th></tr>",
         rows, "</table>",
         f"<p>errors: <b data-key='errors.total'>{errors['total']}</b> total, {errors['since_resume']} since resume, "
-        f"{errors['dropped']} dropped</p>",
+        f"{errors[Outcome.DROPPED]} dropped</p>",
         f"<p>disk: {format_bytes(disk['used_bytes'])} used, <span data-key='disk.free_bytes' "
         f"data-value='{disk['free_bytes']}'>{format_bytes(disk['free_bytes'])}</span> free; this run "
         f"{format_bytes(disk['run_bytes'])}</p>",
@@ -55,7 +55,7 @@ def _run(status: dict) -> str:
         parts.append(f"<p class='paused'>PAUSED: extraction waits for disk space: {escape(str(disk['reason']))}</p>")
     if drafter["export_path"]:
         accept = drafter["acceptance_length"]
-        margin = escape(margin_phrase(status["stages"]["evaluate"])) if accept else ""
+        margin = escape(margin_phrase(status["stages"][Stage.EVALUATE])) if accept else ""
         parts.append(f"<p>drafter: <code>{escape(drafter['export_path'])}</code>"
                      + (f", acceptance length <b data-key='acceptance_length'>{accept:.2f}</b>{margin}" if accept else "")
                      + "</p>")
@@ -78,7 +78,7 @@ def _stage(name: str, stage: dict) -> str:
     return (
         f"<tr data-stage='{name}'><td>{name}</td>"
         f"<td><div class='bar'><div class='fill' style='width:{min(stage['percent'], 100.0):.1f}%'></div></div></td>"
-        f"<td data-key='done'>{stage['done']} / {stage['total']}</td><td>{stage['percent']:.1f}</td>"
+        f"<td data-key='done'>{stage[Outcome.DONE]} / {stage['total']}</td><td>{stage['percent']:.1f}</td>"
         f"<td data-key='samples_per_second'{window}>{rate_text}</td><td data-key='eta_seconds'>{eta_text}</td></tr>"
     )
 

@@ -31,12 +31,12 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from services.controller.loop.reconcile import RunBusy, read_failure_file, reconciling, reply_problem, run_ids
-from runtime.runstate import DROPPED, Failure, RunState, finished_path, read_finished, run_key
+from runtime.runstate import RunState, finished_path, read_finished
 from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
-from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, SAMPLE_STAGES, payload_sample_ids
+from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids
 from shared.layout import RunPaths
-from shared.lifecycle import RunPhase
+from shared.lifecycle import SAMPLE_STAGES, Failure, FailureKind, RunPhase, Stage
 from shared.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
 
@@ -87,7 +87,7 @@ class RetryReport:
 def _choose(failures: list[Failure], sample_ids: Iterable[int] | None, include_dropped: bool,
             report: RetryReport) -> list[Failure]:
     if sample_ids is None:
-        return [f for f in failures if include_dropped or f.kind != DROPPED]
+        return [f for f in failures if include_dropped or f.kind != FailureKind.DROPPED]
     wanted = set(sample_ids)
     report.unknown = sorted(wanted - {f.sample_id for f in failures})
     return [f for f in failures if f.sample_id in wanted]
@@ -127,15 +127,15 @@ def retry_failures(data: Path, conn: redis.Redis, run: str, *, stage: str | None
         _clear(state, failure)
         report.cleared.append({"sample_id": failure.sample_id, "stage": failure.stage})
     state.set_phase(RunPhase.GENERATING, feed_offset=0, extract_cursor=0)
-    conn.hdel(run_key(run, "meta"), "feed_pass_at", "extract_pass_at")
+    conn.hdel(state.keys.meta, "feed_pass_at", "extract_pass_at")
     log.info("run %s: %d failures cleared for another attempt", run, len(report.cleared))
     return report
 
 
 def _clear(state: RunState, failure: Failure) -> None:
     state.clear_failure(failure.stage, failure.sample_id)
-    if failure.stage == "extract" and reply_problem(state.paths.generated(failure.sample_id), failure.sample_id):
-        state.clear_done("generate", failure.sample_id)  # the reply is gone too: generate it again first
+    if failure.stage == Stage.EXTRACT and reply_problem(state.paths.generated(failure.sample_id), failure.sample_id):
+        state.clear_done(Stage.GENERATE, failure.sample_id)  # the reply is gone too: generate it again first
 
 
 def reopen(state: RunState) -> str | None:
@@ -155,7 +155,7 @@ def reopen(state: RunState) -> str | None:
     stale = [k for k in state.meta() if k not in KEPT_META and (k.startswith(("train_", "evaluate_")) or k in
              ("export_path", "acceptance_length", "finished_at", "error"))]
     if stale:
-        state.conn.hdel(run_key(state.run, "meta"), *stale)
+        state.conn.hdel(state.keys.meta, *stale)
     log.info("run %s: reopened%s", state.run, f"; previous drafter moved to {target}" if moved else "")
     return str(target) if moved else None
 
@@ -171,7 +171,7 @@ INFRASTRUCTURE_ERRORS = ("redis.exceptions.ConnectionError", "redis.exceptions.T
 def name_failed_jobs(data: Path, conn: redis.Redis) -> int:
     """Name the unsettled samples of every failed generate and extract job, then forget the job."""
     named = 0
-    for queue_name, stage in ((GENERATE_QUEUE, "generate"), (EXTRACT_QUEUE, "extract")):
+    for queue_name, stage in ((GENERATE_QUEUE, Stage.GENERATE), (EXTRACT_QUEUE, Stage.EXTRACT)):
         registry = queue(queue_name, conn).failed_job_registry
         for job_id in registry.get_job_ids():
             named += _name_job(Path(data), conn, registry, job_id, stage)

@@ -44,6 +44,7 @@ from shared.jobs import (
     generate_job_id,
 )
 from shared.layout import RunPaths
+from shared.lifecycle import OUTCOMES, Outcome, Stage
 from shared.queues import queue
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
@@ -94,15 +95,15 @@ def extract_room(settings: ControllerSettings, conn: redis.Redis) -> int:
 class Outcomes:
     """A run's per-sample outcomes of one stage, fetched from Redis ``BITMAP_CHUNK`` ids at a time."""
 
-    def __init__(self, state: RunState, stage: str) -> None:
+    def __init__(self, state: RunState, stage: Stage) -> None:
         self.state, self.stage = state, stage
         self._start, self._bits = -1, {}
 
     def settled(self, sample_id: int) -> bool:
         bits, i = self._chunk(sample_id)
-        return bool(bits["done"][i] or bits["failed"][i] or bits["dropped"][i])
+        return any(bool(bits[outcome][i]) for outcome in OUTCOMES)
 
-    def _chunk(self, sample_id: int) -> tuple[dict[str, np.ndarray], int]:
+    def _chunk(self, sample_id: int) -> tuple[dict[Outcome, np.ndarray], int]:
         start = sample_id - sample_id % BITMAP_CHUNK
         if start != self._start:
             self._start, self._bits = start, self.state.outcomes(self.stage, start, start + BITMAP_CHUNK)
@@ -159,7 +160,7 @@ def feed_run(settings: ControllerSettings, state: RunState) -> int:
         return 0
     waiting, inflight = inflight_generate(conn, run)
     room = settings.feed_window - waiting
-    gen = Outcomes(state, "generate")
+    gen = Outcomes(state, Stage.GENERATE)
 
     def skip(sample_id: int) -> bool:
         return sample_id in inflight or gen.settled(sample_id)
@@ -188,8 +189,7 @@ def _generate_cursor(state: RunState, meta: dict[str, str], end: int) -> int:
         state.set_meta(feed_pass_at=time.time())
     if offset != end:
         return offset
-    counts = state.counts("generate")
-    if counts.done + counts.failed + counts.dropped >= int(meta.get("expected", 0)) or not _repass_due(meta, "feed"):
+    if state.counts(Stage.GENERATE).settled >= int(meta.get("expected", 0)) or not _repass_due(meta, "feed"):
         return offset
     waiting, inflight = inflight_generate(state.conn, state.run)
     if waiting or inflight:
@@ -236,8 +236,8 @@ def backfill_extract(settings: ControllerSettings, state: RunState) -> int:
 def _backfill_chunk(state: RunState, start: int, stop: int, held: set[int], room: int,
                     settings: ControllerSettings) -> tuple[int, list[list[int]]]:
     """Enqueue jobs for ids ``start..stop-1`` until ``room`` jobs are queued; (next cursor, batches queued)."""
-    gen, ext = state.outcomes("generate", start, stop), state.outcomes("extract", start, stop)
-    wanted = gen["done"] & ~(ext["done"] | ext["failed"] | ext["dropped"])
+    gen, ext = state.outcomes(Stage.GENERATE, start, stop), state.outcomes(Stage.EXTRACT, start, stop)
+    wanted = gen[Outcome.DONE] & ~(ext[Outcome.DONE] | ext[Outcome.FAILED] | ext[Outcome.DROPPED])
     ids = [start + index for index in np.flatnonzero(wanted).tolist() if start + index not in held]
     queued: list[list[int]] = []
     for first in range(0, len(ids), settings.extract_batch):
@@ -252,10 +252,9 @@ def _extract_cursor(state: RunState, meta: dict[str, str], limit: int) -> int:
     cursor = int(meta.get("extract_cursor", 0))
     if cursor == 0 and "extract_pass_at" not in meta:
         state.set_meta(extract_pass_at=time.time())
-    if cursor < limit or not _repass_due(meta, "extract"):
+    if cursor < limit or not _repass_due(meta, Stage.EXTRACT):
         return cursor
-    gen, ext = state.counts("generate"), state.counts("extract")
-    if ext.done + ext.failed + ext.dropped >= gen.done:
+    if state.counts(Stage.EXTRACT).settled >= state.counts(Stage.GENERATE).done:
         return cursor
     state.set_meta(extract_cursor=0, extract_pass_at=time.time())
     return 0

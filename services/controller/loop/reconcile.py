@@ -47,22 +47,29 @@ import redis
 from shared.atomic import TEMP_PREFIX, atomic_write_json, read_json
 from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import verify_hidden_file
-from shared.jobs import SAMPLE_STAGES
 from shared.layout import RunPaths, list_runs
-from shared.lifecycle import RunPhase, StageState
+from shared.lifecycle import (
+    SAMPLE_STAGES,
+    WHOLE_RUN_STAGES,
+    Failure,
+    FailureKind,
+    Outcome,
+    RunKeys,
+    RunPhase,
+    Stage,
+    StageState,
+    failure_field,
+    phase_of_stages,
+)
 from shared.manifest import MANIFEST_NAME, ManifestEntry, append_entry, check_entry, check_quick, read_manifest
 from shared.runspec import RunSpec
 from runtime.runstate import (
-    DROPPED,
-    ERROR,
     GENERATE_REQUESTS_UNCOUNTED,
-    Failure,
     RunState,
     bitmap_ids,
     ids_bitmap,
     known_runs,
     read_finished,
-    run_key,
 )
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,6 @@ REBUILD_BACKOFF_S = 60.0
 # A run the volume cannot rebuild stays so until someone acts on it: looked at again every ten minutes, not
 # every pass, so the log names it without repeating itself every minute.
 NO_PROMPTS_BACKOFF_S = 600.0
-SUBMIT_LOCK = "draftline:submit-lock:{run}"  # held by services.controller.runs.submit while a run is created
 _STEM = re.compile(r"^(\d{8})$")
 
 
@@ -124,18 +130,14 @@ class ReconcileReport:
 # ---- locks and lost runs ------------------------------------------------------------------------
 
 
-def _lock_key(run: str) -> str:
-    return f"draftline:reconcile-lock:{run}"
-
-
 def reconciling(conn: redis.Redis, run: str) -> bool:
-    return bool(conn.exists(_lock_key(run)))
+    return bool(conn.exists(RunKeys(run).reconcile_lock))
 
 
 @contextmanager
 def _reconcile_lock(conn: redis.Redis, run: str) -> Iterator[Callable[[], None]]:
     """Hold the run's reconcile lock; yields ``refresh``, to be called while a long scan progresses."""
-    key = _lock_key(run)
+    key = RunKeys(run).reconcile_lock
     if not conn.set(key, str(time.time()), nx=True, px=int(LOCK_TTL_S * 1000)):
         raise RunBusy(f"run {run!r} is being reconciled right now")
     try:
@@ -154,13 +156,9 @@ def _checked_in_order(pool: ThreadPoolExecutor, check: Callable, items: list, re
     return results
 
 
-def _backoff_key(run: str) -> str:
-    return f"draftline:rebuild-backoff:{run}"
-
-
 def back_off(conn: redis.Redis, run: str, seconds: float = REBUILD_BACKOFF_S) -> None:
     """Leave a run that could not be rebuilt alone for a while instead of failing on it every tick."""
-    conn.set(_backoff_key(run), str(time.time()), ex=int(seconds))
+    conn.set(RunKeys(run).rebuild_backoff, str(time.time()), ex=int(seconds))
 
 
 def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
@@ -170,9 +168,10 @@ def lost_runs(data: Path, conn: redis.Redis) -> list[str]:
     for run in list_runs(Path(data)):
         if read_finished(RunPaths(Path(data), run)) is not None:
             continue
-        if conn.exists(SUBMIT_LOCK.format(run=run), _lock_key(run), _backoff_key(run)):
+        keys = RunKeys(run)
+        if conn.exists(keys.submit_lock, keys.reconcile_lock, keys.rebuild_backoff):
             continue
-        if run in known and conn.hexists(run_key(run, "meta"), "expected"):
+        if run in known and conn.hexists(keys.meta, "expected"):
             continue
         lost.append(run)
     return lost
@@ -318,7 +317,7 @@ def scan_hidden(paths: RunPaths, spec: RunSpec, ids: RunIds, *, deep: bool, cuto
         if item.verdict in ("ok", "adopt"):
             done[item.sample_id], total = True, total + item.entry.bytes
         elif item.verdict == "bad" and remove_if_unchanged(item.path, item.identity):
-            report.redone.append({"sample_id": item.sample_id, "stage": "extract", "reason": item.reason})
+            report.redone.append({"sample_id": item.sample_id, "stage": Stage.EXTRACT, "reason": item.reason})
             log.warning("run %s: sample %d: hidden-state file removed, to be extracted again: %s",
                         paths.run, item.sample_id, item.reason)
     return done, total
@@ -360,7 +359,7 @@ def scan_generated(paths: RunPaths, ids: RunIds, extracted: np.ndarray, *, deep:
             total += path.stat().st_size
             continue
         path.unlink(missing_ok=True)
-        report.redone.append({"sample_id": sample_id, "stage": "generate", "reason": problem})
+        report.redone.append({"sample_id": sample_id, "stage": Stage.GENERATE, "reason": problem})
         log.warning("run %s: sample %d: reply removed, to be generated again: %s", paths.run, sample_id, problem)
     return done, total
 
@@ -402,22 +401,22 @@ def name_missing_rows(paths: RunPaths, ids: RunIds, failures: dict[tuple[str, in
     """Give every row that is in the run but nowhere on the volume a failure record of its own."""
     named = np.zeros(ids.rows, dtype=bool)
     for stage, sample_id in failures:
-        if stage == "generate" and sample_id < ids.rows:
+        if stage == Stage.GENERATE and sample_id < ids.rows:
             named[sample_id] = True
     for sample_id in np.flatnonzero(ids.expected & ~ids.prompts & ~named).tolist():
         exc = MissingPromptRow(f"row {sample_id} is not in prompts.jsonl and its failure record is lost "
                                "(the row was malformed when the run was submitted)")
-        failure = Failure(run=paths.run, stage="generate", sample_id=sample_id, error_class=error_class(exc),
+        failure = Failure(run=paths.run, stage=Stage.GENERATE, sample_id=sample_id, error_class=error_class(exc),
                           message=str(exc), at=time.time())
-        atomic_write_json(paths.failure("generate", sample_id), asdict(failure))
-        failures[("generate", sample_id)] = failure
+        atomic_write_json(paths.failure(Stage.GENERATE, sample_id), asdict(failure))
+        failures[(Stage.GENERATE, sample_id)] = failure
         report.named.append(sample_id)
 
 
 # ---- publishing to Redis ------------------------------------------------------------------------
 
 
-def merge_bitmap(conn: redis.Redis, key: str, mask: np.ndarray, still_set: Callable[[int], bool]) -> None:
+def merge_bitmap(conn: redis.Redis, key: str, scratch: str, mask: np.ndarray, still_set: Callable[[int], bool]) -> None:
     """Make bitmap ``key`` equal ``mask``, except for bits a worker set meanwhile.
 
     A set bit that the scan did not find is cleared only if ``still_set`` (asked after reading the
@@ -426,7 +425,6 @@ def merge_bitmap(conn: redis.Redis, key: str, mask: np.ndarray, still_set: Calla
     current = bitmap_ids(conn.get(key))
     clear = [i for i in current if (i >= len(mask) or not mask[i]) and not still_set(i)]
     wanted = np.flatnonzero(mask)
-    scratch = f"{key}:reconcile"
     pipe = conn.pipeline()
     for sample_id in clear:
         pipe.setbit(key, sample_id, 0)
@@ -453,37 +451,44 @@ def _hidden_still_done(paths: RunPaths) -> Callable[[int], bool]:
     return check
 
 
-def _failure_still_recorded(paths: RunPaths, stage: str, kind: str) -> Callable[[int], bool]:
+def _failure_still_recorded(paths: RunPaths, stage: str, kind: FailureKind) -> Callable[[int], bool]:
     def check(sample_id: int) -> bool:
         path = paths.failure(stage, sample_id)
         if not path.is_file():
             return False
-        return (read_failure_file(path, paths.run, stage, sample_id).kind == DROPPED) == (kind == DROPPED)
+        return _dropped(read_failure_file(path, paths.run, stage, sample_id)) == (kind is FailureKind.DROPPED)
 
     return check
+
+
+def _dropped(failure: Failure) -> bool:
+    """A drop; any other kind, one a hand-edited record names included, counts as an error."""
+    return failure.kind == FailureKind.DROPPED
 
 
 def publish(state: RunState, ids: RunIds, done: dict[str, np.ndarray],
             failures: dict[tuple[str, int], Failure]) -> None:
     """Bitmaps and failure records of the run in Redis, merged with what workers wrote meanwhile."""
-    conn, paths, run = state.conn, state.paths, state.run
-    checks = {"extract": _hidden_still_done(paths),
-              "generate": lambda sample_id: reply_problem(paths.generated(sample_id), sample_id) is None}
+    conn, paths, keys = state.conn, state.paths, state.keys
+    checks = {Stage.EXTRACT: _hidden_still_done(paths),
+              Stage.GENERATE: lambda sample_id: reply_problem(paths.generated(sample_id), sample_id) is None}
     for stage in SAMPLE_STAGES:
-        merge_bitmap(conn, run_key(run, f"done:{stage}"), done[stage], checks[stage])
-        for outcome, kind in (("failed", ERROR), ("dropped", DROPPED)):
+        merge_bitmap(conn, keys.outcome(stage, Outcome.DONE), keys.merge_scratch(stage, Outcome.DONE), done[stage],
+                     checks[stage])
+        for kind in FailureKind:
             mask = np.zeros(ids.rows, dtype=bool)
             for (s, sample_id), failure in failures.items():
-                if s == stage and (failure.kind == DROPPED) == (kind == DROPPED) and sample_id < ids.rows:
+                if s == stage and _dropped(failure) == (kind is FailureKind.DROPPED) and sample_id < ids.rows:
                     mask[sample_id] = True
-            merge_bitmap(conn, run_key(run, f"{outcome}:{stage}"), mask, _failure_still_recorded(paths, stage, kind))
+            merge_bitmap(conn, keys.outcome(stage, kind.outcome), keys.merge_scratch(stage, kind.outcome), mask,
+                         _failure_still_recorded(paths, stage, kind))
     _merge_failure_records(conn, paths, failures)
     _done_wins(state)
 
 
 def _merge_failure_records(conn: redis.Redis, paths: RunPaths, failures: dict[tuple[str, int], Failure]) -> None:
-    key = run_key(paths.run, "failures")
-    wanted = {f"{stage}:{sample_id}": f.to_json() for (stage, sample_id), f in failures.items()}
+    key = RunKeys(paths.run).failures
+    wanted = {failure_field(stage, sample_id): f.to_json() for (stage, sample_id), f in failures.items()}
     stale = []
     for raw in conn.hkeys(key):
         name = raw.decode() if isinstance(raw, bytes) else raw
@@ -499,11 +504,11 @@ def _merge_failure_records(conn: redis.Redis, paths: RunPaths, failures: dict[tu
 
 def _done_wins(state: RunState) -> None:
     """A sample that is done has no failure: clear any record a race between merges left behind."""
-    conn, run = state.conn, state.run
+    conn, keys = state.conn, state.keys
     for stage in SAMPLE_STAGES:
-        done = set(bitmap_ids(conn.get(run_key(run, f"done:{stage}"))))
-        for outcome in ("failed", "dropped"):
-            for sample_id in done.intersection(bitmap_ids(conn.get(run_key(run, f"{outcome}:{stage}")))):
+        done = set(bitmap_ids(conn.get(keys.outcome(stage, Outcome.DONE))))
+        for outcome in (Outcome.FAILED, Outcome.DROPPED):
+            for sample_id in done.intersection(bitmap_ids(conn.get(keys.outcome(stage, outcome)))):
                 state.clear_failure(stage, sample_id)
 
 
@@ -514,26 +519,30 @@ def _done_wins(state: RunState) -> None:
 class Phase:
     """Where a rebuilt run stands: its phase, its whole-run stages' states and the meta fields beside them."""
 
-    phase: RunPhase | None = None  # None: Redis's phase stands
-    stages: dict[str, StageState] = field(default_factory=dict)
+    phase: RunPhase | None = None  # None: Redis's phase stands, or the stages below give it
+    stages: dict[Stage, StageState] = field(default_factory=dict)  # moved in this order, each moving the phase
     fields: dict[str, object] = field(default_factory=dict)
 
 
-def _phase_fields(paths: RunPaths, meta: dict[str, str], now: float) -> Phase:
-    """Where the run stands, from the volume first and from a live trainer's reports second."""
+def _phase_fields(state: RunState, meta: dict[str, str], now: float) -> Phase:
+    """Where the run stands, from the volume first and from a live trainer's reports second; a phase that
+    whole-run stages decide comes from the lifecycle's rule for them (``phase_of_stages``)."""
+    paths = state.paths
     finished = read_finished(paths)
     if finished is not None:
         return Phase(RunPhase(finished["state"]), fields={"finished_at": finished["finished_at"]})
     if paths.eval_report.is_file():
         report = read_json(paths.eval_report)
-        return Phase(RunPhase.EVALUATING, {"train": StageState.DONE, "evaluate": StageState.DONE},
-                     {"train_enqueued_at": now, "export_path": str(paths.export_dir),
-                      "acceptance_length": report.get("acceptance_length", "")})
+        return Phase(stages={Stage.TRAIN: StageState.DONE, Stage.EVALUATE: StageState.DONE},
+                     fields={"train_enqueued_at": now, "export_path": str(paths.export_dir),
+                             "acceptance_length": report.get("acceptance_length", "")})
     if "train_enqueued_at" in meta:
         return Phase()
     if any(k in meta for k in ("train_state", "train_done", "evaluate_state")):
         # A trainer kept reporting into a Redis that lost the run: it is working, so no second train job.
-        return Phase(RunPhase.TRAINING, fields={"train_enqueued_at": now})
+        stages = {stage: StageState.of(meta.get(f"{stage}_state")) for stage in WHOLE_RUN_STAGES}
+        phase = phase_of_stages(stages, unverified=state.unverified()) or RunPhase.TRAINING
+        return Phase(phase, fields={"train_enqueued_at": now})
     return Phase(RunPhase.GENERATING)
 
 
@@ -541,7 +550,7 @@ def restore_meta(state: RunState, spec: RunSpec, ids: RunIds, sizes: dict[str, i
     meta = state.meta()
     report.registered = state.run not in known_runs(state.conn) or "expected" not in meta
     expected = int(np.count_nonzero(ids.expected))
-    where = _phase_fields(state.paths, meta, report.resumed_at)
+    where = _phase_fields(state, meta, report.resumed_at)
     fields: dict[str, object] = {
         "dataset": spec.dataset, "train_ids": spec.train_ids,
         "holdout": int(np.count_nonzero(ids.held_out)), "prompts_bytes": ids.prompts_bytes,
@@ -564,9 +573,9 @@ def restore_meta(state: RunState, spec: RunSpec, ids: RunIds, sizes: dict[str, i
         # A state Redis still holds is a live trainer's, later than the report on the volume; a lost one is restored.
         if f"{stage}_state" not in meta:
             state.set_stage(stage, new)
-    state.conn.hdel(run_key(state.run, "meta"), "feed_pass_at", "extract_pass_at")
+    state.conn.hdel(state.keys.meta, "feed_pass_at", "extract_pass_at")
     report.expected = expected
-    report.state = str(where.phase or meta.get("state", ""))
+    report.state = str(state.phase())
 
 
 def _recorded_layers(paths: RunPaths) -> list[int] | None:
@@ -600,7 +609,7 @@ def reconcile_run(data: Path, conn: redis.Redis, run: str, *, deep: bool = False
                                               refresh=refresh)
         generated, generated_bytes = scan_generated(paths, ids, extracted, deep=deep, report=report,
                                                     refresh=refresh)
-        done = {"generate": generated, "extract": extracted}
+        done = {Stage.GENERATE: generated, Stage.EXTRACT: extracted}
         failures = scan_failures(paths, ids, done, report)
         name_missing_rows(paths, ids, failures, report)
         refresh()

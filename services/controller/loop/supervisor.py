@@ -38,12 +38,11 @@ from services.controller.loop.reconcile import (
     reconciling,
     remove_stale_temps,
 )
-from runtime.runstate import RunState, known_runs, run_key, write_finished
-from services.controller.runs.status import derive_state
+from runtime.runstate import RunState, known_runs, write_finished
 from shared.atomic import temp_files
 from runtime.disk import supervise_disk
-from shared.jobs import RUN_JOB_TTL_S, SAMPLE_STAGES, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
-from shared.lifecycle import SAMPLE_PHASES, RunPhase
+from shared.jobs import RUN_JOB_TTL_S, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
+from shared.lifecycle import SAMPLE_PHASES, SAMPLE_STAGES, Outcome, RunPhase, Stage
 from runtime.outage import REDIS_DOWN, RedisOutage
 from shared.settings import ControllerSettings
 
@@ -54,22 +53,18 @@ TRAIN_JOB_TIMEOUT = -1  # RQ's "never": training runs for hours and reports its 
 
 def settled(state: RunState) -> tuple[int, int]:
     """(settled samples, samples extracted) of a run; a sample counts once whatever its bitmaps say."""
-    keys = [run_key(state.run, f"{outcome}:{stage}") for stage in SAMPLE_STAGES for outcome in ("failed", "dropped")]
-    keys.append(run_key(state.run, "done:extract"))
-    scratch = run_key(state.run, "settled")
+    run_keys = state.keys
+    extracted = run_keys.outcome(Stage.EXTRACT, Outcome.DONE)
+    keys = [run_keys.outcome(stage, outcome) for stage in SAMPLE_STAGES for outcome in (Outcome.FAILED, Outcome.DROPPED)]
+    keys.append(extracted)
+    scratch = run_keys.settled_scratch
     pipe = state.conn.pipeline()
     pipe.bitop("OR", scratch, *keys)
     pipe.bitcount(scratch)
     pipe.delete(scratch)
-    pipe.bitcount(run_key(state.run, "done:extract"))
+    pipe.bitcount(extracted)
     _, count, _, extracted = pipe.execute()
     return count, extracted
-
-
-def unverified(state: RunState) -> int:
-    """Settled samples that did not end verified: failures and drops of either stage."""
-    gen, ext = state.counts("generate"), state.counts("extract")
-    return gen.failed + gen.dropped + ext.failed + ext.dropped
 
 
 def enqueue_train(conn: redis.Redis, run: str) -> bool:
@@ -81,10 +76,9 @@ def enqueue_train(conn: redis.Redis, run: str) -> bool:
 def advance(state: RunState, meta: dict[str, str]) -> None:
     """Move a run from its sample stages to training once every expected sample is settled."""
     expected = int(meta.get("expected", 0))
-    gen = state.counts("generate")
     done, extracted = settled(state)
     if done < expected:
-        generated = gen.done + gen.failed + gen.dropped >= expected
+        generated = state.counts(Stage.GENERATE).settled >= expected
         if RunPhase.of(meta.get("state")) is RunPhase.GENERATING and feed_finished(meta) and generated:
             state.set_phase(RunPhase.EXTRACTING)
         return
@@ -101,10 +95,10 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
 
 
 def finish(state: RunState, meta: dict[str, str]) -> None:
-    """Mark a run that reached a terminal state as finished on the volume (once)."""
+    """Mark a run that reached a terminal phase as finished on the volume (once)."""
     if "finished_at" in meta:
         return
-    final = derive_state(meta, unverified(state))
+    final = RunPhase.of(meta.get("state"))  # the trainer's jobs move the phase as they end (RunState.set_stage)
     if final.terminal:
         for debris in temp_files(state.paths.root):  # no writer of this run remains; a finished run has none
             debris.unlink(missing_ok=True)

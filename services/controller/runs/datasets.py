@@ -36,6 +36,7 @@ from typing import BinaryIO
 
 from services.controller.runs.json_array import ArrayReader, Bad
 from shared.errors import DatasetError, PromptTooLong, RowError
+from shared.runspec import DEFAULT_SPLIT
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +461,7 @@ def packaged_dataset(name: str) -> Path:
     return path
 
 
-def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
+def resolve_files(source: str | Path, split: str = DEFAULT_SPLIT) -> list[Path]:
     """The files to read for ``source``; DatasetError when there are none."""
     path = Path(source)
     try:
@@ -483,7 +484,7 @@ def resolve_files(source: str | Path, split: str = "train") -> list[Path]:
     return files
 
 
-def iter_rows(source: str | Path, *, split: str = "train", limit: int | None = None,
+def iter_rows(source: str | Path, *, split: str = DEFAULT_SPLIT, limit: int | None = None,
               with_replies: bool = False) -> Iterator[Row]:
     """Yield ``(row_index, messages | RowError)`` for every row of ``source``, at most ``limit`` rows.
     ``with_replies``: a valid row's messages as written, its last replies kept (what a benchmark of the

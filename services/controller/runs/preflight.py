@@ -49,6 +49,8 @@ from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
 
+FAILED_CHECKS = "failed"  # the key of a report's failed checks (in its dict, and in the API's 412 answer)
+
 ERROR, WARNING, INFO = "error", "warning", "info"
 HTTP_TIMEOUT_S = 5.0
 EPHEMERAL_FS = {"tmpfs", "ramfs"}
@@ -91,7 +93,7 @@ class PreflightReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "allowed": self.allowed, "forced": self.forced,
-                "checks": [asdict(c) for c in self.checks], "failed": [asdict(c) for c in self.errors],
+                "checks": [asdict(c) for c in self.checks], FAILED_CHECKS: [asdict(c) for c in self.errors],
                 "warnings": [asdict(c) for c in self.warnings], "base_checkpoint": self.base_checkpoint}
 
 

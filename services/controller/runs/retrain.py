@@ -30,11 +30,11 @@ from shared.atomic import atomic_write_json, fsync_dir
 from shared.errors import DraftlineError, RunExists
 from shared.layout import RunPaths, check_run_name, runs_root
 from shared.lifecycle import SAMPLE_PHASES, RunPhase
-from shared.runspec import RunSpec
+from shared.lifecycle import Stage
+from shared.runspec import RETRAIN_SECTIONS, RunSpec
 
 log = logging.getLogger(__name__)
 
-RETRAIN_SECTIONS = ("train", "evaluate")  # what a retrain may change: the capture fixes the rest
 FIXED_EVALUATE = ("holdout",)  # evaluate fields the capture fixed (the held-out rows were split at submission)
 
 
@@ -83,7 +83,7 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
             raise RunExists(f"run {name!r} already exists") from None
         raise
     fsync_dir(runs_root(data))
-    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source, sections.get("train", {}))
+    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source, sections.get(Stage.TRAIN, {}))
     return spec
 
 
@@ -94,7 +94,7 @@ def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]]
         raise RetrainRefused(f"a retrain reuses {source.name}'s capture, so section(s) {', '.join(other)} cannot "
                              f"change; it may set {', '.join(RETRAIN_SECTIONS)}")
     fixed = sorted(f"evaluate.{k}" for k in FIXED_EVALUATE
-                   if k in sections.get("evaluate", {}) and sections["evaluate"][k] != getattr(source.evaluate, k))
+                   if k in sections.get(Stage.EVALUATE, {}) and sections[Stage.EVALUATE][k] != getattr(source.evaluate, k))
     if fixed:
         raise RetrainRefused(f"{', '.join(fixed)} cannot change: {source.name}'s held-out rows were split from its "
                              "training rows when the capture was submitted")

@@ -19,7 +19,9 @@ from services.controller.runs.submit import default_run_name, submit_run
 from runtime.disk import BYTES_PER_TOKEN_ESTIMATE
 from shared.errors import DatasetError, DraftlineError
 from shared.layout import check_run_name
+from shared.lifecycle import Stage
 from shared.runspec import (
+    DEFAULT_SPLIT,
     EvalConfig,
     ExtractionConfig,
     GenerationConfig,
@@ -47,7 +49,7 @@ class RunRequest:
     model: str
     name: str | None = None
     limit: int | None = None
-    split: str = "train"
+    split: str = DEFAULT_SPLIT
     generation: GenerationConfig | None = None
     extraction: ExtractionConfig | None = None
     train: TrainConfig | None = None
@@ -58,7 +60,7 @@ class DatasetOutsideRoots(DatasetError):
     """A local dataset lies outside every folder ``DRAFTLINE_DATASET_ROOTS`` names."""
 
 
-def resolve_dataset(dataset: str, data: Path, roots: Sequence[Path], split: str = "train") -> str:
+def resolve_dataset(dataset: str, data: Path, roots: Sequence[Path], split: str = DEFAULT_SPLIT) -> str:
     """The dataset a run reads: a local path inside one of ``roots`` (absolute, symlinks and ``..``
     resolved), a Hugging Face repo id, or the file of a packaged dataset named in ``PACKAGED``.
 
@@ -127,7 +129,7 @@ def start_run(settings: ControllerSettings, conn: redis.Redis, request: RunReque
     if not report.allowed:
         raise PreflightFailed(report)
     if report.base_checkpoint is not None:
-        draft = draft.model_copy(update={"train": draft.train.model_copy(
+        draft = draft.model_copy(update={Stage.TRAIN: draft.train.model_copy(
             update={"base_checkpoint": report.base_checkpoint})})
     spec = submit_run(settings.data, conn, draft)
     if report.bytes_per_token:

@@ -13,54 +13,40 @@ settled in the window (``runtime.runstate.Throughput`` states the rule and its e
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import redis
 
 from runtime.runstate import (
-    ERROR,
     GENERATE_REQUESTS,
     GENERATE_REQUESTS_UNCOUNTED,
     RunState,
     StageCounts,
     known_runs,
     read_finished,
-    run_key,
 )
 from runtime.disk import disk_status, format_bytes, format_disk_pause
 from shared import metrics
 from shared.errors import RunNotFound
-from shared.jobs import SAMPLE_STAGES
 from shared.layout import list_runs
-from shared.lifecycle import TERMINAL_PHASES, RunPhase, StageState
+from shared.lifecycle import (
+    OUTCOMES,
+    SAMPLE_STAGES,
+    Failure,
+    FailureKind,
+    Outcome,
+    RunKeys,
+    RunPhase,
+    Stage,
+    StageState,
+)
 from shared.runspec import RunSpec
 
 FAILURES_SHOWN = 50
 FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
-
-
-# ---- state --------------------------------------------------------------------------------------
-
-
-def derive_state(meta: dict[str, str], errors: int) -> RunPhase:
-    """The run's phase from its stored one and its stages': the trainer reports only the stages.
-
-    ``errors`` counts the samples that settled without being verified (failed or dropped): a run is
-    "complete" only when every expected sample made it through."""
-    stored = RunPhase.of(meta.get("state"))
-    train, evaluate = StageState.of(meta.get("train_state")), StageState.of(meta.get("evaluate_state"))
-    if StageState.FAILED in (train, evaluate) or stored is RunPhase.FAILED:
-        return RunPhase.FAILED
-    if evaluate.finished or stored in TERMINAL_PHASES:
-        return RunPhase.COMPLETE_WITH_FAILURES if errors else RunPhase.COMPLETE
-    if train.finished or evaluate is not StageState.PENDING or stored is RunPhase.EVALUATING:
-        return RunPhase.EVALUATING
-    if train is not StageState.PENDING or stored is RunPhase.TRAINING:
-        return RunPhase.TRAINING
-    return stored
 
 
 # ---- per-stage numbers --------------------------------------------------------------------------
@@ -70,18 +56,15 @@ def _percent(part: float, total: float) -> float:
     return round(100.0 * part / total, 1) if total > 0 else 0.0
 
 
-def sample_stage(state: RunState, stage: str, total: int, counts: StageCounts, now: float | None = None) -> dict:
-    settled = counts.done + counts.failed + counts.dropped
-    remaining = max(total - settled, 0)
+def sample_stage(state: RunState, stage: Stage, total: int, counts: StageCounts, now: float | None = None) -> dict:
+    remaining = max(total - counts.settled, 0)
     throughput = state.throughput(stage, now=now, finished=remaining == 0)
     rate, eta = throughput.per_second, throughput.eta_seconds(remaining)
     return {
         "total": total,
-        "done": counts.done,
-        "failed": counts.failed,
-        "dropped": counts.dropped,
+        **asdict(counts),  # done, failed, dropped
         "remaining": remaining,
-        "percent": _percent(settled, total),
+        "percent": _percent(counts.settled, total),
         "samples_per_second": None if rate is None else round(rate, 3),
         "rate_window_seconds": round(throughput.span_s, 1),
         "eta_seconds": None if eta is None else round(eta),
@@ -101,12 +84,12 @@ def _float(meta: dict[str, str], key: str) -> float | None:
         return None
 
 
-def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
+def whole_run_stage(meta: dict[str, str], stage: Stage) -> dict:
     done, total = int(float(meta.get(f"{stage}_done", 0))), int(float(meta.get(f"{stage}_total", 0)))
     state: str = StageState.of(meta.get(f"{stage}_state"))
-    if state is StageState.PENDING and stage == "train" and "train_enqueued_at" in meta:
+    if state is StageState.PENDING and stage is Stage.TRAIN and "train_enqueued_at" in meta:
         state = "queued"  # shown only: the train job waits in its queue for a trainer
-    return {"total": total, "done": done, "percent": _percent(done, total), "state": state,
+    return {"total": total, Outcome.DONE: done, "percent": _percent(done, total), "state": state,
             "error": meta.get(f"{stage}_error") or None}  # "ErrorClass: message" of the job that failed
 
 
@@ -115,7 +98,7 @@ def whole_run_stage(meta: dict[str, str], stage: str) -> dict:
 
 def first_failures(conn: redis.Redis, run: str, limit: int = FAILURES_SHOWN) -> list[dict]:
     """The first ``limit`` failures by stage order, then sample id; reads only field names plus ``limit`` values."""
-    key = run_key(run, "failures")
+    key = RunKeys(run).failures
     fields = [f.decode() if isinstance(f, bytes) else f for f in conn.hkeys(key)]
     order = {stage: i for i, stage in enumerate(SAMPLE_STAGES)}
 
@@ -125,15 +108,15 @@ def first_failures(conn: redis.Redis, run: str, limit: int = FAILURES_SHOWN) -> 
 
     chosen = sorted(fields, key=sort_key)[:limit]
     values = conn.hmget(key, chosen) if chosen else []
-    return [{k: json.loads(v)[k] for k in FAILURE_FIELDS} for v in values if v is not None]
+    return [{k: getattr(Failure.from_json(v), k) for k in FAILURE_FIELDS} for v in values if v is not None]
 
 
 def errors_since(conn: redis.Redis, run: str, since: float) -> int:
     """Errors (not drops) recorded after ``since``; scans the failure records, so only for resumed runs."""
     count = 0
-    for _, raw in conn.hscan_iter(run_key(run, "failures"), count=1000):
-        record = json.loads(raw)
-        count += record.get("kind") == ERROR and float(record.get("at", 0)) > since
+    for _, raw in conn.hscan_iter(RunKeys(run).failures, count=1000):
+        failure = Failure.from_json(raw)
+        count += failure.kind == FailureKind.ERROR and failure.at > since
     return count
 
 
@@ -141,7 +124,7 @@ def error_summary(conn: redis.Redis, run: str, meta: dict[str, str], gen: StageC
     total = gen.failed + ext.failed
     resumed_at = _float(meta, "resumed_at")
     since = total if resumed_at is None else errors_since(conn, run, resumed_at)
-    return {"total": total, "since_resume": since, "dropped": gen.dropped + ext.dropped}
+    return {"total": total, "since_resume": since, Outcome.DROPPED: gen.dropped + ext.dropped}
 
 
 # ---- disk ----------------------------------------------------------------------------------------
@@ -170,11 +153,11 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     if finished is not None:  # Redis lost a finished run: its record on the volume has the final numbers
         meta = {**meta, "expected": finished["expected"], "state": finished["state"]}
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
-    gen, ext = _counts(state, finished, "generate"), _counts(state, finished, "extract")
-    generate = sample_stage(state, "generate", expected, gen, now)
+    gen, ext = _counts(state, finished, Stage.GENERATE), _counts(state, finished, Stage.EXTRACT)
+    generate = sample_stage(state, Stage.GENERATE, expected, gen, now)
     generate.update(generate_requests(meta, gen, uncounted=finished is not None))
-    extract = sample_stage(state, "extract", max(expected - gen.failed - gen.dropped, 0), ext, now)
-    train, evaluate = whole_run_stage(meta, "train"), whole_run_stage(meta, "evaluate")
+    extract = sample_stage(state, Stage.EXTRACT, max(expected - gen.unverified, 0), ext, now)
+    train, evaluate = whole_run_stage(meta, Stage.TRAIN), whole_run_stage(meta, Stage.EVALUATE)
     train["loss"] = _float(meta, "train_loss")
     train["padding"] = _float(meta, "train_epoch_padding")  # share of the epoch's computed positions
     train["validation"] = validation_curve(meta)
@@ -187,9 +170,9 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     errors = error_summary(conn, run, meta, gen, ext)
     return {
         "run": run,
-        "state": derive_state(meta, errors["total"] + errors["dropped"]),
+        "state": RunPhase.of(meta.get("state")),  # stored at every transition (shared.lifecycle)
         "expected": expected,
-        "stages": {"generate": generate, "extract": extract, "train": train, "evaluate": evaluate},
+        "stages": {Stage.GENERATE: generate, Stage.EXTRACT: extract, Stage.TRAIN: train, Stage.EVALUATE: evaluate},
         "errors": errors,
         "failures": first_failures(conn, run),
         "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
@@ -229,13 +212,13 @@ def generate_requests(meta: dict[str, str], counts: StageCounts, uncounted: bool
     if uncounted or meta.get(GENERATE_REQUESTS_UNCOUNTED):
         return {"requests": None, "requests_per_sample": None}
     requests = int(float(meta.get(GENERATE_REQUESTS, 0) or 0))
-    settled = counts.done + counts.failed + counts.dropped
+    settled = counts.settled
     return {"requests": requests, "requests_per_sample": round(requests / settled, 3) if settled else None}
 
 
-def _counts(state: RunState, finished: dict | None, stage: str) -> StageCounts:
+def _counts(state: RunState, finished: dict | None, stage: Stage) -> StageCounts:
     if finished is not None and isinstance(finished.get(stage), dict):
-        return StageCounts(**{k: int(finished[stage].get(k, 0)) for k in ("done", "failed", "dropped")})
+        return StageCounts(**{outcome: int(finished[stage].get(outcome, 0)) for outcome in OUTCOMES})
     return state.counts(stage)
 
 
@@ -270,13 +253,13 @@ def _sample_line(name: str, s: dict) -> str:
     cost = f"  {per_sample:.2f} requests/sample" if per_sample is not None else ""
     if "requests" in s and s["requests"] is None:
         cost = "  requests/sample unknown (state read back from the volume)"
-    return (f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s['failed']:,}  "
-            f"dropped {s['dropped']:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
+    return (f"  {name:<9} {s[Outcome.DONE]:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s[Outcome.FAILED]:,}  "
+            f"dropped {s[Outcome.DROPPED]:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
 
 
 def _whole_line(name: str, s: dict, extra: str) -> str:
-    error = f"\n  {'':<9} {s['error']}" if s["state"] == "failed" and s["error"] else ""
-    return f"  {name:<9} {s['done']:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
+    error = f"\n  {'':<9} {s['error']}" if s["state"] == StageState.FAILED and s["error"] else ""
+    return f"  {name:<9} {s[Outcome.DONE]:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
 
 
 def _acceptance_text(evaluate: dict) -> str:
@@ -317,17 +300,17 @@ def _validation_text(curve: dict[str, float | None]) -> str:
 def format_status(status: dict) -> str:
     """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
     stages, errors, disk = status["stages"], status["errors"], status["disk"]
-    loss = stages["train"]["loss"]
+    loss = stages[Stage.TRAIN]["loss"]
     lines = [
         f"run {status['run']}: {status['state']} ({status['expected']:,} samples expected)",
-        _sample_line("generate", stages["generate"]),
-        _sample_line("extract", stages["extract"]),
-        _whole_line("train", stages["train"], (f"  loss {loss:.4f}" if loss is not None else "")
-                    + (f"  padding {100 * padding:.1f}%" if (padding := stages["train"].get("padding")) is not None else "")
-                    + _validation_text(stages["train"].get("validation") or {})),
-        _whole_line("evaluate", stages["evaluate"], _acceptance_text(stages["evaluate"])),
+        _sample_line(Stage.GENERATE, stages[Stage.GENERATE]),
+        _sample_line(Stage.EXTRACT, stages[Stage.EXTRACT]),
+        _whole_line(Stage.TRAIN, stages[Stage.TRAIN], (f"  loss {loss:.4f}" if loss is not None else "")
+                    + (f"  padding {100 * padding:.1f}%" if (padding := stages[Stage.TRAIN].get("padding")) is not None else "")
+                    + _validation_text(stages[Stage.TRAIN].get("validation") or {})),
+        _whole_line(Stage.EVALUATE, stages[Stage.EVALUATE], _acceptance_text(stages[Stage.EVALUATE])),
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
-        f"{errors['dropped']:,} dropped",
+        f"{errors[Outcome.DROPPED]:,} dropped",
         f"  ETA       {_duration(status['eta_seconds'])}",
         f"  disk      {format_bytes(disk['used_bytes'])} used, {format_bytes(disk['free_bytes'])} free of "
         f"{format_bytes(disk['total_bytes'])} ({disk['path']}); this run {format_bytes(disk['run_bytes'])}",

@@ -27,9 +27,9 @@ from services.controller.runs.datasets import iter_rows
 from shared.atomic import atomic_write
 from shared.errors import DatasetError, RowError, RunExists, error_class
 from shared.layout import RunPaths, check_run_name
-from shared.lifecycle import RunPhase
+from shared.lifecycle import Failure, RunKeys, RunPhase, Stage
 from shared.runspec import RunSpec
-from runtime.runstate import Failure, RunState, known_runs
+from runtime.runstate import RunState, known_runs
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _stream_prompts(rows: Iterable, handle: BinaryIO, result: _Split, holdout: i
 def _record_bad_row(state: RunState, sample_id: int, exc: RowError, result: _Split) -> None:
     if not result.first_problem:
         result.first_problem = f"row {sample_id}: {error_class(exc)}: {exc}"
-    state.mark_failed(Failure(run=state.run, stage="generate", sample_id=sample_id,
+    state.mark_failed(Failure(run=state.run, stage=Stage.GENERATE, sample_id=sample_id,
                               error_class=error_class(exc), message=str(exc)), count_in_rate=False)
 
 
@@ -139,7 +139,7 @@ def _discard(paths: RunPaths, state: RunState) -> None:
 @contextmanager
 def _submission_lock(conn: redis.Redis, name: str) -> Iterator[None]:
     """Two submissions of one name race between the existence check and registration; one waits out."""
-    key = f"draftline:submit-lock:{name}"
+    key = RunKeys(name).submit_lock
     if not conn.set(key, str(time.time()), nx=True, ex=SUBMIT_LOCK_TTL_S):
         raise RunExists(f"run {name!r} is being submitted right now")
     try:

@@ -86,7 +86,7 @@ def _worker(index: int, procs: int, models: dict[str, Any], sets: list[dict[str,
 
             measure_prompts(target, tokenizer, drafter, mine, config, measured, progress)
             shares.append(measured.to_json())
-        out.put(("done", index, shares))
+        out.put(("shares", index, shares))  # the process's measurements: it has finished
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent must hear of it
         out.put(("error", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
 
@@ -118,7 +118,7 @@ def measure_in_processes(
                 done += body
                 if progress is not None:
                     progress(done, total)
-            elif kind == "done":
+            elif kind == "shares":
                 results[index] = body
             else:
                 raise EvaluationProcessFailed(f"evaluation process {index} of {procs} failed: {body}")

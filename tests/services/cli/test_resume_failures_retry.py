@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from runtime.runstate import DROPPED, Failure, RunState, known_runs
+from runtime.runstate import RunState, known_runs
+from shared.lifecycle import Failure, FailureKind
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.processes import REPO
 
@@ -30,7 +31,7 @@ def state(data_dir, redis_conn, tmp_path) -> RunState:
     """12 rows (row 2 malformed, 11 held out); replies for 0-8, hidden states for 0-5, two failures."""
     state = submit(data_dir, redis_conn, tmp_path, "cli", prompt_rows(12, bad=(2,)))
     finish_samples(state, generated=[i for i in range(9) if i != 2], extracted=[i for i in range(6) if i != 2])
-    for sample_id, kind in ((9, "error"), (10, DROPPED)):
+    for sample_id, kind in ((9, "error"), (10, FailureKind.DROPPED)):
         state.mark_failed(Failure(run="cli", stage="generate", sample_id=sample_id, error_class="InferenceRejected",
                                   message=f"sample {sample_id} refused", kind=kind))
     return state

@@ -31,7 +31,8 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.queues import queue
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind
 from tests.services.exporter.scrape import Samples, parse, value
 from tests.services.controller.loop.test_reaper import take
 from tests.support.processes import REPO, free_port
@@ -50,7 +51,7 @@ def populate(conn: redis.Redis, data: Path, run: str = "r1") -> RunState:
         state.mark_done("generate", sample_id)
     state.mark_done("extract", 0)
     state.mark_failed(Failure(run, "generate", 5, "InferenceRejected", "400 from the server"))
-    state.mark_failed(Failure(run, "generate", 6, "ReplyTooShort", "3 tokens", kind=DROPPED))
+    state.mark_failed(Failure(run, "generate", 6, "ReplyTooShort", "3 tokens", kind=FailureKind.DROPPED))
     return state
 
 

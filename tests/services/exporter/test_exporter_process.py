@@ -10,7 +10,8 @@ import redis
 
 from shared import metrics
 from runtime.gpu import GpuReader
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind
 from tests.services.exporter.scrape import parse, value
 from tests.support.processes import RedisServer, ServiceProcess, free_port
 
@@ -45,7 +46,7 @@ def test_scrape_reports_a_run_populated_through_runstate(redis_url, redis_conn, 
         state.mark_done("generate", sample_id)
     state.mark_done("extract", 0)
     state.mark_failed(Failure("demo", "generate", 6, "InferenceUnavailable", "connection refused"))
-    state.mark_failed(Failure("demo", "generate", 7, "ReplyTooShort", "2 tokens", kind=DROPPED))
+    state.mark_failed(Failure("demo", "generate", 7, "ReplyTooShort", "2 tokens", kind=FailureKind.DROPPED))
     state.incr("hidden_bytes", 123_456)
     proc, base = exporter(redis_url, data_dir, tmp_path / "logs")
     with proc:

@@ -16,14 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.controller.api.routes.deps import ConnDep, SettingsDep
 from services.controller.loop.reconcile import reconcile_run
+from services.controller.runs.preflight import FAILED_CHECKS
 from services.controller.runs.retrain import RetrainRefused, retrain_run
 from services.controller.runs.served import served_model
 from services.controller.runs.start import DatasetOutsideRoots, PreflightFailed, RunRequest, start_run
 from services.controller.runs.status import list_status, run_status
 from shared.errors import DatasetError, InferenceUnavailable, RunExists, RunNotFound
-from shared.jobs import SAMPLE_STAGES
+from shared.lifecycle import SAMPLE_STAGES
 from shared.layout import check_run_name
 from shared.runspec import (
+    DEFAULT_SPLIT,
+    RETRAIN_SECTIONS,
     EvalConfig,
     ExtractionConfig,
     GenerationConfig,
@@ -46,7 +49,7 @@ class SubmitRequest(BaseModel):
     name: str | None = None
     limit: int | None = Field(None, ge=1)
     model: str | None = Field(None, description="Served model name; by default the one the inference server lists.")
-    split: str = Field("train", min_length=1)
+    split: str = Field(DEFAULT_SPLIT, min_length=1)
     generation: GenerationConfig | None = None
     extraction: ExtractionConfig | None = None
     train: TrainConfig | None = None
@@ -95,7 +98,7 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
     except PreflightFailed as exc:
         raise HTTPException(status_code=412, detail={
             "message": str(exc) + " (\"force\": true in the body)",
-            "failed": [asdict(c) for c in exc.report.errors], "checks": [asdict(c) for c in exc.report.checks],
+            FAILED_CHECKS: [asdict(c) for c in exc.report.errors], "checks": [asdict(c) for c in exc.report.checks],
         }) from None
     except RunExists as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
@@ -113,7 +116,7 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
 @router.post("/{run}/retrain", status_code=201)
 def retrain(run: str, body: RetrainRequest, settings: SettingsDep, conn: ConnDep) -> dict:
     """A new run training on ``run``'s finished capture (services/controller/runs/retrain.py), registered at once."""
-    sections = {part: value for part, value in (("train", body.train), ("evaluate", body.evaluate)) if value}
+    sections = {part: value for part, value in zip(RETRAIN_SECTIONS, (body.train, body.evaluate)) if value}
     try:
         spec = retrain_run(settings.data, conn, _known_run(run), body.name, sections)
     except RunNotFound as exc:

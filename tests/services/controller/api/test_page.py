@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from services.controller.api.app import create_app
 from services.controller.runs.status import run_status
 from runtime.gpu import GpuReader
-from runtime.runstate import Failure
+from shared.lifecycle import Failure
 from shared.settings import ControllerSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 

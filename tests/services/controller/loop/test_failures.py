@@ -11,7 +11,8 @@ from rq import SimpleWorker
 from services.controller.loop.failures import list_failures, name_failed_jobs, retry_failures
 from services.controller.loop.feeder import backfill_extract, feed_run
 from services.controller.loop.reconcile import RunBusy
-from runtime.runstate import DROPPED, Failure, RunState, read_finished, write_finished
+from runtime.runstate import RunState, read_finished, write_finished
+from shared.lifecycle import Failure, FailureKind
 from services.extractor.jobs import run_extract
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
 from shared.queues import SERIALIZER, queue
@@ -79,7 +80,7 @@ def test_retry_generates_failed_samples_again_and_regenerates_a_lost_reply(data_
 
 def test_drops_are_retried_when_named_and_malformed_rows_never(data_dir, redis_conn, tmp_path):
     state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(8, bad=(1,)))
-    fail(state, "generate", 3, DROPPED, "ReplyTooShort")
+    fail(state, "generate", 3, FailureKind.DROPPED, "ReplyTooShort")
     fail(state, "generate", 4)
     report = retry_failures(data_dir, redis_conn, RUN, sample_ids=[1, 3, 6])
     assert report.cleared == [{"sample_id": 3, "stage": "generate"}]

@@ -18,7 +18,8 @@ from shared.jobs import (
 from shared.queues import queue
 from runtime.sample_queue import enqueue_extract
 from shared.runspec import EvalConfig, RunSpec
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.queues import extract_batches, queued_extractions
@@ -135,7 +136,7 @@ def test_ids_settled_in_generate_are_never_fed(data_dir, redis_conn, run):
     for sample_id in (0, 1, 2, 5):
         state.mark_done("generate", sample_id)
     state.mark_failed(Failure(run=run, stage="generate", sample_id=3, error_class="X", message="m"))
-    state.mark_failed(Failure(run=run, stage="generate", sample_id=6, error_class="X", message="m", kind=DROPPED))
+    state.mark_failed(Failure(run=run, stage="generate", sample_id=6, error_class="X", message="m", kind=FailureKind.DROPPED))
     assert feed_run(settings(data_dir), RunState(redis_conn, data_dir, run)) == 3
     assert enqueued_ids(redis_conn, GENERATE_QUEUE) == [4, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19]
 

@@ -19,7 +19,8 @@ from services.controller.loop.reconcile import (
     reconcile_run,
     remove_if_unchanged,
 )
-from runtime.runstate import DROPPED, Failure, RunState, bitmap_ids, known_runs, read_finished, run_key
+from runtime.runstate import RunState, bitmap_ids, known_runs, read_finished
+from shared.lifecycle import Failure, FailureKind, Outcome, RunKeys, Stage, StageState
 from services.controller.runs.status import run_status
 from services.controller.loop.supervisor import supervise_once
 from shared.errors import RunNotFound
@@ -44,13 +45,13 @@ def fail(state: RunState, stage: str, sample_id: int, kind: str = "error") -> No
 
 
 def done_ids(conn, run: str, stage: str) -> list[int]:
-    return bitmap_ids(conn.get(run_key(run, f"done:{stage}")))
+    return bitmap_ids(conn.get(RunKeys(run).outcome(stage, Outcome.DONE)))
 
 
 def test_a_run_redis_lost_is_registered_again_from_the_volume(data_dir, redis_conn, state):
     finish_samples(state, generated=range(0, 10), extracted=range(0, 6))
     fail(state, "generate", 12)
-    fail(state, "generate", 13, DROPPED)
+    fail(state, "generate", 13, FailureKind.DROPPED)
     before = state.meta()
     redis_conn.flushall()
     report = reconcile_run(data_dir, redis_conn, RUN)
@@ -155,13 +156,13 @@ def test_a_row_with_no_prompt_and_no_record_is_named(data_dir, redis_conn, state
 
 
 def test_stale_redis_bits_go_and_bits_backed_by_the_volume_stay(redis_conn):
-    key = run_key("bits", "done:extract")
+    key = RunKeys("bits").outcome(Stage.EXTRACT, Outcome.DONE)
     for sample_id in (2, 5, 6):
         redis_conn.setbit(key, sample_id, 1)
     mask = np.zeros(10, dtype=bool)
     mask[[1, 2]] = True
     # 5 was finished by a worker after the scan (the volume backs it now); 6 has nothing behind it.
-    merge_bitmap(redis_conn, key, mask, still_set=lambda sample_id: sample_id == 5)
+    merge_bitmap(redis_conn, key, f"{key}:reconcile", mask, still_set=lambda sample_id: sample_id == 5)
     assert bitmap_ids(redis_conn.get(key)) == [1, 2, 5]
 
 
@@ -182,10 +183,11 @@ def test_a_resume_restores_lost_stages_from_the_evaluation_report(data_dir, redi
     redis_conn.flushall()
     reconcile_run(data_dir, redis_conn, RUN)
     meta = state.meta()
-    assert (meta["state"], meta["train_state"], meta["evaluate_state"]) == ("evaluating", "done", "done")
+    # The stages the report stands for give the phase, by the lifecycle's rule (the run has failures).
+    assert (meta["state"], meta["train_state"], meta["evaluate_state"]) == ("complete_with_failures", "done", "done")
     assert meta["acceptance_length"] == "2.5"
     # A failure the trainer reported after writing the report is later than the report: it stands.
-    state.set_meta(evaluate_state="failed")
+    state.set_stage(Stage.EVALUATE, StageState.FAILED)
     reconcile_run(data_dir, redis_conn, RUN)
     assert state.meta()["evaluate_state"] == "failed"
     assert run_status(data_dir, redis_conn, RUN)["state"] == "failed"
@@ -224,7 +226,9 @@ def test_a_finished_run_is_marked_on_the_volume_and_never_rebuilt(data_dir, redi
     reconcile_run(data_dir, redis_conn, RUN)
     supervise_once(cfg(data_dir), redis_conn)
     assert state.meta()["state"] == "training"
-    state.set_meta(train_state="done", evaluate_state="done", acceptance_length=1.5)
+    for stage in (Stage.TRAIN, Stage.EVALUATE):  # as the trainer's jobs move them
+        state.set_stage(stage, StageState.RUNNING)
+        state.set_stage(stage, StageState.DONE, acceptance_length=1.5)
     supervise_once(cfg(data_dir), redis_conn)
     record = read_finished(state.paths)
     assert record["state"] == "complete_with_failures"  # row 15 was malformed
@@ -271,7 +275,7 @@ def test_a_run_without_its_prompt_list_is_named_in_one_line_and_looked_at_again_
     named = [r for r in caplog.records if "prompts.jsonl is missing" in r.getMessage()]
     assert len(named) == 1 and named[0].levelname == "WARNING" and named[0].exc_info is None
     assert "run rec:" in named[0].getMessage()
-    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not [r for r in caplog.records if r.levelname == "FailureKind.ERROR"]
     assert REBUILD_BACKOFF_S < redis_conn.ttl(f"draftline:rebuild-backoff:{RUN}") <= NO_PROMPTS_BACKOFF_S
     supervise_once(cfg(data_dir), redis_conn)
     assert len([r for r in caplog.records if "prompts.jsonl is missing" in r.getMessage()]) == 1  # not every pass

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from runtime.runstate import RunState, bitmap_ids, read_finished, run_key
+from runtime.runstate import RunState, bitmap_ids, read_finished
+from shared.lifecycle import Outcome, RunKeys, Stage
 from services.controller.runs.status import run_status
 from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
@@ -75,7 +76,7 @@ def test_a_flushed_redis_is_rebuilt_by_the_controller_and_the_run_completes(data
                    evaluate=EvalConfig(holdout=1, max_new_tokens=8, draft_steps=2, sets=["holdout"],
                                        curve_max_steps=2))
     wait_for(lambda: state.counts("extract").done >= 4, procs, 120, "the first extractions")
-    truncated, unreadable = (state.paths.hidden(i) for i in bitmap_ids(redis_conn.get(run_key(RUN, "done:extract")))[:2])
+    truncated, unreadable = (state.paths.hidden(i) for i in bitmap_ids(redis_conn.get(RunKeys(RUN).outcome(Stage.EXTRACT, Outcome.DONE)))[:2])
     # The crash that loses Redis also damages two finished files; the rebuild must notice and redo them.
     truncated.write_bytes(truncated.read_bytes()[:-5])
     raw = unreadable.read_bytes()

@@ -9,7 +9,8 @@ from services.controller.loop.supervisor import supervise_forever, supervise_onc
 from shared.jobs import GENERATE_QUEUE, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.queues import queue
 from shared.runspec import EvalConfig, RunSpec
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
 
@@ -46,7 +47,7 @@ def test_run_moves_to_extracting_when_generation_is_settled(data_dir, redis_conn
     supervise_once(cfg, redis_conn)
     for sample_id in (0, 1, 2, 3, 5, 6, 7, 8):
         state.mark_done("generate", sample_id)
-    fail(state, "generate", 9, DROPPED)
+    fail(state, "generate", 9, FailureKind.DROPPED)
     supervise_once(cfg, redis_conn)
     assert state.meta()["state"] == "extracting"
     assert queue(TRAIN_QUEUE, redis_conn).count == 0
@@ -58,7 +59,7 @@ def test_settled_run_gets_one_train_job(data_dir, redis_conn, tmp_path):
     supervise_once(cfg, redis_conn)
     for sample_id in (0, 1, 2, 3, 5, 6, 7, 8):
         state.mark_done("generate", sample_id)
-    fail(state, "generate", 9, DROPPED)
+    fail(state, "generate", 9, FailureKind.DROPPED)
     for sample_id in (0, 1, 2, 3, 5, 6):
         state.mark_done("extract", sample_id)
     fail(state, "extract", 7)

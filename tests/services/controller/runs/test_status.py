@@ -1,4 +1,4 @@
-"""Run status: every field, the numbers behind them, the derived state, and the operator text."""
+"""Run status: every field, the numbers behind them, the stored phase, and the operator text."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from services.controller.runs.status import derive_state, first_failures, format_status, list_status, run_status
+from services.controller.runs.status import first_failures, format_status, list_status, run_status
 from services.controller.runs.submit import submit_run
 from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
 from shared.runspec import EvalConfig, RunSpec
-from runtime.runstate import DROPPED, Failure, RunState
+from runtime.runstate import RunState
+from shared.lifecycle import Failure, FailureKind, RunPhase, Stage, StageState
 from tests.services.controller.runs.test_datasets import write_jsonl
 
 RUN = "stat"
@@ -38,7 +39,7 @@ def state(data_dir, redis_conn, tmp_path) -> RunState:
     for sample_id in (0, 1, 3, 4, 5, 6, 7):
         state.mark_done("generate", sample_id)
     fail(state, "generate", 8)
-    fail(state, "generate", 9, "ReplyTooShort", DROPPED)
+    fail(state, "generate", 9, "ReplyTooShort", FailureKind.DROPPED)
     for sample_id in (0, 1, 3):
         state.mark_done("extract", sample_id)
         state.incr("hidden_bytes", 1000)
@@ -111,14 +112,14 @@ def test_errors_since_resume_count_only_later_failures(data_dir, redis_conn, sta
     state.set_meta(resumed_at=time.time())
     time.sleep(0.01)
     fail(state, "extract", 5)
-    fail(state, "extract", 6, "ReplyTooShort", DROPPED)
+    fail(state, "extract", 6, "ReplyTooShort", FailureKind.DROPPED)
     errors = run_status(data_dir, redis_conn, RUN)["errors"]
     assert errors == {"total": 4, "since_resume": 1, "dropped": 2}
 
 
 def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     state.set_progress("train", 5, 20, loss=1.25, epoch_padding=0.025)
-    state.set_meta(train_state="running")
+    state.set_stage(Stage.TRAIN, StageState.RUNNING)
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "training"
     assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "error": None,
@@ -130,7 +131,9 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     assert status["stages"]["train"]["validation"] == {"1": 1.1, "2": 1.2, "3": 1.3, "10": 2.0}
     assert "held-out k=1 1.10 k=3 1.30 k=10 2.00" in format_status(status)
     state.set_progress("evaluate", 4, 4)
-    state.set_meta(train_state="done", evaluate_state="done", acceptance_length=2.5, export_path="/x/export")
+    state.set_stage(Stage.TRAIN, StageState.DONE, export_path="/x/export")
+    state.set_stage(Stage.EVALUATE, StageState.RUNNING)
+    state.set_stage(Stage.EVALUATE, StageState.DONE, acceptance_length=2.5)
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "complete_with_failures"
     assert status["stages"]["evaluate"]["acceptance_length"] == 2.5
@@ -167,30 +170,39 @@ def test_a_drafter_trained_on_too_little_data_says_so(data_dir, redis_conn, stat
 
 def test_a_failed_train_job_shows_its_named_error_in_the_status_and_its_text(data_dir, redis_conn, state):
     error = "BaseCheckpointMismatch: base checkpoint /v/b does not fit the target: vocab_size is 800, the target's vocab_size is 774"
-    state.set_meta(train_state="failed", train_error=error)
+    state.set_stage(Stage.TRAIN, StageState.FAILED, train_error=error)
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "failed" and status["stages"]["train"]["error"] == error
     assert status["stages"]["evaluate"]["error"] is None
     assert re.search(r"train +0 / 0 +0\.0% +failed\n +BaseCheckpointMismatch: base checkpoint /v/b ", format_status(status))
 
 
-@pytest.mark.parametrize(("meta", "errors", "expected"), [
-    ({}, 0, "queued"),
-    ({"state": "generating"}, 0, "generating"),
-    ({"state": "extracting"}, 0, "extracting"),
-    ({"state": "training"}, 0, "training"),
-    ({"state": "training", "train_state": "running"}, 0, "training"),
-    ({"state": "training", "train_state": "done"}, 0, "evaluating"),
-    ({"state": "training", "train_state": "done", "evaluate_state": "running"}, 0, "evaluating"),
-    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 0, "complete"),
-    ({"state": "training", "train_state": "done", "evaluate_state": "done"}, 2, "complete_with_failures"),
-    ({"state": "training", "train_state": "failed"}, 0, "failed"),
-    ({"state": "training", "train_state": "done", "evaluate_state": "failed"}, 0, "failed"),
-    ({"state": "failed"}, 0, "failed"),
-    ({"state": "complete"}, 1, "complete_with_failures"),
+@pytest.mark.parametrize(("moves", "unverified", "expected"), [
+    ([], 0, "generating"),
+    ([(Stage.TRAIN, StageState.RUNNING)], 0, "training"),
+    ([(Stage.TRAIN, StageState.RUNNING), (Stage.TRAIN, StageState.DONE)], 0, "evaluating"),
+    ([(Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.RUNNING)], 0, "evaluating"),
+    ([(Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.DONE)], 0, "complete"),
+    ([(Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.DONE)], 2, "complete_with_failures"),
+    ([(Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.RUNNING), (Stage.EVALUATE, StageState.SKIPPED)], 0,
+     "complete"),
+    ([(Stage.TRAIN, StageState.FAILED)], 0, "failed"),
+    ([(Stage.TRAIN, StageState.DONE), (Stage.EVALUATE, StageState.FAILED)], 0, "failed"),
 ])
-def test_state_is_derived_from_the_run_and_trainer_fields(meta, errors, expected):
-    assert derive_state(meta, errors) == expected
+def test_the_status_reads_the_phase_each_stage_move_stored(data_dir, redis_conn, moves, unverified, expected):
+    state = RunState(redis_conn, data_dir, "moved")
+    RunSpec(name="moved", dataset="d", model="m", rows=4, train_ids=4).save(data_dir)
+    state.register(4, state="generating")
+    for sample_id in range(unverified):
+        state.mark_failed(Failure(run="moved", stage=Stage.EXTRACT, sample_id=sample_id, error_class="E", message="m"))
+    state.set_phase(RunPhase.EXTRACTING)
+    if moves:
+        state.set_phase(RunPhase.TRAINING)
+    else:
+        state.set_phase(RunPhase.GENERATING)  # a retry sent it back: the stored phase, nothing derived
+    for stage, new in moves:
+        state.set_stage(stage, new)
+    assert run_status(data_dir, redis_conn, "moved")["state"] == expected == state.phase()
 
 
 def test_operator_text_names_progress_errors_rate_eta_and_disk(data_dir, redis_conn, state):
