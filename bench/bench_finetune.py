@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from services.trainer.data import list_hidden_files  # noqa: E402
-from services.trainer.evaluation.evalsets import EvalSet, read_eval_prompts  # noqa: E402
-from services.trainer.evaluation.evaluate import evaluate_sets, exported_drafter, load_target, verify_greedy_equality  # noqa: E402
-from services.trainer.export import export_drafter  # noqa: E402
+from evaluation.evalsets import EvalSet, read_eval_prompts  # noqa: E402
+from evaluation.evaluate import evaluate_sets, exported_drafter, load_target, verify_greedy_equality  # noqa: E402
+from modeling.export import export_drafter  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402

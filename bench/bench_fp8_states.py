@@ -35,7 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.inference.hidden import HiddenJob, forward_hidden, quantize_fp8, write_sample  # noqa: E402
+from modeling.fp8 import quantize_fp8  # noqa: E402
+from services.inference.hidden import HiddenJob, forward_hidden, write_sample  # noqa: E402
 from services.inference.model import LoadedModel, load_model  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.hidden_file import verify_hidden_file  # noqa: E402

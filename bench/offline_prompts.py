@@ -5,7 +5,7 @@ Each public function and class of the standard library (its name and the first l
 and each of pydoc's help topics becomes a few instructions of the kinds users send a small assistant:
 explain, use in code, compare, debug. Each pure-Python function with a docstring also becomes a code
 completion task, its signature and docstring in a code block: the form code benchmarks such as HumanEval
-ask in (``services/trainer/evaluation/evalsets.py``), with the standard library's functions, never theirs. The set is deterministic (sorted names, a fixed seed), so two
+ask in (``evaluation/evalsets.py``), with the standard library's functions, never theirs. The set is deterministic (sorted names, a fixed seed), so two
 runs train on the same rows; HumanEval's prompts never appear in it (they are not stdlib docstrings).
 
     python bench/offline_prompts.py out.jsonl --count 6000
@@ -40,7 +40,7 @@ OBJECT_TEMPLATES = [
     "My code calls `{name}` and does not do what I expect. What should I check first?",
     "Summarise in two sentences: {doc}",
 ]
-# The wording HumanEval's prompts are asked in (services/trainer/evaluation/evalsets.py), kept apart so a change there
+# The wording HumanEval's prompts are asked in (evaluation/evalsets.py), kept apart so a change there
 # is a choice here too.
 COMPLETION_WORDING = "Complete this Python function:\n```python\n{code}```"
 TOPIC_TEMPLATES = [

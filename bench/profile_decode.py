@@ -22,9 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.inference.decode import GenerationRequest, generate_batch, left_pad  # noqa: E402
+from modeling.padding import left_pad  # noqa: E402
+from services.inference.decode import GenerationRequest, generate_batch  # noqa: E402
 from services.inference.model import LoadedModel  # noqa: E402
-from services.trainer.evaluation.speculative import cache_kwarg, crop_cache  # noqa: E402
+from evaluation.speculative import cache_kwarg, crop_cache  # noqa: E402
 from shared.settings import configure_logging  # noqa: E402
 
 log = logging.getLogger("profile_decode")

@@ -24,20 +24,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.trainer.evaluation.lookup import LookupProposer, NoProposer  # noqa: E402
-from services.trainer.evaluation.one_pass import Replay, one_pass_counts  # noqa: E402
-from services.trainer.evaluation.speculative_batch import (  # noqa: E402
+from evaluation.lookup import LookupProposer, NoProposer  # noqa: E402
+from evaluation.one_pass import Replay, one_pass_counts  # noqa: E402
+from evaluation.speculative_batch import (  # noqa: E402
     RowProposers,
     drafter_proposer,
-    left_pad,
     prefill_batch,
     speculative_generate_batch,
 )
-from services.trainer.evaluation.verify_attention import use_grouped_attention  # noqa: E402
-from services.trainer.train import avoid_cudnn_attention  # noqa: E402
-from services.trainer.methods import new_drafter  # noqa: E402
-from services.trainer.dflash import DFlashConfig  # noqa: E402
-from services.trainer.model import DrafterConfig  # noqa: E402
+from evaluation.verify_attention import use_grouped_attention  # noqa: E402
+from modeling.attention import avoid_cudnn_attention  # noqa: E402
+from modeling.methods import new_drafter  # noqa: E402
+from modeling.padding import left_pad  # noqa: E402
+from modeling.dflash import DFlashConfig  # noqa: E402
+from modeling.eagle3 import DrafterConfig  # noqa: E402
 from shared import eagle3  # noqa: E402
 
 log = logging.getLogger("profile_eval_pass")

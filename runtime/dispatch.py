@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import httpx
 
-from shared.endpoints import Endpoint, EndpointPool
+from runtime.endpoint_pool import Endpoint, EndpointPool
 from runtime.retry import (
     AsyncServerWatch,
     Failed,

@@ -31,7 +31,8 @@ from enum import Enum
 
 import httpx
 
-from shared.endpoints import EndpointPool, server_root
+from runtime.endpoint_pool import EndpointPool
+from shared.endpoints import server_root
 from shared.errors import (
     DraftlineError,
     InferenceRejected,

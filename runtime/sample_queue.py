@@ -30,7 +30,7 @@ from shared.jobs import (
     extract_job_id,
     payload_sample_ids,
 )
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from runtime.inline_jobs import EXIT_OVERRAN, OVERRUN_GRACE_S, ColdStop, JobHear
 from shared.jobs import JOB_FUNCS
 from runtime.outage import REDIS_DOWN, RedisOutage
 from runtime.process import die_with_parent
-from shared.queues import SERIALIZER, connect, queue
+from runtime.queues import SERIALIZER, connect, queue
 from runtime.requeue import requeue_lost
 from runtime.retry import preload_http, tls_context
 from shared.settings import CommonSettings, configure_logging

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -63,3 +66,25 @@ def read_json(path: Path) -> Any:
 def temp_files(root: Path) -> list[Path]:
     """Every leftover temp file under ``root`` (a finished run has none)."""
     return sorted(p for p in Path(root).rglob(TEMP_PREFIX + "*") if p.is_file())
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp directory next to ``final``; on success it replaces ``final`` in one rename."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{TEMP_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = final.parent / f"{TEMP_PREFIX}{final.name}.old.{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

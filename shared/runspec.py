@@ -58,7 +58,7 @@ DrafterMethod = Literal["eagle3", "dflash"]
 
 
 class DFlashSettings(_Frozen):
-    """The DFlash drafter's shape and objective (services/trainer/dflash.py); read only when train.method is dflash.
+    """The DFlash drafter's shape and objective (modeling/dflash.py); read only when train.method is dflash.
     It reads the same three auxiliary layers as EAGLE-3 (extraction.layer_ids), so one extraction trains both."""
 
     block_size: int = Field(8, ge=2, le=64, description="Anchor plus mask slots of one drafter pass; the drafter is "
@@ -137,7 +137,7 @@ class TrainConfig(_Frozen):
         return self
 
 
-EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # services/trainer/evaluation/evalsets.py loads each
+EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # evaluation/evalsets.py loads each
 EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
 
 
@@ -160,7 +160,7 @@ class EvalConfig(_Frozen):
         "curve", description="curve: every k of the curve is decoded and checked against greedy decoding, the one-pass "
                              "curve beside it as a check; headline: only draft_steps is decoded (and checked), the "
                              "curve's other k come from the one-pass curve, equal to decoding but for rounding "
-                             "(services.trainer.evaluation.one_pass): three decodes of every prompt instead of "
+                             "(evaluation.one_pass): three decodes of every prompt instead of "
                              "2 x curve_max_steps + 1, about a quarter of the time on an H200 (bench/RESULTS.md); "
                              "the report's measured_by says which k were decoded, and one_pass_apart how far the "
                              "two forms lie apart at draft_steps on these prompts.")

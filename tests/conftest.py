@@ -20,6 +20,10 @@ from tests.support.tiny_target import (
     verify_unchanged,
 )
 
+# The tiny target's own samples, runs written from them and drafters trained on them: the trainer's, the
+# evaluation's and the engines' tests share these fixtures.
+pytest_plugins = ("tests.support.tiny_runs",)
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):

@@ -1,6 +1,12 @@
-"""Services meet only through contracts: each service imports the ``shared`` package (the contracts), the
-``runtime`` package (how services run: workers, retries, Redis outages, the volume) and its own modules, never
-another service's; ``shared`` imports no service, no runtime and no torch; ``runtime`` imports no service.
+"""The layers, and services that meet only through them (docs/architecture.md):
+
+    contracts (``shared``) -> runtime (``runtime``) and model code (``modeling``, then ``evaluation``)
+                           -> services (``services/<name>``) -> the launcher (``services/cli``)
+
+Each layer imports only those before it: ``shared`` imports no other package of the project and no torch;
+``runtime`` imports ``shared`` and no torch; ``modeling`` imports ``shared`` and torch; ``evaluation`` imports
+``shared``, ``runtime`` and ``modeling``, never a service (training calls evaluation, never the other way round);
+a service imports all of those and its own modules, never another service's.
 
 The walk reads every import statement (top-level or inside a function) with ``ast``, so an import that
 only runs on some path counts too. ``services/cli`` is exempt: it is the one ``draftline`` command that
@@ -18,6 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("controller", "generator", "extractor", "trainer", "inference", "exporter")
 LAUNCHER = "cli"
 HEAVY = ("torch", "safetensors.torch", "transformers")
+PACKAGES = ("shared", "runtime", "modeling", "evaluation", "services")
+# What each package below the services may import of the project's packages (itself included).
+LAYERS = {
+    "shared": ("shared",),
+    "runtime": ("shared", "runtime"),
+    "modeling": ("shared", "modeling"),
+    "evaluation": ("shared", "runtime", "modeling", "evaluation"),
+}
 
 
 def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
@@ -69,12 +83,15 @@ def forbidden_imports(folder: str, roots: tuple[str, ...], heavy: bool) -> list[
     return bad
 
 
-def test_contracts_import_no_service_no_runtime_and_no_torch():
-    assert forbidden_imports("shared", ("services", "runtime"), heavy=True) == []
+def test_every_top_level_package_is_in_a_layer():
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()} - {"tests", "bench"}
+    assert packages == set(PACKAGES)  # a new package must be given a layer here, and so checked
 
 
-def test_runtime_imports_no_service_and_no_torch():
-    assert forbidden_imports("runtime", ("services",), heavy=True) == []
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_a_layer_imports_only_the_layers_before_it(package):
+    above = tuple(p for p in PACKAGES if p not in LAYERS[package])
+    assert forbidden_imports(package, above, heavy=package in ("shared", "runtime")) == []
 
 
 def test_the_rule_finds_a_contract_importing_runtime(tmp_path, monkeypatch):
@@ -88,8 +105,8 @@ def test_the_rule_finds_a_contract_importing_runtime(tmp_path, monkeypatch):
 def test_the_walk_sees_imports_inside_functions_and_relative_ones():
     # The checker itself must be able to fail: a deferred import and a relative one are both found.
     module = REPO / "services" / "controller" / "probe.py"
-    source = "def f():\n    from services.trainer.export import verify_export\nfrom ..exporter import gpu\n"
-    assert sorted(imported_modules(module, source)) == [(2, "services.trainer.export"), (3, "services.exporter")]
+    source = "def f():\n    from modeling.export import verify_export\nfrom ..exporter import gpu\n"
+    assert sorted(imported_modules(module, source)) == [(2, "modeling.export"), (3, "services.exporter")]
 
 
 def module_name(path: Path) -> str:
@@ -141,7 +158,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_circle_among_the_project_modules():
     # A circle means domain code reaches back into a layer above it (preflight into the HTTP API once did).
-    assert find_cycle(import_graph(("services", "shared", "runtime"))) == []
+    assert find_cycle(import_graph(PACKAGES)) == []
 
 
 def test_the_circle_finder_finds_a_circle():

@@ -95,7 +95,7 @@ def test_every_generated_sample_has_one_verified_hidden_state_file(finished_run)
 
 
 def test_exported_drafter_verifies_and_acceptance_is_measured(finished_run):
-    from services.trainer.export import verify_export
+    from modeling.export import verify_export
 
     status, data = finished_run["status"], finished_run["data"]
     export = Path(status["drafter"]["export_path"])
@@ -137,7 +137,7 @@ def test_status_page_in_chromium_shows_the_runs_numbers(finished_run):
 
 def test_an_fp8_run_goes_through_every_stage_and_trains_on_its_fp8_files(tmp_path, redis_server, tiny_model_dir):
     """The cheapest whole run (8 samples, one epoch, 2 held out) with ``extraction.storage = "fp8"``."""
-    from services.trainer.export import verify_export
+    from modeling.export import verify_export
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("\n".join(demo_prompts_path().read_text().splitlines()[:10]) + "\n")

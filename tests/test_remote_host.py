@@ -28,7 +28,7 @@ from services.cli.stack import LocalStack, StackConfig, resolve_command
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import GENERATE_QUEUE
 from shared.layout import RunPaths
-from shared.queues import queue
+from runtime.queues import queue
 from shared.services import SERVICE_COMMANDS
 from runtime.volume import IDENTITY_FILE, VOLUME_KEY
 from tests.support.processes import free_port

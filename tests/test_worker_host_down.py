@@ -30,7 +30,7 @@ from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
 from shared.jobs import GENERATE_QUEUE
-from shared.queues import queue
+from runtime.queues import queue
 from shared.services import SERVICE_COMMANDS
 from tests.support.netns import Host, NamespacesUnavailable, cut, host_beside_this_machine, kill_group, wait_for_line
 from tests.support.processes import free_port

@@ -213,7 +213,7 @@ build_draftline() {
   fi
   local inputs
   inputs=$({ image_id "$BASE_TAG"; printf '%s\n' "${args[@]}" "${wheel##*/}";
-             files_digest Dockerfile .dockerignore pyproject.toml README.md shared runtime services docker/ca; } | digest)
+             files_digest Dockerfile .dockerignore pyproject.toml README.md shared runtime modeling evaluation services docker/ca; } | digest)
   if [ "$(image_inputs "$DRAFTLINE_TAG")" = "$inputs" ]; then log "$DRAFTLINE_TAG is up to date"; return 0; fi
   WHEEL_SERVER=
   if [ -n "$wheel" ]; then serve_wheels "$(dirname "$wheel")"; fi

@@ -26,7 +26,7 @@ from typing import Any
 
 from services.cli.pipeline import PipelineFailed, PipelineResult, PipelineSpec, run_pipeline, say, stage_table
 from services.cli.target_build import ensure_target
-from services.trainer.evaluation.vllm_launch import python_command
+from evaluation.vllm_launch import python_command
 from shared.atomic import atomic_write_bytes, read_json
 from shared.layout import RunPaths
 from shared.lifecycle import OUTCOMES, Stage

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import redis
 
 from shared.errors import DraftlineError
 from shared.services import SERVICE_COMMANDS
+from runtime.ports import free_port, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +37,6 @@ START_ORDER = ("inference", "controller", "exporter", "generator", "extractor", 
 
 class StackError(DraftlineError):
     """A local service failed to start or died."""
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: every socket stays bound until all are chosen, so none repeats."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def resolve_command(argv: list[str]) -> list[str]:

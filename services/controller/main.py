@@ -8,7 +8,7 @@ import uvicorn
 
 from services.controller.api.app import create_app
 from services.controller.api.auth import check_listen_address
-from shared.queues import connect
+from runtime.queues import connect
 from shared.settings import ControllerSettings, configure_logging, load_settings
 from runtime.volume import keep_claimed, try_claim
 

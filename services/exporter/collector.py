@@ -37,14 +37,14 @@ from shared.jobs import (
     train_job_id,
 )
 from shared.lifecycle import SAMPLE_STAGES, WHOLE_RUN_STAGES, Stage
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.runstate import RunState, known_runs, retried_field
 
 log = logging.getLogger(__name__)
 
 RUN_STAGE = ("run", "stage")
 # A scrape must answer within Prometheus' scrape timeout (10 s by default) even when Redis is gone, so
-# the exporter's connection gives up sooner than the workers' (shared.queues.connect) and retries once,
+# the exporter's connection gives up sooner than the workers' (runtime.queues.connect) and retries once,
 # enough to replace a pooled connection that a Redis restart closed.
 SCRAPE_CONNECT_TIMEOUT_S = 2.0
 SCRAPE_SOCKET_TIMEOUT_S = 5.0

@@ -30,13 +30,13 @@ from services.extractor.sources import HiddenStateSource, make_source
 from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
-from runtime.chat_turns import TurnEnd, find_turn_end
+from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
-from shared.queues import job_connection
+from runtime.queues import job_connection
 from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
 from runtime.runstate import RunState

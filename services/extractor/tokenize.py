@@ -8,7 +8,7 @@ The drafter learns the tokens the target wrote after it, and nothing else.
 assistant message (``reasoning_content`` included, which thinking templates such as Qwen3's render as
 ``<think>…</think>``). Its ids must extend the prompt's (else ``ChatTemplateError``). The mask covers
 the ids after the prompt through the reply's end-of-turn token, the one the template closes an
-assistant turn with (``runtime.chat_turns``: ``<|im_end|>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``),
+assistant turn with (``shared.chat_turns``: ``<|im_end|>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``),
 which is not always the tokenizer's eos; what the template appends after it (ChatML's ``\\n``) is not
 learned.
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from runtime.chat_turns import THINK_CLOSE, THINK_OPEN, TurnEnd, assistant_message, find_turn_end
+from shared.chat_turns import THINK_CLOSE, THINK_OPEN, TurnEnd, assistant_message, find_turn_end
 from shared.errors import ChatTemplateError, PromptTooLong, ReasoningNotRendered
 
 
@@ -129,7 +129,7 @@ def build_sample(tokenizer, messages: list[dict], reply_content: str, reasoning_
                  finished: bool = True) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)``, truncated to ``max_length``; PromptTooLong when no reply token fits.
 
-    ``turn_end`` is the target's end of turn (``runtime.chat_turns.find_turn_end``); callers that build
+    ``turn_end`` is the target's end of turn (``shared.chat_turns.find_turn_end``); callers that build
     many samples pass it once found, else it is found here. A reply cut off at ``max_tokens``
     (``finished=False``) ends where the target stopped: the end-of-turn token the template writes after
     it, and what follows, are left out, since the target never chose to end the turn there.

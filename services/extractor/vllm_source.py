@@ -39,6 +39,7 @@ from shared.errors import CheckpointFormatError, DraftlineError
 from shared.fingerprint import model_fingerprint
 from shared.hidden_write import RawTensor, write_safetensors
 from runtime.retry import Failed, RetryPolicy, post_json, server_root, tls_context
+from modeling.fp8 import quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -266,19 +267,6 @@ class VllmHiddenStates:
 
 def raw(t: torch.Tensor, dtype: str) -> RawTensor:
     return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
-
-
-def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``states`` (L, layers·H) as e4m3 and bf16 scales (L, layers) by the rule of ``shared.eagle3``. The
-    arithmetic is the built-in server writer's (services/inference/hidden.py; services share no code), so
-    either source writes the same bytes for the same states: tests/services/extractor/test_vllm_source.py
-    holds the two to it."""
-    length, width = states.shape
-    grouped = states.reshape(length, layers, width // layers).float()  # (L, layers, H)
-    tiny = torch.finfo(torch.float32).tiny  # an all-zero row keeps a positive scale
-    scale = (grouped.abs().amax(dim=-1) / eagle3.FP8_MAX).clamp_min(tiny).to(torch.bfloat16)  # (L, layers)
-    scaled = (grouped / scale.float().unsqueeze(-1)).clamp_(-eagle3.FP8_MAX, eagle3.FP8_MAX)  # (L, layers, H)
-    return scaled.to(torch.float8_e4m3fn).reshape(length, width), scale
 
 
 def state_tensors(name: str, states: torch.Tensor, storage: str, dtype: str) -> dict[str, RawTensor]:

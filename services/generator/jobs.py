@@ -29,7 +29,7 @@ from services.generator.client import (
 from shared.conversation_turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
-from runtime.chat_turns import assistant_message
+from shared.chat_turns import assistant_message
 from shared.errors import (
     InferenceRejected,
     InferenceUnavailable,
@@ -38,7 +38,7 @@ from shared.errors import (
     error_class,
 )
 from shared.jobs import GenerateJob, PromptItem
-from shared.queues import job_connection
+from runtime.queues import job_connection
 from runtime.retry import RetryPolicy
 from shared.runspec import GenerationConfig, RunSpec, cached_spec
 from runtime.runstate import GENERATE_REQUESTS, RunState

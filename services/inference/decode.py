@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from services.inference.model import LoadedModel
 from services.inference.sampling import SamplingParams, make_generator, next_tokens
+from modeling.padding import left_pad
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,6 @@ class GenerationRequest:
 class GenerationResult:
     token_ids: list[int]  # the reply, including the end-of-sequence token when it stopped on one
     finish_reason: str = "length"  # "stop" or "length"
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask``, both (B, T) with T the longest prompt."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def new_cache(model: PreTrainedModel) -> tuple[str, DynamicCache]:

@@ -23,6 +23,7 @@ from services.inference.model import LoadedModel
 from shared import SCHEMA_VERSION, eagle3
 from shared.hidden_write import RawTensor, write_safetensors
 from shared.runspec import HiddenStorage
+from modeling.fp8 import quantize_fp8
 
 RESERVED_METADATA = frozenset({
     eagle3.META_FORMAT, eagle3.META_SCHEMA, eagle3.META_LAYER_IDS, eagle3.META_CONVENTION,
@@ -116,20 +117,6 @@ def sample_metadata(loaded: LoadedModel, job: HiddenJob) -> dict[str, str]:
 def host_tensor(t: torch.Tensor, dtype: str) -> RawTensor:
     """A host tensor's memory as the file stores it, without a copy (bf16 travels as its raw bytes)."""
     return RawTensor.of(t.contiguous().view(torch.uint8).numpy(), dtype=dtype, shape=tuple(t.shape))
-
-
-def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``states`` (..., layers·H) as e4m3 (..., layers·H) and their bf16 scales (..., layers): each token's
-    largest magnitude in each layer over FP8_MAX, so that value is e4m3's largest finite one. Each token is
-    scaled on its own, so a padded batch quantizes to the same rows as each sample alone."""
-    *lead, width = states.shape
-    grouped = states.reshape(*lead, layers, width // layers).float()  # (..., layers, H)
-    # The floor keeps an all-zero row's scale positive (its values stay 0); bf16 halves the scales' bytes,
-    # and dividing by the rounded scale keeps the largest value within the clamp, so it still lands on 448.
-    tiny = torch.finfo(torch.float32).tiny
-    scale = (grouped.abs().amax(dim=-1) / eagle3.FP8_MAX).clamp_min(tiny).to(torch.bfloat16)  # (..., layers)
-    scaled = (grouped / scale.float().unsqueeze(-1)).clamp_(-eagle3.FP8_MAX, eagle3.FP8_MAX)  # (..., layers, H)
-    return scaled.to(torch.float8_e4m3fn).reshape(*lead, width), scale
 
 
 def stored_states(aux: torch.Tensor, last: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:

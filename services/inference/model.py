@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from runtime.chat_turns import eos_candidates, find_turn_end
+from shared.chat_turns import eos_candidates, find_turn_end
 from shared.fingerprint import model_fingerprint
 from shared import eagle3
 from runtime.remote_code import load_from_target
 from shared.settings import InferenceSettings
+from modeling.attention import avoid_cudnn_attention
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +65,6 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(setting)
-
-
-def avoid_cudnn_attention() -> None:
-    """Turn cuDNN's attention kernel off for this process (process-wide, idempotent). On H100/H200 PyTorch's
-    SDPA picks it, and it builds an execution plan on the host for every new sequence length: each decode
-    step (its key length grows by one) and each hidden-state group (its own width) met new lengths. Measured
-    on an H200 (bench/RESULTS.md, "Decode step profile"): a 256-row decode step took 70 ms on new lengths
-    with it, 25 ms without. Flash and memory-efficient attention need no plan and stay on."""
-    if torch.backends.cuda.cudnn_sdp_enabled():
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        log.info("cuDNN attention off: it re-plans for every new sequence length")
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:

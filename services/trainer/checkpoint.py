@@ -7,24 +7,21 @@ only ever finds complete ones; a crash mid-save leaves a temp directory that the
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from shared import SCHEMA_VERSION
-from shared.atomic import TEMP_PREFIX, atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from shared.atomic import TEMP_PREFIX, atomic_dir, atomic_write_json, read_json
 from shared.errors import CheckpointFormatError
-from services.trainer.methods import config_from_dict
-from services.trainer.model import TargetTied
+from modeling.methods import config_from_dict
+from modeling.tensor_files import write_safetensors
+from modeling.eagle3 import TargetTied
 
 log = logging.getLogger(__name__)
 
@@ -47,38 +44,11 @@ class Position:
     elapsed_s: float = 0.0
 
 
-@contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temp directory next to ``final``; on success it replaces ``final`` in one rename."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{TEMP_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        old = None
-        if final.exists():
-            old = final.parent / f"{TEMP_PREFIX}{final.name}.old.{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def remove_stale_temp_dirs(parent: Path) -> None:
     if parent.is_dir():
         for path in parent.iterdir():
             if path.name.startswith(TEMP_PREFIX) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    payload = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    atomic_write_bytes(path, save(payload, metadata=metadata))
 
 
 # ---- optimizer and scheduler state as tensors + JSON (no pickle on the volume) -------------------

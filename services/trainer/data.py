@@ -26,6 +26,7 @@ from shared import eagle3
 from shared.errors import HiddenStateFileError
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.layout import RunPaths
+from modeling.fp8 import dequantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,6 @@ def count_loss_tokens(files: list[Path], max_length: int) -> int:
         with safe_open(path, framework="pt") as handle:
             total += int(handle.get_slice(eagle3.LOSS_MASK)[:max_length].sum())
     return total
-
-
-def dequantize_fp8(states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 ``states`` (..., layers·H) times their ``scale`` (..., layers), in float32: exact, since a
-    4-bit by 8-bit significand product fits float32's 24 bits."""
-    grouped = states.float().unflatten(-1, (scale.shape[-1], -1))  # (..., layers, H)
-    return (grouped * scale.float().unsqueeze(-1)).flatten(-2)  # (..., layers·H)
 
 
 @dataclass

@@ -36,7 +36,7 @@ from services.trainer.train import pick_device, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
 from runtime.process import die_with_parent
-from shared.queues import connect
+from runtime.queues import connect
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings

@@ -26,28 +26,28 @@ from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, 
 from shared.layout import RunPaths
 from shared import metrics
 from shared.lifecycle import Stage, StageState
-from shared.queues import connect, queue
+from runtime.queues import connect, queue
 from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
 from services.trainer.data import count_loss_tokens, list_hidden_files
-from services.trainer.evaluation.eval_pool import EvaluatedModels, evaluate_sets_in_processes
-from services.trainer.evaluation.evalsets import EvalSet, load_sets
-from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
-from services.trainer.evaluation.evaluate import (
+from evaluation.eval_pool import EvaluatedModels, evaluate_sets_in_processes
+from evaluation.evalsets import EvalSet, load_sets
+from evaluation.engine_acceptance import EngineLaunch, measure_export, verify_agreement
+from evaluation.evaluate import (
     LOOKUP,
     evaluate_sets,
     load_evaluated,
     prompt_ids_of,
     verify_greedy_equality,
 )
-from services.trainer.export_method import export_dtype, export_trained
+from modeling.export_method import export_dtype, export_trained
 from services.trainer.launch import run_torchrun, train_across_nodes, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
 from services.trainer.validation import validation_split
-from services.trainer.target_head import read_target_config
+from modeling.target_head import read_target_config
 from services.trainer.train import (
     TrainResult,
     check_base_checkpoint,
@@ -56,7 +56,7 @@ from services.trainer.train import (
     train_drafter,
     trained_from_checkpoint,
 )
-from services.trainer.evaluation.vllm_launch import parse_command
+from evaluation.vllm_launch import parse_command
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def curve_meta(report: dict) -> dict[str, float]:
 
 def _evaluate_export(settings: TrainerSettings, paths: RunPaths, spec: RunSpec, state: RunState, sets: list[EvalSet]) -> dict:
     """The exported drafter (as the engines will load it) against the target on every evaluation set, in
-    ``eval_procs`` processes (services.trainer.evaluation.eval_pool) or in this one."""
+    ``eval_procs`` processes (evaluation.eval_pool) or in this one."""
     device = pick_device(settings.device)
     total = sum(len(s.prompts) for s in sets)
     state.set_progress(Stage.EVALUATE, 0, total)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from shared.jobs import TRAIN_QUEUE
-from shared.queues import connect
+from runtime.queues import connect
 from shared.settings import TrainerSettings, configure_logging, load_settings
 from runtime.worker import run_worker
 

@@ -75,16 +75,17 @@ from shared.runspec import RunSpec, TrainConfig
 from services.trainer import checkpoint as ckpt
 from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
-from services.trainer.dflash import DFlashConfig, DFlashDrafter, DFlashObjective, default_gamma
-from services.trainer.export import load_drafter
-from services.trainer.losses import soft_cross_entropy
-from services.trainer.methods import DFLASH, config_from_dict, new_drafter
-from services.trainer.model import DrafterConfig, Eagle3Drafter, TargetTied, rope_scaling_of, ttt_unroll
+from modeling.dflash import DFlashConfig, DFlashDrafter, DFlashObjective, default_gamma
+from modeling.export import load_drafter
+from modeling.losses import soft_cross_entropy
+from modeling.methods import DFLASH, config_from_dict, new_drafter
+from modeling.eagle3 import DrafterConfig, Eagle3Drafter, TargetTied, rope_scaling_of, ttt_unroll
 from services.trainer.precision import Float32Weights, make_weights, precision_kind
-from services.trainer.target_head import load_target_head, read_target_config, target_logits, text_config
-from services.trainer.ttt_attention import FLEX, attention_kind
+from modeling.target_head import load_target_head, read_target_config, target_logits, text_config
+from modeling.ttt_attention import FLEX, attention_kind
 from services.trainer.validation import Validation, validation_split
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
+from modeling.attention import avoid_cudnn_attention
 
 log = logging.getLogger(__name__)
 
@@ -380,15 +381,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda":
         avoid_cudnn_attention()
     return device
-
-
-def avoid_cudnn_attention() -> None:
-    """Turn cuDNN's attention kernel off for this process: it plans anew on the host for every new sequence
-    length (each batch and verification pass has its own), the inference server's measured reason
-    (``services.inference.model.avoid_cudnn_attention``); flash and memory-efficient attention stay on."""
-    if torch.backends.cuda.cudnn_sdp_enabled():
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        log.info("cuDNN attention off: it re-plans for every new sequence length")
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from services.trainer.data import Batch, HiddenStateDataset, collate
-from services.trainer.evaluation.one_pass import Counts, Rows, Span, add_drafter
-from services.trainer.model import TargetTied
+from evaluation.one_pass import Counts, Rows, Span, add_drafter
+from modeling.eagle3 import TargetTied
 from shared.errors import HiddenStateFileError
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from services.trainer.evaluation.evalsets import HUMANEVAL_WORDING, read_humaneval
+from evaluation.evalsets import HUMANEVAL_WORDING, read_humaneval
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

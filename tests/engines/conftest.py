@@ -31,7 +31,7 @@ def rule_target():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.engines import target_rule
-    from tests.services.trainer.conftest import TinyTarget, fingerprint_of
+    from tests.support.tiny_runs import TinyTarget, fingerprint_of
 
     model_dir = target_rule.cached_tiny_rule()
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

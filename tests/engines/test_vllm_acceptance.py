@@ -22,14 +22,14 @@ from safetensors.torch import load_file, save_file
 from shared.drafter_format import CONFIG_FILE, WEIGHTS_FILE, vllm_layer_ids
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
-from services.trainer.evaluation import vllm_launch
-from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export, serve_and_decode
-from services.trainer.evaluation.evalsets import read_eval_prompts
-from services.trainer.evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
-from services.trainer.export import export_drafter
+from evaluation import vllm_launch
+from evaluation.engine_acceptance import EngineLaunch, measure_export, serve_and_decode
+from evaluation.evalsets import read_eval_prompts
+from evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target, prompt_ids_of
+from modeling.export import export_drafter
 from services.trainer.train import train_drafter
 from tests.engines import target_rule
-from tests.services.trainer.conftest import TinyTarget, demo_messages, fingerprint_of, make_sample, write_run
+from tests.support.tiny_runs import TinyTarget, demo_messages, fingerprint_of, make_sample, write_run
 from tests.support.vllm_server import CPU_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine_acceptance]

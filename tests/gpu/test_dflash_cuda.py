@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from services.trainer.dflash import DFlashDrafter
-from services.trainer.dflash_export import export_dflash, load_dflash
-from services.trainer.evaluation.evaluate import EvalPrompt, evaluate_prompts, load_target
+from modeling.dflash import DFlashDrafter
+from modeling.dflash_export import export_dflash, load_dflash
+from evaluation.evaluate import EvalPrompt, evaluate_prompts, load_target
 from services.trainer.train import train_drafter
 from shared.runspec import EvalConfig, RunSpec
-from tests.services.trainer.conftest import DFLASH_TRAIN, demo_messages, write_run
+from tests.support.tiny_runs import DFLASH_TRAIN, demo_messages, write_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dflash]
 

@@ -70,7 +70,7 @@ def test_pipeline_on_cuda_writes_through_pinned_buffers_what_a_cpu_fp32_forward_
 def test_fp8_files_quantized_on_cuda_equal_the_cpu_quantization_of_the_same_bf16_states(loaded_cuda, tmp_path):
     """The pipeline quantizes on the device before the pinned copy; the bytes must be those the CPU's
     ``quantize_fp8`` makes of the same bf16 states (here: a bf16 file of the same tokens in the same group)."""
-    from services.inference.hidden import quantize_fp8
+    from modeling.fp8 import quantize_fp8
     from tests.services.inference.test_hidden import fp8_job
 
     jobs = []

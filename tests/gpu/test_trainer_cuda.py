@@ -11,11 +11,11 @@ import torch
 
 from services.trainer import checkpoint as ckpt
 from services.trainer import train as train_module
-from services.trainer.evaluation.evaluate import EvalPrompt, evaluate_prompts, load_target
-from services.trainer.export import export_drafter, load_drafter
+from evaluation.evaluate import EvalPrompt, evaluate_prompts, load_target
+from modeling.export import export_drafter, load_drafter
 from services.trainer.train import TrainProgress, train_drafter
 from shared.runspec import EvalConfig, RunSpec
-from tests.services.trainer.conftest import demo_messages, write_run
+from tests.support.tiny_runs import demo_messages, write_run
 from tests.support.acceptance import assert_report_matches, expected_report
 
 pytestmark = pytest.mark.gpu
@@ -138,7 +138,7 @@ def test_the_flex_chain_attention_trains_like_the_dense_one_on_cuda():
     """The compiled block-sparse attention that CUDA training uses against the dense reference, in bf16
     under autocast as training runs: the unroll's outputs and every parameter's gradient, over a padded
     batch whose lengths cross the 128-token blocks, with grouped heads."""
-    from services.trainer.model import DrafterConfig, Eagle3Drafter
+    from modeling.eagle3 import DrafterConfig, Eagle3Drafter
     from services.trainer.train import TTTObjective
 
     config = DrafterConfig(hidden_size=256, target_hidden_size=192, intermediate_size=512, num_attention_heads=8,
@@ -183,8 +183,8 @@ def test_a_cuda_run_trains_the_same_curve_with_either_attention(tmp_path, tiny_t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_elementwise_functions_equal_their_eager_math_with_gradients(dtype):
     """fused.py's functions as CUDA training runs them (compiled) against the same math run eagerly."""
-    from services.trainer import fused
-    from services.trainer.losses import soft_cross_entropy
+    from modeling import fused
+    from modeling.losses import soft_cross_entropy
 
     torch.manual_seed(0)
     x = torch.randn(2, 77, 64, device="cuda", dtype=dtype, requires_grad=True)
@@ -225,7 +225,7 @@ def test_held_out_validation_on_cuda_measures_at_every_checkpoint_what_the_cpu_m
 
     from services.trainer.data import list_hidden_files
     from services.trainer.validation import Validation, validation_split
-    from tests.services.trainer.conftest import DFLASH_TRAIN
+    from tests.support.tiny_runs import DFLASH_TRAIN
 
     data = tmp_path / "data"
     data.mkdir()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.integrations import sdpa_attention
 
-from services.trainer.evaluation.evaluate import load_target
-from services.trainer.evaluation.verify_attention import NAME, grouped_attention
-from services.trainer.train import avoid_cudnn_attention
+from evaluation.evaluate import load_target
+from evaluation.verify_attention import NAME, grouped_attention
+from modeling.attention import avoid_cudnn_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +41,10 @@ def test_on_cuda_the_one_pass_curve_is_the_decoded_one_within_rounding(tiny_mode
     SDPA's prefill: the two forms of the same acceptance, side by side in every report, agree there too."""
     import copy
 
-    from services.trainer.evaluation.evalsets import EvalPrompt
-    from services.trainer.evaluation.evaluate import evaluate_prompts
+    from evaluation.evalsets import EvalPrompt
+    from evaluation.evaluate import evaluate_prompts
     from shared.runspec import EvalConfig
-    from tests.services.trainer.conftest import demo_messages
+    from tests.support.tiny_runs import demo_messages
 
     target, tokenizer = load_target(tiny_model_dir, torch.device("cuda"))
     drafter = copy.deepcopy(trained_drafter).to("cuda")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from runtime.dispatch import Dispatcher
-from shared.endpoints import EndpointPool
+from runtime.endpoint_pool import EndpointPool
 from shared.errors import InferenceRejected, InferenceUnavailable, PromptTooLong
 from runtime.retry import Failed, RetryPolicy, answer_trouble, transport_trouble
 from tests.support.openai_server import OpenAIServer, Reply
@@ -53,7 +53,7 @@ def test_requests_are_spread_over_every_endpoint(servers):
 def test_a_dead_endpoint_fails_over_at_once_counts_a_retry_and_is_skipped_while_it_cools(servers, caplog):
     live, _ = servers
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    caplog.set_level(logging.INFO, logger="shared.endpoints")
+    caplog.set_level(logging.INFO, logger="runtime.endpoint_pool")
     d = dispatcher([dead, live.url])
     retries = []
     first, _ = d.send(lambda root: ask(root, "one"), on_retry=lambda: retries.append(1))
@@ -67,7 +67,7 @@ def test_a_dead_endpoint_fails_over_at_once_counts_a_retry_and_is_skipped_while_
 
 def test_a_cooled_endpoint_is_probed_again_and_used_once_it_is_back(caplog):
     late, live = OpenAIServer(), OpenAIServer().start()  # late: its port is fixed, nothing listens yet
-    caplog.set_level(logging.INFO, logger="shared.endpoints")
+    caplog.set_level(logging.INFO, logger="runtime.endpoint_pool")
     try:
         d = dispatcher([late.url, live.url], cooldown_s=0.2)
         assert d.send(lambda root: ask(root, "before"))[0] == live.url

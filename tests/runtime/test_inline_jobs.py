@@ -18,7 +18,7 @@ from rq.job import Job, JobStatus
 from services.controller.loop.reaper import requeue_abandoned
 from runtime.inline_jobs import EXIT_OVERRAN, JobHeartbeat, overran_by
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, generate_job_id
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.worker import DraftlineWorker
 from tests.runtime.test_worker import RUN, children_of, generator, job_status, make_run, wait_for
 from tests.support.openai_server import OpenAIServer, Reply
@@ -71,7 +71,7 @@ def test_an_inline_job_past_its_timeout_fails_by_name_and_the_worker_serves_the_
 OVERRUN_WORKER = textwrap.dedent("""
     import os, sys
     from shared.jobs import GENERATE_QUEUE
-    from shared.queues import SERIALIZER, connect, queue
+    from runtime.queues import SERIALIZER, connect, queue
     from runtime.worker import DraftlineWorker
 
     class AlarmSwallowed:

@@ -15,7 +15,7 @@ from services.controller.runs.submit import submit_run
 from shared import metrics
 from shared.errors import SettingsError
 from shared.jobs import GENERATE_QUEUE, generate_job_id
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.redis_acl import (
     ROLES,
     configured_passwords,

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from rq.job import JobStatus
 
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id, payload_sample_ids
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.sample_queue import batches, enqueue_extract, held_sample_ids
 from tests.services.controller.loop.test_reaper import take
 

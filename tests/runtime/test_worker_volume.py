@@ -8,7 +8,7 @@ import signal
 from rq.job import JobStatus
 
 from shared.jobs import GENERATE_QUEUE, generate_job_id
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.volume import VOLUME_KEY, claim_volume
 from tests.runtime.test_worker import RUN, generator, job_status, make_run, wait_for
 from tests.support.openai_server import OpenAIServer

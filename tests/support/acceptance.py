@@ -1,4 +1,4 @@
-"""Acceptance lengths computed independently of services/trainer/evaluation/evaluate.py, to check its reports.
+"""Acceptance lengths computed independently of evaluation/evaluate.py, to check its reports.
 
 The reference shares nothing with the decoding loop under test but the two models: the target's greedy
 reply comes from ``generate``; the drafter's proposals after a prefix are recomputed from scratch (one
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.model import Eagle3Drafter, KVCache
+from modeling.eagle3 import Eagle3Drafter, KVCache
 
 
 @torch.inference_mode()
@@ -93,7 +93,7 @@ def expected_report_of_run(model_dir: Path, export_dir: Path, eval_prompts: Path
     """The same for a finished run: its exported drafter on its held-out prompts, on the CPU in float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.trainer.export import load_drafter
+    from modeling.export import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
-from shared.queues import queue
+from runtime.queues import queue
 
 
 def extract_batches(conn: redis.Redis) -> dict[str, list[int]]:

@@ -5,7 +5,7 @@ project's: its pinned torch and transformers must not meet the project's. The re
 server's ``PYTHONPATH`` so ``--kv-transfer-config`` can name draftline's connector
 (``services.extractor.vllm_connector``), which imports nothing but the standard library, torch and vLLM.
 
-Starting, waiting and stopping are the evaluation's own code (``services.trainer.evaluation.vllm_launch``), so the
+Starting, waiting and stopping are the evaluation's own code (``evaluation.vllm_launch``), so the
 tests exercise the launcher the evaluate job uses.
 """
 
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.trainer.evaluation import vllm_launch
+from evaluation import vllm_launch
 from tests.support.processes import REPO
 
 VLLM_SCRIPT = REPO / "tools" / "vllm_cpu.sh"
@@ -89,7 +89,7 @@ def vllm_server(
     timeout: float = 420.0,
     port: int | None = None,
 ) -> Iterator[str]:
-    """``services.trainer.evaluation.vllm_launch.vllm_server`` run by the vLLM environment's ``python``, with the
+    """``evaluation.vllm_launch.vllm_server`` run by the vLLM environment's ``python``, with the
     repository on its ``PYTHONPATH`` (for the connector): yields the healthy server's base URL."""
     try:
         with vllm_launch.vllm_server(vllm_launch.python_command(python), model_dir, log_path, extra_args,

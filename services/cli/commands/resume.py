@@ -21,7 +21,7 @@ def handle(args: argparse.Namespace) -> int:
     import json
 
     from services.controller.loop.reconcile import reconcile_run
-    from shared.queues import connect
+    from runtime.queues import connect
 
     settings = controller_settings()
     run = pick_run(settings.data, args.run)

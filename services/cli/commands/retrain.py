@@ -33,7 +33,7 @@ def handle(args: argparse.Namespace) -> int:
     from services.cli.commands.run import run_config
     from services.controller.loop.reconcile import reconcile_run
     from services.controller.runs.retrain import retrain_run
-    from shared.queues import connect
+    from runtime.queues import connect
 
     settings = controller_settings()
     sections = run_config(args.run_config)

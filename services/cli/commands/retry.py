@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from services.controller.loop.failures import retry_failures
-    from shared.queues import connect
+    from runtime.queues import connect
 
     settings = controller_settings()
     run, ids = args.run, list(args.ids)

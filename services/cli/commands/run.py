@@ -49,7 +49,7 @@ def handle(args: argparse.Namespace) -> int:
     from services.controller.runs.preflight import format_preflight
     from services.controller.runs.served import served_model
     from services.controller.runs.start import PreflightFailed, RunRequest, start_run
-    from shared.queues import connect
+    from runtime.queues import connect
     from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
 
     settings = controller_settings()

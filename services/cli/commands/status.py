@@ -21,7 +21,7 @@ def handle(args: argparse.Namespace) -> int:
     import json
 
     from services.controller.runs.status import format_status, list_status, run_status
-    from shared.queues import connect
+    from runtime.queues import connect
 
     settings = controller_settings()
     conn = connect(settings.redis_url)

@@ -22,7 +22,7 @@ def handle(args: argparse.Namespace) -> int:
 
     import redis
 
-    from shared.queues import connect
+    from runtime.queues import connect
     from shared.settings import CommonSettings, load_settings
     from runtime.worker import registered_workers
 

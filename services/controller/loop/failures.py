@@ -37,7 +37,7 @@ from shared.errors import RunNotFound
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids
 from shared.layout import RunPaths
 from shared.lifecycle import SAMPLE_STAGES, Failure, FailureKind, RunPhase, Stage
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from shared.runspec import RunSpec
 
 log = logging.getLogger(__name__)

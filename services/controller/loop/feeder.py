@@ -45,7 +45,7 @@ from shared.jobs import (
 )
 from shared.layout import RunPaths
 from shared.lifecycle import OUTCOMES, Outcome, Stage
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
 from shared.settings import ControllerSettings

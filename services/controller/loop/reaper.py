@@ -32,7 +32,7 @@ from rq.queue import Queue
 from rq.utils import utcparse
 
 from shared.jobs import QUEUES
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.requeue import requeue_lost
 from runtime.worker import STALE_HEARTBEAT_S, DraftlineWorker
 

@@ -9,7 +9,7 @@ import pytest
 from rq import Worker
 
 from services.cli.main import main
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.worker import WORKER_TTL_S, registered_workers, worker_name
 
 

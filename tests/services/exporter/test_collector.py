@@ -30,7 +30,7 @@ from shared.jobs import (
     extract_job_id,
     train_job_id,
 )
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.runstate import RunState
 from shared.lifecycle import Failure, FailureKind
 from tests.services.exporter.scrape import Samples, parse, value

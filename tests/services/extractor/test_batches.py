@@ -17,7 +17,7 @@ from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
 from shared.jobs import EXTRACT_QUEUE, extract_job_id
 from shared.manifest import manifest_path, read_manifest
-from shared.queues import queue
+from runtime.queues import queue
 from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract

@@ -11,7 +11,7 @@ import copy
 import pytest
 
 from services.extractor.tokenize import build_sample
-from runtime.chat_turns import assistant_message
+from shared.chat_turns import assistant_message
 from shared.errors import ChatTemplateError, PromptTooLong
 
 

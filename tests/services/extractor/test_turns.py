@@ -9,7 +9,7 @@ import pytest
 
 from services.extractor.jobs import UNBOUNDED, sample_of, turn_sample
 from services.extractor.tokenize import merge_turns
-from runtime.chat_turns import assistant_message, find_turn_end
+from shared.chat_turns import assistant_message, find_turn_end
 from shared.errors import PromptTooLong
 
 PATH = Path("generated/00000000.json")

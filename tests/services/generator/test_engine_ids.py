@@ -77,7 +77,7 @@ def test_a_conversation_regenerated_turn_by_turn_is_learned_in_every_turn(infere
     from transformers import AutoTokenizer
 
     from services.extractor.jobs import sample_of
-    from runtime.chat_turns import find_turn_end
+    from shared.chat_turns import find_turn_end
 
     row = {"messages": [{"role": "user", "content": "Write three short bullet points about a binary search."},
                         {"role": "assistant", "content": "another model's answer"},

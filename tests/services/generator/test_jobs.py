@@ -9,7 +9,7 @@ import pytest
 from services.controller.runs.submit import submit_run
 from services.generator.jobs import run_generate
 from shared.jobs import EXTRACT_FUNC, EXTRACT_QUEUE, ExtractJob, GenerateJob, PromptItem, extract_job_id
-from shared.queues import queue
+from runtime.queues import queue
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import GeneratorSettings

@@ -12,7 +12,7 @@ from services.controller.loop.failures import name_failed_jobs
 from services.controller.loop.feeder import enqueue_once, feed_run
 from services.controller.runs.submit import submit_run
 from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.settings import ControllerSettings

@@ -214,7 +214,7 @@ def test_an_fp8_group_writes_e4m3_states_with_a_scale_per_token_and_layer_beside
 def test_fp8_rows_of_a_padded_group_hold_exactly_their_own_states_quantized(loaded_tiny, tmp_path):
     """The pipeline quantizes the padded batch at once (on the device where there is one): each fp8 file holds
     what quantizing its own row alone gives, and the padding of a longer row changes nothing."""
-    from services.inference.hidden import quantize_fp8
+    from modeling.fp8 import quantize_fp8
 
     jobs = []
     for name, length, seed in (("long", 40, 1), ("short", 23, 2)):
@@ -232,7 +232,7 @@ def test_fp8_rows_of_a_padded_group_hold_exactly_their_own_states_quantized(load
 
 
 def test_fp8_keeps_a_row_of_zeros_zero_and_names_non_finite_states(loaded_tiny, tmp_path):
-    from services.inference.hidden import quantize_fp8
+    from modeling.fp8 import quantize_fp8
 
     states = torch.randn(4, 3 * 8)
     states[1] = 0.0

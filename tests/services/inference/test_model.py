@@ -86,14 +86,13 @@ def cudnn_attention_restored():
 
 
 def test_cudnn_attention_is_switched_off_and_the_other_kernels_stay(cudnn_attention_restored):
-    from services.inference.model import avoid_cudnn_attention as for_inference
-    from services.trainer.train import avoid_cudnn_attention as for_training, pick_device
+    from modeling.attention import avoid_cudnn_attention
+    from services.trainer.train import pick_device
 
-    for switch in (for_inference, for_training):
-        torch.backends.cuda.enable_cudnn_sdp(True)
-        pick_device("cpu")  # CPU work leaves the process-wide switch alone
-        assert torch.backends.cuda.cudnn_sdp_enabled()
-        switch()
-        switch()  # a second start in the same process changes nothing
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    pick_device("cpu")  # CPU work leaves the process-wide switch alone
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    avoid_cudnn_attention()
+    avoid_cudnn_attention()  # a second start in the same process changes nothing
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()

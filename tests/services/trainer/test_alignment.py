@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from services.trainer.data import collate
-from services.trainer.evaluation.speculative import DrafterProposer, aux_states
-from services.trainer.model import DrafterConfig, Eagle3Drafter
-from services.trainer.target_head import load_target_head, read_target_config
+from evaluation.speculative import DrafterProposer, aux_states
+from modeling.eagle3 import DrafterConfig, Eagle3Drafter
+from modeling.target_head import load_target_head, read_target_config
 from services.trainer.train import Targets, TTTObjective, make_targets
 from shared import eagle3
-from tests.services.trainer.conftest import LAYER_IDS, TinyTarget, prompt_ids
+from tests.support.tiny_runs import LAYER_IDS, TinyTarget, prompt_ids
 
 STEPS = 3
 # A hand-made two-turn sample: prompt (0..4), reply (5..8), a user turn (9..11), reply (12..14), and a

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from services.trainer.checkpoint import Position, load_checkpoint, save_checkpoint
-from services.trainer.model import DrafterConfig, Eagle3Drafter, KVCache
+from modeling.eagle3 import DrafterConfig, Eagle3Drafter, KVCache
 
 TORCH_SAVE_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive around a pickle
 TINY = DrafterConfig(hidden_size=16, target_hidden_size=16, intermediate_size=32, num_attention_heads=2,

@@ -10,7 +10,7 @@ from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidde
 from shared import eagle3
 from shared.errors import HiddenStateFileError
 from shared.hidden_file import verify_hidden_file
-from tests.services.trainer.conftest import LAYER_IDS, file_metadata
+from tests.support.tiny_runs import LAYER_IDS, file_metadata
 
 
 def test_fixture_files_pass_the_shared_verification(make_run, tiny_samples):

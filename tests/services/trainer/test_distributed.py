@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.export import export_drafter
+from modeling.export import export_drafter
 from services.trainer.launch import run_torchrun
 from services.trainer.batching import BATCHINGS, SHUFFLE, plan_epoch, share
 from services.trainer.train import epoch_plan, resume, train_drafter, trained_from_checkpoint
@@ -19,7 +19,7 @@ from shared import eagle3
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec, TrainConfig
 from shared.settings import TrainerSettings, load_settings
-from tests.services.trainer.conftest import DFLASH_TRAIN, write_run
+from tests.support.tiny_runs import DFLASH_TRAIN, write_run
 
 # 13 samples in global batches of 4: three full batches and a one-sample tail, which leaves rank 1 of two
 # with a stand-in sample that must add nothing.

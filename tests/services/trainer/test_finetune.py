@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.export import export_drafter, load_drafter
+from modeling.export import export_drafter, load_drafter
 from services.trainer.train import VOCAB_FROM_BASE, VOCAB_FROM_DATA, train_drafter
 from services.trainer.vocab import build_mapping, count_tokens
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError
@@ -66,7 +66,7 @@ def test_a_published_drafter_loads_and_fine_tunes_a_step(make_run, tiny_model_di
 
 
 def test_a_published_drafter_loads_with_its_bf16_weights_and_the_targets_embedding(tiny_model_dir, tmp_path):
-    from services.trainer.target_head import load_target_head
+    from modeling.target_head import load_target_head
 
     base = write_published_drafter(tmp_path / "base", tiny_model_dir, Published(convention=VLLM))
     drafter = load_drafter(base, tiny_model_dir)

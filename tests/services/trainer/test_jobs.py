@@ -10,11 +10,11 @@ import torch
 from rq.job import Job, JobStatus
 from safetensors.torch import load_file
 
-from services.trainer.export import verify_export
+from modeling.export import verify_export
 from services.trainer.jobs import too_small_warning
 from shared.atomic import temp_files
 from shared.jobs import TRAIN_FUNC, TRAIN_QUEUE, TrainJob, evaluate_job_id, train_job_id
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.runstate import RunState
 from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import ServiceProcess
@@ -117,12 +117,12 @@ def test_a_run_that_held_nothing_out_skips_evaluation(job_settings, make_run, re
 def test_a_decode_that_departs_from_greedy_fails_the_job_after_the_report_is_written(
     job_settings, make_run, redis_conn, data_dir, tiny_target, monkeypatch
 ):
-    from services.trainer.evaluation import speculative_batch
-    from services.trainer.export import export_drafter
-    from services.trainer.model import DrafterConfig, Eagle3Drafter
-    from services.trainer.target_head import load_target_head, read_target_config
+    from evaluation import speculative_batch
+    from modeling.export import export_drafter
+    from modeling.eagle3 import DrafterConfig, Eagle3Drafter
+    from modeling.target_head import load_target_head, read_target_config
     from shared.errors import SpeculativeMismatch
-    from tests.services.trainer.conftest import LAYER_IDS
+    from tests.support.tiny_runs import LAYER_IDS
 
     paths = make_run("departs", train=TRAIN, evaluate={**EVALUATE, **HOLDOUT_ONLY})
     torch.manual_seed(2)

@@ -16,12 +16,12 @@ import torch
 from rq.job import Job
 from safetensors.torch import load_file
 
-from services.trainer.export import verify_export
+from modeling.export import verify_export
 from services.trainer.launch import TrainingProcessFailed, torchrun_command, train_procs
 from services.trainer.lock import TrainingInProgress, exclusive_training
 from shared.errors import BaseCheckpointMismatch, SettingsError
 from shared.jobs import evaluate_job_id, train_job_id
-from shared.queues import SERIALIZER
+from runtime.queues import SERIALIZER
 from runtime.requeue import REQUEUES_META
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings

@@ -24,7 +24,7 @@ from shared.errors import SettingsError
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
 from shared.settings import TrainerSettings, load_settings
-from tests.services.trainer.conftest import write_run
+from tests.support.tiny_runs import write_run
 from tests.services.trainer.test_distributed import DDP_SAMPLES, DDP_TRAIN, assert_two_ranks_trained_what_one_did, unequal
 from tests.support.netns import Host, NamespacesUnavailable, kill_group, two_hosts, wait_for_line
 from tests.support.processes import REPO, free_port

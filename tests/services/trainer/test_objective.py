@@ -8,10 +8,10 @@ import torch
 
 from services.trainer import train as train_module
 from services.trainer.data import Batch
-from services.trainer.model import shift
+from modeling.eagle3 import shift
 from services.trainer.train import Targets, TTTObjective, make_targets
 from services.trainer.vocab import draft_to_target
-from tests.services.trainer.test_model import SMALL, random_drafter
+from tests.modeling.test_eagle3 import SMALL, random_drafter
 
 
 def plain_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:

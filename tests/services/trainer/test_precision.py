@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from services.trainer import checkpoint as ckpt
-from services.trainer.model import RMSNorm
+from modeling.eagle3 import RMSNorm
 from services.trainer.precision import BF16, FP32, MasterWeights, UnsupportedPrecision, make_weights, precision_kind
 from services.trainer.train import TrainProgress, train_drafter
 from shared.runspec import RunSpec

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from services.trainer.export import export_drafter, load_drafter
-from services.trainer.model import DrafterConfig, RotaryEmbedding, rope_scaling_of
+from modeling.export import export_drafter, load_drafter
+from modeling.eagle3 import DrafterConfig, RotaryEmbedding, rope_scaling_of
 from services.trainer.train import train_drafter
 from shared.errors import UnsupportedRopeScaling
 from shared.runspec import RunSpec
@@ -61,7 +61,7 @@ def test_the_drafters_rotary_frequencies_are_transformers_for_the_same_config(sc
 
 @pytest.mark.parametrize("scaling", SCALINGS[1:], ids=lambda s: s["rope_type"])
 def test_an_engine_reading_the_export_builds_the_rotation_the_drafter_trained_with(scaling, tmp_path):
-    from services.trainer.model import Eagle3Drafter
+    from modeling.eagle3 import Eagle3Drafter
     from services.trainer.vocab import build_mapping
 
     drafter = Eagle3Drafter(drafter_config(scaling))

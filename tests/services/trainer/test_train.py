@@ -11,7 +11,7 @@ import torch
 from services.trainer.batching import batch_padding, epoch_order, plan_epoch, plan_padding
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.data import Batch, collate
-from services.trainer.export import export_drafter
+from modeling.export import export_drafter
 from services.trainer.train import TrainProgress, make_targets, prepare, train_drafter
 from shared import eagle3
 from shared.atomic import TEMP_PREFIX

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files
-from services.trainer.evaluation.one_pass import Replay, Span, one_pass_counts
+from evaluation.one_pass import Replay, Span, one_pass_counts
 from services.trainer.validation import Validation, turn_spans, validation_split
 from shared.errors import HiddenStateFileError
 from shared.runspec import RunSpec
-from tests.services.trainer.conftest import DFLASH_TRAIN
+from tests.support.tiny_runs import DFLASH_TRAIN
 
 
 def files_of(count: int) -> list[tuple[int, Path]]:

@@ -15,7 +15,7 @@ from services.trainer.checkpoint import list_checkpoints, read_checkpoint_state
 from shared.atomic import temp_files
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.runstate import RunState
 from tests.services.trainer.test_jobs import enqueue_train, wait_for, worker
 

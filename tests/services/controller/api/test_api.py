@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from shared.jobs import GENERATE_QUEUE
-from shared.queues import queue
+from runtime.queues import queue
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
 from tests.support.processes import ServiceProcess, free_port

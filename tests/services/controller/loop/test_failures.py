@@ -15,7 +15,7 @@ from runtime.runstate import RunState, read_finished, write_finished
 from shared.lifecycle import Failure, FailureKind
 from services.extractor.jobs import run_extract
 from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
 from runtime.sample_queue import enqueue_extract
 from shared.settings import ControllerSettings, ExtractorSettings

@@ -15,7 +15,7 @@ from shared.jobs import (
     generate_job_id,
     payload_sample_ids,
 )
-from shared.queues import queue
+from runtime.queues import queue
 from runtime.sample_queue import enqueue_extract
 from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState

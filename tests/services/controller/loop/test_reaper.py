@@ -29,7 +29,7 @@ from shared.jobs import (
     extract_job_id,
     generate_job_id,
 )
-from shared.queues import SERIALIZER, queue
+from runtime.queues import SERIALIZER, queue
 from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from runtime.runstate import RunState
 from runtime.worker import STALE_HEARTBEAT_S, DraftlineWorker

@@ -26,7 +26,7 @@ from services.controller.loop.supervisor import supervise_once
 from shared.errors import RunNotFound
 from shared.jobs import GENERATE_QUEUE, GenerateJob
 from shared.manifest import MANIFEST_NAME, read_manifest
-from shared.queues import queue
+from runtime.queues import queue
 from shared.settings import ControllerSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit, write_hidden
 

@@ -7,7 +7,7 @@ import threading
 from services.controller.runs.submit import submit_run
 from services.controller.loop.supervisor import supervise_forever, supervise_once
 from shared.jobs import GENERATE_QUEUE, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
-from shared.queues import queue
+from runtime.queues import queue
 from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
 from shared.lifecycle import Failure, FailureKind

@@ -84,9 +84,9 @@ def exported_drafter(tiny_model_dir, tmp_path_factory) -> Path:
     """A real drafter export for the tiny target, written and verified by the trainer's exporter."""
     import torch
 
-    from services.trainer.export import export_drafter
-    from services.trainer.model import DrafterConfig, Eagle3Drafter
-    from services.trainer.target_head import load_target_head
+    from modeling.export import export_drafter
+    from modeling.eagle3 import DrafterConfig, Eagle3Drafter
+    from modeling.target_head import load_target_head
     from services.trainer.vocab import build_mapping
 
     target = json.loads((tiny_model_dir / "config.json").read_text())
@@ -385,7 +385,7 @@ def test_submission_is_refused_with_412_naming_each_failed_check(controller):
 
 
 def test_a_forced_run_fetches_its_hub_checkpoint_onto_the_volume_and_records_it(controller):
-    from services.trainer.export import verify_export
+    from modeling.export import verify_export
 
     response = post_run(controller, "forced", force=True, train={"base_checkpoint": HUB_REPO})
     assert response.status_code == 201, response.text

@@ -18,7 +18,7 @@ from shared.errors import RunExists
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
 from shared.lifecycle import RunPhase, StageState
-from shared.queues import queue
+from runtime.queues import queue
 from shared.runspec import RunSpec
 from shared.settings import ControllerSettings
 from tests.services.cli.test_resume_failures_retry import draftline
