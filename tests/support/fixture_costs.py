@@ -21,6 +21,11 @@ MIN_SECONDS = 1.0  # a fixture whose set-ups total less is not an expensive one
 WORKER_KEY = "draftline_fixture_costs"  # where an xdist worker puts its timings for the controller
 
 
+def fixture_key(fixturedef: pytest.FixtureDef) -> str:
+    """``name (module where it is defined)``: fixtures of one name in several modules are several things."""
+    return f"{fixturedef.argname} ({getattr(fixturedef.func, '__module__', '?')})"
+
+
 @dataclass
 class FixtureCost:
     scope: str
@@ -48,14 +53,17 @@ class FixtureCosts:
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
         start = time.monotonic()
         yield
-        cost = self._cost(fixturedef.argname, fixturedef.scope)
+        cost = self._cost(fixture_key(fixturedef), fixturedef.scope)
         cost.setups += 1
         cost.seconds += time.monotonic() - start
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        info = getattr(item, "_fixtureinfo", None)
         for name in getattr(item, "fixturenames", ()):
-            self.users.setdefault(name, set()).add(item.nodeid)
+            defs = info.name2fixturedefs.get(name) if info is not None else None
+            if defs:  # the definition this test uses: the last one, the closest to it
+                self.users.setdefault(fixture_key(defs[-1]), set()).add(item.nodeid)
 
     def collected(self) -> dict[str, dict]:
         """Each timed fixture's cost, with the tests that used it."""
@@ -91,7 +99,7 @@ class FixtureCosts:
         terminalreporter.write_sep("=", f"slowest {len(expensive)} fixture set-ups (includes what each requests)")
         for name, cost in expensive:
             terminalreporter.write_line(
-                f"{cost['seconds']:8.1f}s  {name} ({cost['scope']}): {cost['setups']} set-up(s), "
+                f"{cost['seconds']:8.1f}s  {name}, {cost['scope']} scope: {cost['setups']} set-up(s), "
                 f"{len(cost['tests'])} test(s)")
 
 

@@ -53,8 +53,10 @@ def test_the_table_names_the_slow_fixture_its_set_ups_and_the_tests_that_shared_
     for name in ("test_a.py", "test_b.py"):
         (tmp_path / name).write_text(TESTS)
     out, costs = run_pytest(tmp_path, *workers)
-    assert "slowest 1 fixture set-ups" in out
-    assert "slow_stack (module): 2 set-up(s), 4 test(s)" in out
-    assert costs["slow_stack"]["seconds"] >= 2.4 and costs["slow_stack"]["tests"] == [
-        f"{module}::{test}" for module in ("test_a.py", "test_b.py") for test in ("test_one", "test_two")]
-    assert "quick" not in out and len(costs["quick"]["tests"]) == 4  # recorded, too cheap for the table
+    assert "slowest 2 fixture set-ups" in out
+    # One name in two modules: two fixtures, each set up once for its module's two tests.
+    for module in ("test_a", "test_b"):
+        assert f"slow_stack ({module}), module scope: 1 set-up(s), 2 test(s)" in out
+        slow = costs[f"slow_stack ({module})"]
+        assert slow["seconds"] >= 1.2 and slow["tests"] == [f"{module}.py::test_one", f"{module}.py::test_two"]
+        assert f"quick ({module})" not in out and len(costs[f"quick ({module})"]["tests"]) == 2  # too cheap to show
