@@ -23,11 +23,19 @@ reserve, the controller's supervisor sets the run's pause flag; extraction jobs 
 ``wait_for_headroom`` instead of failing, and the flag clears by itself once the projection fits again
 (space freed, volume grown). The estimate alone never pauses a run: ``max_tokens`` bounds replies that
 are often much shorter, and a run paused on an over-estimate would wait for space it does not need
-before measuring anything. Preflight warns about it instead. Everything here is torch-free.
+before measuring anything. Preflight warns about it instead.
+
+The supervisor checks between its rounds, and extraction can land many samples in one of them, so
+each extraction also claims its own file's bytes before it asks for the states
+(``runtime.disk_claims``): a claim is granted only while free space less the reserve covers it and every
+claim still being written. A refused claim pauses the run too, recording what it needs
+(``disk_paused_need``), and the supervisor clears that pause only once the need fits again. Everything
+here is torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -58,6 +66,7 @@ HIDDEN_BYTES = "hidden_bytes"
 HIDDEN_TOKENS = "hidden_tokens"
 PAUSED = "disk_paused"  # the reason; present only while the run is paused
 PAUSED_AT = "disk_paused_at"
+PAUSED_NEED = "disk_paused_need"  # bytes a refused claim needs above the reserve; set by runtime.disk_claims
 BYTES_PER_TOKEN_ESTIMATE = "disk_bytes_per_token_estimate"  # recorded at submission, used until samples land
 LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
               "disk_checked_at")
@@ -244,17 +253,42 @@ def _s(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def set_paused(conn: redis.Redis, run: str, reason: str) -> None:
-    """Pause the run's extraction for lack of disk space (the first pause time is kept)."""
+def set_paused(conn: redis.Redis, run: str, reason: str, *, need: int | None = None) -> None:
+    """Pause the run's extraction for lack of disk space (the first pause time is kept); ``need`` is the bytes a
+    refused claim waits for (``runtime.disk_claims``)."""
     key = RunKeys(run).meta
     pipe = conn.pipeline()
     pipe.hset(key, PAUSED, reason)
+    if need is not None:
+        pipe.hset(key, PAUSED_NEED, str(need))
     pipe.hsetnx(key, PAUSED_AT, str(time.time()))
     pipe.execute()
 
 
 def clear_paused(conn: redis.Redis, run: str) -> None:
-    conn.hdel(RunKeys(run).meta, PAUSED, PAUSED_AT)
+    conn.hdel(RunKeys(run).meta, PAUSED, PAUSED_AT, PAUSED_NEED)
+
+
+def claimed_bytes(conn: redis.Redis, run: str) -> int:
+    """Bytes extractions of the run have claimed and are writing now."""
+    return sum(int(v) for v in conn.hvals(RunKeys(run).disk_claims))
+
+
+def drop_settled_claims(state: RunState) -> None:
+    """Forget the claims of samples already extracted: a worker killed mid-write leaves its claim behind
+    until the sample is extracted again (which claims the same field anew)."""
+    key = RunKeys(state.run).disk_claims
+    stale = [field for field in state.conn.hkeys(key) if state.is_done(Stage.EXTRACT, int(field))]
+    if stale:
+        state.conn.hdel(key, *stale)
+
+
+def claim_need_fits(conn: redis.Redis, run: str, headroom: Headroom) -> bool:
+    """Whether the bytes a refused claim recorded fit now beside the claims being written."""
+    need = _s(conn.hget(RunKeys(run).meta, PAUSED_NEED))
+    if need is None:
+        return True
+    return int(need) <= headroom.free_bytes - headroom.reserve_bytes - claimed_bytes(conn, run)
 
 
 def paused_reason(conn: redis.Redis, run: str) -> str | None:
@@ -297,6 +331,7 @@ def wait_for_headroom(
 def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
     """Assess the run; pause it when its projection does not fit, un-pause it when it does again."""
     conn, run = state.conn, state.run
+    drop_settled_claims(state)
     hint = target_bytes_per_token(settings.model_dir) if settings.model_dir else None
     headroom = assess(state, reserve_bytes=settings.disk_reserve_bytes,
                       reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint)
@@ -308,6 +343,8 @@ def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
         set_paused(conn, run, headroom.message)
         if not was_paused:
             log.warning("run %s: %s; extraction paused", run, headroom.message)
+    elif was_paused and not claim_need_fits(conn, run, headroom):
+        headroom = dataclasses.replace(headroom, ok=False, message=paused_reason(conn, run) or headroom.message)
     elif was_paused:
         clear_paused(conn, run)
         log.info("run %s: %s; extraction resumes", run, headroom.message)

@@ -309,6 +309,12 @@ class RunKeys:
         return self._key("settled")
 
     @property
+    def disk_claims(self) -> str:
+        """hash: sample id -> the bytes its hidden-state file is being written with now (``runtime.disk_claims``);
+        the volume's free space less these is what another extraction may still write."""
+        return self._key("disk-claims")
+
+    @property
     def pattern(self) -> str:
         """Matches every key above (the locks below live apart: they outlast a deleted run's keys)."""
         return self._key("*")
@@ -331,6 +337,7 @@ class RunKeys:
     def types(self) -> dict[str, KeyType]:
         """Every key this run can own, with its type."""
         owned = {self.meta: KeyType.HASH, self.failures: KeyType.HASH, self.settled_scratch: KeyType.STRING,
+                 self.disk_claims: KeyType.HASH,
                  self.reconcile_lock: KeyType.STRING, self.rebuild_backoff: KeyType.STRING,
                  self.submit_lock: KeyType.STRING}
         for stage in SAMPLE_STAGES:

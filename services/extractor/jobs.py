@@ -32,6 +32,7 @@ from shared import eagle3
 from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
+from runtime.disk_claims import claim_space
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
@@ -147,11 +148,13 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
                     "conversation's tokens differ from what the target wrote (its chat template or tokenizer "
                     "renders the reply otherwise)", state.run, sample_id, len(record["turns"]),
                     "; ".join(map(str, unlearned)))
-    result = client.extract(
-        input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
-        layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
-        storage=spec.extraction.storage, on_retry=lambda: state.note_retry(Stage.EXTRACT),
-    )
+    # The file's bytes are claimed until it is on the volume, where free space counts it instead.
+    with claim_space(state.conn, state.paths.data, state.run, sample_id, len(input_ids)):
+        result = client.extract(
+            input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
+            layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
+            storage=spec.extraction.storage, on_retry=lambda: state.note_retry(Stage.EXTRACT),
+        )
     path = state.paths.hidden(sample_id)
     try:
         info = verify_hidden_file(path, layer_ids=_run_layers(state, spec, result), sha256=result.sha256)

@@ -190,4 +190,5 @@ def test_a_runs_keys_keep_the_names_stored_before_the_layout_was_written_down():
         keys.outcome(Stage.TRAIN, Outcome.DONE)
     types = keys.types()
     assert types[keys.meta] is KeyType.HASH and types[keys.outcome(Stage.GENERATE, Outcome.DROPPED)] is KeyType.STRING
-    assert len(types) == 6 + 2 * (1 + 2 * len(Outcome))
+    assert keys.disk_claims == "draftline:run:r:disk-claims" and types[keys.disk_claims] is KeyType.HASH
+    assert len(types) == 7 + 2 * (1 + 2 * len(Outcome))

@@ -1,0 +1,104 @@
+"""An extraction's claim on the volume: the bytes of its hidden-state file, granted before the file is written.
+
+The supervisor's projection (``runtime.disk``) pauses a run between its rounds; a round can be seconds on a
+loaded machine, and extractions write a file in milliseconds, so that check alone lets a volume fill up
+between two rounds. Each extraction therefore claims its own file's size first:
+
+    claim = tokens of the sample × bytes per token (measured from landed files, else the supervisor's
+            last figure, else the estimate recorded at submission)
+
+A Lua script grants the claim atomically across every extractor of every host, and only while
+
+    claim + claims being written by others <= free space on the volume - the reserve
+
+(the reserve is the one the supervisor last checked against, kept in the run's meta). A refused claim
+pauses the run with what it needs; the extraction waits in ``wait_for_headroom`` like any paused sample,
+and the supervisor lifts the pause once the need fits again (``disk.claim_need_fits``). A claim is
+dropped when its write ends, either way; a worker killed mid-write leaves one that the sample's next
+extraction overwrites, or that the supervisor drops once the sample is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, format_bytes,
+                          set_paused, volume_usage, wait_for_headroom)
+from shared.lifecycle import RunKeys
+
+log = logging.getLogger(__name__)
+
+LAST_BYTES_PER_TOKEN = "disk_bytes_per_token"
+LAST_RESERVE = "disk_reserve_bytes"
+
+# Grants ARGV[2] bytes to field ARGV[1] when they and every other field's bytes fit in ARGV[3]; returns -1
+# when granted, else the bytes the other claims hold.
+_CLAIM = """
+local others = 0
+local values = redis.call('HGETALL', KEYS[1])
+for i = 1, #values, 2 do
+  if values[i] ~= ARGV[1] then others = others + tonumber(values[i + 1]) end
+end
+if others + tonumber(ARGV[2]) <= tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return -1
+end
+return others
+"""
+
+
+def _number(value: bytes | None) -> float:
+    try:
+        return float(value or 0)
+    except ValueError:
+        return 0.0
+
+
+def bytes_per_token(conn: redis.Redis, run: str) -> tuple[float | None, str]:
+    """The run's bytes per token and where the figure comes from; None when nothing is known yet."""
+    landed_bytes, landed_tokens, last, estimate = conn.hmget(
+        RunKeys(run).meta, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE)
+    if _number(landed_tokens) > 0:
+        return _number(landed_bytes) / _number(landed_tokens), "measured"
+    for value in (last, estimate):
+        if _number(value) > 0:
+            return _number(value), "estimated"
+    return None, "unknown"
+
+
+@contextmanager
+def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens: int,
+                *, poll_s: float = 2.0) -> Iterator[int]:
+    """Hold a claim on the bytes of sample ``sample_id``'s file (``tokens`` long) while the body writes it.
+
+    Waits, with the run paused, while the claim does not fit; yields the bytes claimed (0 when no size per
+    token is known yet, so nothing can be claimed: the supervisor's check is all there is then)."""
+    per_token, basis = bytes_per_token(conn, run)
+    if per_token is None:
+        yield 0
+        return
+    need = int(tokens * per_token)
+    keys = RunKeys(run)
+    grant = conn.register_script(_CLAIM)
+    while True:
+        wait_for_headroom(conn, data, run, poll_s=poll_s)
+        free, _ = volume_usage(data)
+        reserve = int(_number(conn.hget(keys.meta, LAST_RESERVE)))
+        others = int(grant(keys=[keys.disk_claims], args=[sample_id, need, free - reserve]))
+        if others < 0:
+            break
+        reason = (f"sample {sample_id} needs {format_bytes(need)} ({tokens:,} tokens at {per_token:,.0f} "
+                  f"bytes/token {basis}); {format_bytes(free)} free on {data}, {format_bytes(reserve)} kept in "
+                  f"reserve, {format_bytes(others)} being written by other extractions: free space on {data} "
+                  f"or grow the volume, and extraction resumes by itself")
+        set_paused(conn, run, reason, need=need)
+        log.warning("run %s: %s; extraction paused", run, reason)
+    try:
+        yield need
+    finally:
+        conn.hdel(keys.disk_claims, str(sample_id))
