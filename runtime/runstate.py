@@ -474,12 +474,25 @@ def read_finished(paths: RunPaths) -> dict | None:
     return record if isinstance(record, dict) and record.get("state") in TERMINAL_PHASES else None
 
 
+FINISHED_META = "meta"  # the whole-run stages' fields a finished record keeps for a Redis that lost the run
+_KEPT_PREFIXES = ("train_state", "train_error", "train_finished_at", "train_warning", "evaluate_state",
+                  "evaluate_error")
+_KEPT_FIELDS = ("export_path", "acceptance_length", "error")
+
+
+def finished_meta(meta: dict[str, str]) -> dict[str, str]:
+    """What a finished run's record keeps of its meta: how its training and evaluation ended and why, its export
+    and its acceptance, so that status and ``retry`` read the same after Redis lost the run."""
+    return {k: v for k, v in meta.items() if k in _KEPT_FIELDS or k.startswith(_KEPT_PREFIXES)}
+
+
 def write_finished(state: RunState, final: RunPhase) -> dict:
     """Mark the run finished on the volume, then in Redis; IllegalTransition before either when the run's
     phase cannot move to ``final``."""
     final = advance(state.phase(), RunPhase(final))  # checked first: a refused phase reaches neither store
     record = {"run": state.run, "state": final, "finished_at": time.time(), "expected": state.expected(),
-              **{stage: asdict(state.counts(stage)) for stage in SAMPLE_STAGES}}
+              **{stage: asdict(state.counts(stage)) for stage in SAMPLE_STAGES},
+              FINISHED_META: finished_meta(state.meta())}
     atomic_write_json(finished_path(state.paths), record)
     state.set_phase(final, finished_at=record["finished_at"])
     return record

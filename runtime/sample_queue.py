@@ -23,12 +23,22 @@ from rq.job import Job, JobStatus
 
 from shared.jobs import (
     DEFAULT_SAMPLE_RESULT_TTL_S,
+    EVALUATE_FUNC,
+    EVALUATE_JOB_TIMEOUT_S,
     EXTRACT_FUNC,
     EXTRACT_QUEUE,
+    RUN_JOB_TTL_S,
     SAMPLE_FAILURE_TTL_S,
+    TRAIN_FUNC,
+    TRAIN_JOB_TIMEOUT,
+    TRAIN_QUEUE,
+    EvaluateJob,
     ExtractJob,
+    TrainJob,
+    evaluate_job_id,
     extract_job_id,
     payload_sample_ids,
+    train_job_id,
 )
 from runtime.queues import SERIALIZER, queue
 
@@ -54,6 +64,34 @@ def enqueue_once(conn: redis.Redis, queue_name: str, func: str, payload: dict, j
             if not drop_finished(conn, job_id):
                 return False
     return False
+
+
+def enqueue_train(conn: redis.Redis, run: str, *, replace_failed: bool = False) -> bool:
+    """Enqueue the run's train job; False while a job with its id waits or runs. ``replace_failed`` deletes a
+    failed one first (``draftline retry`` of a run whose training failed)."""
+    if replace_failed:
+        drop_failed(conn, train_job_id(run))
+    return enqueue_once(conn, TRAIN_QUEUE, TRAIN_FUNC, TrainJob(run=run).model_dump(mode="json"), train_job_id(run),
+                        TRAIN_JOB_TIMEOUT, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S)
+
+
+def enqueue_evaluate(conn: redis.Redis, run: str, *, replace_failed: bool = False) -> bool:
+    """Enqueue the run's evaluate job, as ``enqueue_train`` does its train job."""
+    if replace_failed:
+        drop_failed(conn, evaluate_job_id(run))
+    return enqueue_once(conn, TRAIN_QUEUE, EVALUATE_FUNC, EvaluateJob(run=run).model_dump(mode="json"),
+                        evaluate_job_id(run), EVALUATE_JOB_TIMEOUT_S, result_ttl=RUN_JOB_TTL_S,
+                        failure_ttl=RUN_JOB_TTL_S)
+
+
+def drop_failed(conn: redis.Redis, job_id: str) -> None:
+    """Delete the job ``job_id`` if it failed (its record names the error; the run's meta keeps it too)."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=SERIALIZER)
+    except NoSuchJobError:
+        return
+    if job.get_status(refresh=False) == JobStatus.FAILED:
+        job.delete()
 
 
 def drop_finished(conn: redis.Redis, job_id: str) -> bool:

@@ -128,6 +128,8 @@ DEFAULT_SAMPLE_RESULT_TTL_S = 0
 SAMPLE_FAILURE_TTL_S = 7 * 24 * 3600
 # A run's train and evaluate jobs, one of each per run, keep their record a week whichever way they ended.
 RUN_JOB_TTL_S = 7 * 24 * 3600
+TRAIN_JOB_TIMEOUT = -1  # RQ's "never": training runs for hours and reports its own progress
+EVALUATE_JOB_TIMEOUT_S = 6 * 3600
 
 
 def generate_job_id(run: str, first_sample_id: int) -> str:

@@ -28,6 +28,7 @@ from shared.errors import PathOutsideVolume
 
 SHARD_SIZE = 2000
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")  # a finished checkpoint's directory (RunPaths.checkpoint)
 
 
 def shard_name(sample_id: int, shard_size: int = SHARD_SIZE) -> str:
@@ -138,6 +139,13 @@ class RunPaths:
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"step_{step:08d}"
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of the run's finished checkpoints, in order (a temp directory being written is not one)."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.checkpoints_dir.iterdir()
+                      if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
 
 
 def runs_root(data: Path) -> Path:

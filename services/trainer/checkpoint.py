@@ -7,7 +7,6 @@ only ever finds complete ones; a crash mid-save leaves a temp directory that the
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,13 +18,13 @@ from safetensors.torch import load_file
 from shared import SCHEMA_VERSION
 from shared.atomic import TEMP_PREFIX, atomic_dir, atomic_write_json, read_json
 from shared.errors import CheckpointFormatError
+from shared.layout import CHECKPOINT_RE
 from modeling.methods import config_from_dict
 from modeling.tensor_files import write_safetensors
 from modeling.eagle3 import TargetTied
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"

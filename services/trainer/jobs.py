@@ -22,12 +22,13 @@ import torch
 from shared.atomic import atomic_write_json
 from shared.drafter_format import layer_ids_of, read_config
 from shared.errors import DraftlineError, error_class
-from shared.jobs import EVALUATE_FUNC, RUN_JOB_TTL_S, TRAIN_QUEUE, EvaluateJob, TrainJob, evaluate_job_id
+from shared.jobs import EvaluateJob, TrainJob
 from shared.layout import RunPaths
 from shared import metrics
 from shared.lifecycle import Stage, StageState
-from runtime.queues import connect, queue
+from runtime.queues import connect
 from runtime.remote_code import load_from_target
+from runtime.sample_queue import enqueue_evaluate
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
@@ -60,7 +61,6 @@ from evaluation.vllm_launch import parse_command
 
 log = logging.getLogger(__name__)
 
-EVALUATE_TIMEOUT_S = 6 * 3600
 ACCEPTANCE_CURVE_FIELD = "evaluate_accept"  # run meta prefix the exporter reads (META_ACCEPTANCE_CURVE_PREFIX)
 
 
@@ -109,10 +109,7 @@ def train(payload: dict) -> dict:
         log.warning("run %s: %s", job.run, warning)
     state.set_stage(Stage.TRAIN, StageState.DONE, export_path=str(paths.export_dir), train_finished_at=time.time(),
                     train_draft_vocab=result.draft_vocab, train_loss_tokens=learned, train_warning=warning)
-    queue(TRAIN_QUEUE, conn).enqueue_call(
-        EVALUATE_FUNC, args=(EvaluateJob(run=job.run).model_dump(),), job_id=evaluate_job_id(job.run),
-        timeout=EVALUATE_TIMEOUT_S, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S,
-    )
+    enqueue_evaluate(conn, job.run, replace_failed=True)
     log.info("run %s: trained %d steps (draft vocabulary from the %s), exported to %s, evaluation queued", job.run,
              result.steps, result.draft_vocab, paths.export_dir)
     return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir), "draft_vocab": result.draft_vocab}

@@ -11,7 +11,7 @@ import pytest
 from rq.serializers import JSONSerializer
 
 from services.controller.loop.feeder import enqueue_generate
-from services.controller.loop.supervisor import enqueue_train
+from runtime.sample_queue import enqueue_train
 from shared.jobs import (
     EXTRACT_FUNC,
     GENERATE_FUNC,

@@ -1,4 +1,5 @@
-"""``draftline retry [RUN] [IDS...]``: failed samples run again, all errors of the run or the ids named."""
+"""``draftline retry [RUN] [IDS...]``: failed samples run again, all errors of the run or the ids named; a run whose
+training or evaluation failed, with no sample failure to retry, runs that stage again (training from its checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from shared.lifecycle import SAMPLE_STAGES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    retry = subparsers.add_parser("retry", help="run failed samples again (all errors of the run, or the ids named)")
+    retry = subparsers.add_parser("retry", help="run failed samples again (all errors of the run, or the ids named), or a failed training from its checkpoint")
     retry.add_argument("run", nargs="?", help="run name (default: the only or latest run)")
     retry.add_argument("ids", nargs="*", type=int, help="sample ids (default: every failure of kind error)")
     retry.add_argument("--stage", choices=[stage.value for stage in SAMPLE_STAGES])
@@ -30,6 +31,12 @@ def handle(args: argparse.Namespace) -> int:
     run = pick_run(settings.data, run)
     report = retry_failures(settings.data, connect(settings.redis_url), run, stage=args.stage,
                             sample_ids=ids or None, include_dropped=args.include_dropped)
+    if report.resumed is not None:
+        step = report.resumed["checkpoint_step"]
+        where = f"; training resumes from its checkpoint at step {step}" if step is not None else (
+            "; training starts over (no checkpoint was written)" if report.resumed["stage"] == "train" else "")
+        sys.stdout.write(f"run {run}: its failed {report.resumed['stage']} job is queued again{where}\n")
+        return 0
     lines = [f"run {run}: {len(report.cleared):,} failures cleared; the controller enqueues them again"]
     lines += [f"  not retried: {r['stage']} sample {r['sample_id']}: {r['reason']}" for r in report.not_retryable]
     if report.unknown:

@@ -10,6 +10,11 @@ An RQ job of a sample stage that RQ itself failed (its worker died too often, it
 an error escaped it) leaves its samples unsettled; ``name_failed_jobs`` names each of them as a
 ``JobFailed`` failure of its stage and forgets the job, so they can be retried like any other.
 
+A run whose training or evaluation failed (a full disk mid-checkpoint, a trainer out of memory) and that
+has no sample failure to retry resumes that stage instead: its job is queued again, replacing the failed
+one, and training picks up from its latest checkpoint (evaluation measures the export again). A run Redis
+lost is rebuilt from the volume first, so this works after a Redis loss too.
+
 Rows that were malformed at submission are not in ``prompts.jsonl`` and cannot be retried. A run that
 is training or evaluating is refused. A finished run is reopened: its ``drafter/`` and ``eval.json``
 move to ``superseded/<UTC time>/`` (nothing is deleted), and training starts afresh once the retried
@@ -30,14 +35,16 @@ from rq.executions import ExecutionRegistry
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
-from services.controller.loop.reconcile import RunBusy, read_failure_file, reconciling, reply_problem, run_ids
+from services.controller.loop.reconcile import (RunBusy, read_failure_file, reconcile_run, reconciling, reply_problem,
+                                                run_ids)
 from runtime.runstate import RunState, finished_path, read_finished
 from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids
 from shared.layout import RunPaths
-from shared.lifecycle import SAMPLE_STAGES, Failure, FailureKind, RunPhase, Stage
+from shared.lifecycle import SAMPLE_STAGES, Failure, FailureKind, RunPhase, Stage, StageState
 from runtime.queues import SERIALIZER, queue
+from runtime.sample_queue import enqueue_evaluate, enqueue_train
 from shared.runspec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,7 @@ class RetryReport:
     not_retryable: list[dict] = field(default_factory=list)  # {"sample_id", "stage", "reason"}
     unknown: list[int] = field(default_factory=list)  # ids asked for without a matching failure record
     superseded: str | None = None  # where a finished run's drafter and evaluation went
+    resumed: dict | None = None  # {"stage", "checkpoint_step"}: a failed train or evaluate stage queued again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,6 +115,8 @@ def retry_failures(data: Path, conn: redis.Redis, run: str, *, stage: str | None
     data = Path(data)
     spec = RunSpec.load(data, run)
     paths, state = RunPaths(data, run), RunState(conn, data, run)
+    if "expected" not in state.meta():
+        reconcile_run(data, conn, run)  # Redis lost the run: the volume says how it ended
     finished = read_finished(paths) is not None
     _check_not_busy(conn, state, finished)
     report = RetryReport(run=run)
@@ -120,6 +130,8 @@ def retry_failures(data: Path, conn: redis.Redis, run: str, *, stage: str | None
             report.not_retryable.append({"sample_id": failure.sample_id, "stage": failure.stage, "reason":
                                          "the row was malformed at submission; fix the dataset and submit a new run"})
     if not retryable:
+        if sample_ids is None and stage is None:
+            report.resumed = resume_failed_stage(state)
         return report
     if finished or state.phase().terminal:
         report.superseded = reopen(state)
@@ -130,6 +142,35 @@ def retry_failures(data: Path, conn: redis.Redis, run: str, *, stage: str | None
     conn.hdel(state.keys.meta, "feed_pass_at", "extract_pass_at")
     log.info("run %s: %d failures cleared for another attempt", run, len(report.cleared))
     return report
+
+
+def resume_failed_stage(state: RunState) -> dict | None:
+    """Queue a failed run's failed train (or evaluate) job again; None when neither stage failed.
+
+    The run leaves its terminal phase at once (so the supervisor does not record it finished again while the
+    job waits); the job's own start moves its stage to running, and training resumes from the latest
+    checkpoint there is."""
+    meta = state.meta()
+    if RunPhase.of(meta.get("state")) is not RunPhase.FAILED:
+        return None
+    failed = next((s for s in (Stage.TRAIN, Stage.EVALUATE) if StageState.of(meta.get(f"{s}_state")) is
+                   StageState.FAILED), None)
+    if failed is None:
+        return None
+    finished_path(state.paths).unlink(missing_ok=True)
+    phase = RunPhase.TRAINING if failed is Stage.TRAIN else RunPhase.EVALUATING
+    now = time.time()
+    # A run rebuilt after a Redis loss has no train_enqueued_at: without it the supervisor would feed it again.
+    state.set_phase(phase, retried_at=now, train_enqueued_at=meta.get("train_enqueued_at", now))
+    # The stage reads pending until its job starts (a failed stage moves only to running).
+    state.conn.hdel(state.keys.meta, "finished_at", "error", f"{failed}_error", f"{failed}_state")
+    enqueue = enqueue_train if failed is Stage.TRAIN else enqueue_evaluate
+    enqueue(state.conn, state.run, replace_failed=True)
+    steps = state.paths.checkpoint_steps()
+    step = steps[-1] if failed is Stage.TRAIN and steps else None
+    log.info("run %s: its failed %s job is queued again%s", state.run, failed,
+             f"; training resumes from its checkpoint at step {step}" if step is not None else "")
+    return {"stage": str(failed), "checkpoint_step": step}
 
 
 def _clear(state: RunState, failure: Failure) -> None:

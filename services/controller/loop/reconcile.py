@@ -64,6 +64,7 @@ from shared.lifecycle import (
 from shared.manifest import MANIFEST_NAME, ManifestEntry, append_entry, check_entry, check_quick, read_manifest
 from shared.runspec import RunSpec
 from runtime.runstate import (
+    FINISHED_META,
     GENERATE_REQUESTS_UNCOUNTED,
     RunState,
     bitmap_ids,
@@ -530,7 +531,8 @@ def _phase_fields(state: RunState, meta: dict[str, str], now: float) -> Phase:
     paths = state.paths
     finished = read_finished(paths)
     if finished is not None:
-        return Phase(RunPhase(finished["state"]), fields={"finished_at": finished["finished_at"]})
+        return Phase(RunPhase(finished["state"]), fields={"finished_at": finished["finished_at"],
+                                                          **finished.get(FINISHED_META, {})})
     if paths.eval_report.is_file():
         report = read_json(paths.eval_report)
         return Phase(stages={Stage.TRAIN: StageState.DONE, Stage.EVALUATE: StageState.DONE},

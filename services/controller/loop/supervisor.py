@@ -23,7 +23,6 @@ import redis
 from services.controller.loop.failures import name_failed_jobs
 from services.controller.loop.feeder import (
     backfill_extract,
-    enqueue_once,
     feed_finished,
     feed_run,
 )
@@ -41,15 +40,12 @@ from services.controller.loop.reconcile import (
 from runtime.runstate import RunState, known_runs, write_finished
 from shared.atomic import temp_files
 from runtime.disk import supervise_disk
-from shared.jobs import RUN_JOB_TTL_S, TRAIN_FUNC, TRAIN_QUEUE, TrainJob, train_job_id
 from shared.lifecycle import SAMPLE_PHASES, SAMPLE_STAGES, Outcome, RunPhase, Stage
 from runtime.outage import REDIS_DOWN, RedisOutage
+from runtime.sample_queue import enqueue_train
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
-
-TRAIN_JOB_TIMEOUT = -1  # RQ's "never": training runs for hours and reports its own progress
-
 
 def settled(state: RunState) -> tuple[int, int]:
     """(settled samples, samples extracted) of a run; a sample counts once whatever its bitmaps say."""
@@ -65,12 +61,6 @@ def settled(state: RunState) -> tuple[int, int]:
     pipe.bitcount(extracted)
     _, count, _, extracted = pipe.execute()
     return count, extracted
-
-
-def enqueue_train(conn: redis.Redis, run: str) -> bool:
-    """Enqueue the run's train job; False while a job with its id waits or runs."""
-    return enqueue_once(conn, TRAIN_QUEUE, TRAIN_FUNC, TrainJob(run=run).model_dump(mode="json"), train_job_id(run),
-                        TRAIN_JOB_TIMEOUT, result_ttl=RUN_JOB_TTL_S, failure_ttl=RUN_JOB_TTL_S)
 
 
 def advance(state: RunState, meta: dict[str, str]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import redis
 
 from runtime.runstate import (
+    FINISHED_META,
     GENERATE_REQUESTS,
     GENERATE_REQUESTS_UNCOUNTED,
     RunState,
@@ -151,7 +152,7 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
         raise RunNotFound(f"no run {run!r}")
     finished = read_finished(state.paths) if "expected" not in meta else None
     if finished is not None:  # Redis lost a finished run: its record on the volume has the final numbers
-        meta = {**meta, "expected": finished["expected"], "state": finished["state"]}
+        meta = {**finished.get(FINISHED_META, {}), **meta, "expected": finished["expected"], "state": finished["state"]}
     expected = int(meta.get("expected", 0)) if meta else RunSpec.load(data, run).train_ids
     gen, ext = _counts(state, finished, Stage.GENERATE), _counts(state, finished, Stage.EXTRACT)
     generate = sample_stage(state, Stage.GENERATE, expected, gen, now)

@@ -7,17 +7,19 @@ import time
 
 import pytest
 from rq import SimpleWorker
+from rq.job import Job, JobStatus
 
 from services.controller.loop.failures import list_failures, name_failed_jobs, retry_failures
 from services.controller.loop.feeder import backfill_extract, feed_run
 from services.controller.loop.reconcile import RunBusy
+from services.controller.runs.status import run_status
 from runtime.runstate import RunState, read_finished, write_finished
-from shared.lifecycle import Failure, FailureKind
+from shared.lifecycle import Failure, FailureKind, RunPhase, Stage, StageState
 from services.extractor.jobs import run_extract
-from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
+from shared.jobs import EXTRACT_QUEUE, TRAIN_QUEUE, ExtractJob, evaluate_job_id, extract_job_id, train_job_id
 from runtime.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
-from runtime.sample_queue import enqueue_extract
+from runtime.sample_queue import enqueue_extract, enqueue_train
 from shared.settings import ControllerSettings, ExtractorSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
@@ -143,3 +145,70 @@ def test_a_job_that_lost_redis_is_requeued_not_named(data_dir, redis_conn, tmp_p
     assert name_failed_jobs(data_dir, redis_conn) == 0
     assert state.failures() == [] and not state.paths.failure("extract", 1).exists()
     assert queue(EXTRACT_QUEUE, redis_conn).get_job_ids() == [extract_job_id(RUN, 1)]
+
+
+def fail_training(state: RunState, *, checkpoints: tuple[int, ...]) -> None:
+    """A run whose samples all settled, whose training wrote ``checkpoints`` and then failed, finished as failed."""
+    finish_samples(state, generated=range(4), extracted=range(4))
+    state.set_meta(train_enqueued_at=time.time())
+    state.set_stage(Stage.TRAIN, StageState.RUNNING)
+    for step in checkpoints:
+        state.paths.checkpoint(step).mkdir(parents=True)
+    state.set_stage(Stage.TRAIN, StageState.FAILED, train_error="OSError: [Errno 28] No space left on device")
+    write_finished(state, RunPhase.FAILED)
+    enqueue_train(state.conn, state.run)
+    job = Job.fetch(train_job_id(state.run), connection=state.conn, serializer=SERIALIZER)
+    job.set_status(JobStatus.FAILED)  # what RQ leaves of a job that raised
+
+
+@pytest.mark.parametrize("redis_lost", [False, True])
+def test_retry_queues_a_failed_training_again_from_its_checkpoint(data_dir, redis_conn, tmp_path, redis_lost):
+    state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(5))
+    fail_training(state, checkpoints=(25, 50))
+    assert read_finished(state.paths)["meta"]["train_error"].startswith("OSError")
+    if redis_lost:
+        redis_conn.flushall()
+    shown = run_status(data_dir, redis_conn, RUN)  # read back from the finished record when Redis lost the run
+    assert shown["state"] == RunPhase.FAILED and shown["stages"][Stage.TRAIN]["state"] == StageState.FAILED
+    assert shown["stages"][Stage.TRAIN]["error"].startswith("OSError: [Errno 28]")
+    report = retry_failures(data_dir, redis_conn, RUN)
+    assert report.cleared == [] and report.resumed == {"stage": "train", "checkpoint_step": 50}
+    meta = state.meta()
+    assert meta["state"] == RunPhase.TRAINING and "train_state" not in meta and "train_error" not in meta
+    assert read_finished(state.paths) is None and "finished_at" not in meta
+    job = Job.fetch(train_job_id(RUN), connection=redis_conn, serializer=SERIALIZER)
+    assert job.get_status() == JobStatus.QUEUED and job.origin == TRAIN_QUEUE
+    assert run_status(data_dir, redis_conn, RUN)["stages"][Stage.TRAIN]["state"] == "queued"
+    # The trainer's start moves the stage to running, as for any train job.
+    assert state.set_stage(Stage.TRAIN, StageState.RUNNING) is RunPhase.TRAINING
+
+
+def test_a_retried_training_with_no_checkpoint_starts_over_and_a_second_retry_while_it_waits_is_refused(
+        data_dir, redis_conn, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(5))
+    fail_training(state, checkpoints=())
+    assert retry_failures(data_dir, redis_conn, RUN).resumed == {"stage": "train", "checkpoint_step": None}
+    with pytest.raises(RunBusy):
+        retry_failures(data_dir, redis_conn, RUN)
+
+
+def test_retry_of_a_failed_evaluation_measures_the_export_again(data_dir, redis_conn, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(5))
+    finish_samples(state, generated=range(4), extracted=range(4))
+    state.set_meta(train_enqueued_at=time.time())
+    state.set_stage(Stage.TRAIN, StageState.RUNNING)
+    state.set_stage(Stage.TRAIN, StageState.DONE)
+    state.set_stage(Stage.EVALUATE, StageState.RUNNING)
+    state.set_stage(Stage.EVALUATE, StageState.FAILED, evaluate_error="GreedyMismatch: ...")
+    report = retry_failures(data_dir, redis_conn, RUN)
+    assert report.resumed == {"stage": "evaluate", "checkpoint_step": None}
+    meta = state.meta()
+    assert meta["state"] == RunPhase.EVALUATING and meta["train_state"] == StageState.DONE
+    assert Job.fetch(evaluate_job_id(RUN), connection=redis_conn, serializer=SERIALIZER).get_status() == JobStatus.QUEUED
+
+
+def test_a_failed_run_with_nothing_failed_to_resume_is_left_alone(data_dir, redis_conn, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, RUN, prompt_rows(5))
+    state.set_phase(RunPhase.FAILED, error="no sample made it through extraction; nothing to train on")
+    report = retry_failures(data_dir, redis_conn, RUN)
+    assert report.resumed is None and report.cleared == [] and state.phase() is RunPhase.FAILED
