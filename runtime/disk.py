@@ -68,6 +68,7 @@ PAUSED = "disk_paused"  # the reason; present only while the run is paused
 PAUSED_AT = "disk_paused_at"
 PAUSED_NEED = "disk_paused_need"  # bytes a refused claim needs above the reserve; set by runtime.disk_claims
 BYTES_PER_TOKEN_ESTIMATE = "disk_bytes_per_token_estimate"  # recorded at submission, used until samples land
+PAUSE_HOLDS = (Stage.GENERATE, Stage.EXTRACT)  # the stages a disk pause holds back
 LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
               "disk_checked_at")
 
@@ -360,8 +361,11 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
         per_token: float | None = landed_bytes / landed_tokens
     else:
         per_token = _number(meta, "disk_bytes_per_token") or None
+    paused = meta[PAUSED] is not None
     return {
-        "paused": meta[PAUSED] is not None,
+        "paused": paused,
+        # A paused run takes no new prompts (the supervisor stops feeding) and its extractions wait.
+        "holds": list(PAUSE_HOLDS) if paused else [],
         "reason": meta[PAUSED],
         "paused_at": _number(meta, PAUSED_AT) or None,
         "projected_bytes": int(_number(meta, "disk_projected_bytes")) if meta["disk_checked_at"] else None,
@@ -377,4 +381,4 @@ def format_disk_pause(disk: dict) -> str | None:
     """The operator line for a run paused for disk space (``disk`` holds ``disk_status``'s keys), else None."""
     if not disk.get("paused"):
         return None
-    return f"  PAUSED    extraction waits for disk space: {disk.get('reason')}"
+    return f"  PAUSED    new prompts held back and extraction waits for disk space: {disk.get('reason')}"

@@ -107,7 +107,9 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert reason and str(fs.path) in reason and "short by" in reason
         status = disk.disk_status(redis_conn, RUN)
         assert status["paused"] and status["reason"] == reason
-        assert disk.format_disk_pause(status) == f"  PAUSED    extraction waits for disk space: {reason}"
+        assert disk.format_disk_pause(status) == (f"  PAUSED    new prompts held back and extraction waits for disk "
+                                                  f"space: {reason}")
+        assert status["holds"] == ["generate", "extract"]
         assert (status["projected_bytes"], status["bytes_per_token"]) == (99 * 1000 * 100, 100.0)
         assert status["checked_free_bytes"] == headroom.free_bytes and status["reserve_bytes"] == headroom.reserve_bytes
 

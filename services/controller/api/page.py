@@ -52,7 +52,8 @@ def _run(status: dict) -> str:
         f"{format_bytes(disk['run_bytes'])}</p>",
     ]
     if disk.get("paused"):
-        parts.append(f"<p class='paused'>PAUSED: extraction waits for disk space: {escape(str(disk['reason']))}</p>")
+        parts.append(f"<p class='paused'>PAUSED: new prompts held back and extraction waits for disk space: "
+                     f"{escape(str(disk['reason']))}</p>")
     if drafter["export_path"]:
         accept = drafter["acceptance_length"]
         margin = escape(margin_phrase(status["stages"][Stage.EVALUATE])) if accept else ""
@@ -72,7 +73,7 @@ def _stage(name: str, stage: dict) -> str:
     per_sample = "samples_per_second" in stage
     rate = stage.get("samples_per_second")
     rate_text = "" if not per_sample else "unknown" if rate is None else f"{rate:.2f}"
-    eta_text = "" if not per_sample else _duration(stage["eta_seconds"])
+    eta_text = "" if not per_sample else "paused" if stage.get("paused") else _duration(stage["eta_seconds"])
     # A finished stage's window ends at its last settled sample, not now: "over N s", not "the last N s".
     window = f" title='over {stage['rate_window_seconds']:.0f} s'" if rate else ""
     return (

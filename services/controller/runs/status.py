@@ -169,6 +169,13 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     evaluate["engine_prompts"] = int(float(meta["evaluate_engine_prompts"])) if meta.get("evaluate_engine_prompts") else None
     evaluate["engine_error"] = meta.get("evaluate_engine_error") or None
     errors = error_summary(conn, run, meta, gen, ext)
+    disk = {**disk_usage(data, meta), **disk_status(conn, run)}
+    for stage, shown in ((Stage.GENERATE, generate), (Stage.EXTRACT, extract)):
+        # Held by a disk pause: no rate can say when it ends, space coming back does.
+        shown["paused"] = stage in disk["holds"] and shown["remaining"] > 0
+        if shown["paused"]:
+            shown["eta_seconds"] = None
+    paused = generate["paused"] or extract["paused"]
     return {
         "run": run,
         "state": RunPhase.of(meta.get("state")),  # stored at every transition (shared.lifecycle)
@@ -176,8 +183,9 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
         "stages": {Stage.GENERATE: generate, Stage.EXTRACT: extract, Stage.TRAIN: train, Stage.EVALUATE: evaluate},
         "errors": errors,
         "failures": first_failures(conn, run),
-        "disk": {**disk_usage(data, meta), **disk_status(conn, run)},
-        "eta_seconds": overall_eta([generate, extract]),
+        "disk": disk,
+        "paused": paused,  # held for disk space: eta_seconds is None until space is back
+        "eta_seconds": None if paused else overall_eta([generate, extract]),
         "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"],
                     "warning": meta.get("train_warning") or None},
         "updated_at": now,
@@ -255,7 +263,11 @@ def _sample_line(name: str, s: dict) -> str:
     if "requests" in s and s["requests"] is None:
         cost = "  requests/sample unknown (state read back from the volume)"
     return (f"  {name:<9} {s[Outcome.DONE]:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   failed {s[Outcome.FAILED]:,}  "
-            f"dropped {s[Outcome.DROPPED]:,}  {_rate(s)}  ETA {_duration(s['eta_seconds'])}{cost}")
+            f"dropped {s[Outcome.DROPPED]:,}  {_rate(s)}  ETA {_eta(s)}{cost}")
+
+
+def _eta(s: dict) -> str:
+    return "paused" if s.get("paused") else _duration(s["eta_seconds"])
 
 
 def _whole_line(name: str, s: dict, extra: str) -> str:
@@ -312,7 +324,7 @@ def format_status(status: dict) -> str:
         _whole_line(Stage.EVALUATE, stages[Stage.EVALUATE], _acceptance_text(stages[Stage.EVALUATE])),
         f"  errors    {errors['total']:,} total, {errors['since_resume']:,} since resume, "
         f"{errors[Outcome.DROPPED]:,} dropped",
-        f"  ETA       {_duration(status['eta_seconds'])}",
+        f"  ETA       {'paused (waiting for disk space)' if status.get('paused') else _duration(status['eta_seconds'])}",
         f"  disk      {format_bytes(disk['used_bytes'])} used, {format_bytes(disk['free_bytes'])} free of "
         f"{format_bytes(disk['total_bytes'])} ({disk['path']}); this run {format_bytes(disk['run_bytes'])}",
     ]

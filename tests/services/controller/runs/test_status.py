@@ -9,6 +9,7 @@ import pytest
 
 from services.controller.runs.status import first_failures, format_status, list_status, run_status
 from services.controller.runs.submit import submit_run
+from runtime.disk import clear_paused, set_paused
 from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
 from shared.runspec import EvalConfig, RunSpec
@@ -18,7 +19,7 @@ from tests.services.controller.runs.test_datasets import write_jsonl
 
 RUN = "stat"
 STAGE_KEYS = {"total", "done", "failed", "dropped", "remaining", "percent", "samples_per_second",
-              "rate_window_seconds", "eta_seconds"}
+              "rate_window_seconds", "eta_seconds", "paused"}
 T0 = 1_700_000_002.5
 BURST, EVERY = 50, 10.0  # a true rate of 5 samples/s, landing in bursts
 
@@ -50,7 +51,7 @@ def state(data_dir, redis_conn, tmp_path) -> RunState:
 def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert set(status) == {"run", "state", "expected", "stages", "errors", "failures", "disk", "eta_seconds",
-                           "drafter", "updated_at"}
+                           "paused", "drafter", "updated_at"}
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
     assert set(status["stages"]["extract"]) == STAGE_KEYS
@@ -59,7 +60,7 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
                                                  "engine_acceptance_length", "engine_prompts", "engine_error", "k",
                                                  "lookup_acceptance_length", "over_lookup"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
-    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "reason",
+    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "holds", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at",
                                    "checked_free_bytes", "reserve_bytes"}
     assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
@@ -283,3 +284,27 @@ def test_generation_reports_its_requests_per_settled_sample(data_dir, redis_conn
     assert (status["stages"]["generate"]["requests"], status["stages"]["generate"]["requests_per_sample"]) == \
         (None, None)
     assert "requests/sample unknown (state read back from the volume)" in format_status(status).splitlines()[1]
+
+
+def test_a_pause_for_disk_space_names_the_stages_it_holds_and_their_eta_reads_paused(data_dir, redis_conn, state):
+    for sample_id in (0, 1):  # generation has samples left
+        state.clear_done("generate", sample_id)
+    set_paused(redis_conn, RUN, "1.0 MiB still needed for 3 samples; 0 B free on /data")
+    status = run_status(data_dir, redis_conn, RUN)
+    gen, ext = status["stages"]["generate"], status["stages"]["extract"]
+    assert status["disk"]["holds"] == ["generate", "extract"] and status["paused"] is True
+    assert gen["paused"] and ext["paused"] and gen["eta_seconds"] is None and ext["eta_seconds"] is None
+    assert status["eta_seconds"] is None
+    text = format_status(status)
+    assert "ETA paused" in text.splitlines()[1] and "ETA paused" in text.splitlines()[2]
+    assert "  ETA       paused (waiting for disk space)" in text
+    assert ("  PAUSED    new prompts held back and extraction waits for disk space: 1.0 MiB still needed for 3 "
+            "samples; 0 B free on /data") in text
+    # A stage with nothing left is not held by the pause: its ETA stays 0.
+    for sample_id in (0, 1):
+        state.mark_done("generate", sample_id)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert not status["stages"]["generate"]["paused"] and status["stages"]["extract"]["paused"]
+    clear_paused(redis_conn, RUN)
+    status = run_status(data_dir, redis_conn, RUN)
+    assert not status["paused"] and not status["stages"]["extract"]["paused"] and "PAUSED" not in format_status(status)
