@@ -48,6 +48,7 @@ import redis
 
 from shared.errors import DraftlineError, RunNotFound
 from shared.runspec import RunSpec
+from runtime.disk_training import reply_bytes, target_config, training_bytes
 from runtime.runstate import RunState
 from shared.lifecycle import RunKeys, Stage
 
@@ -69,6 +70,8 @@ PAUSED_AT = "disk_paused_at"
 PAUSED_NEED = "disk_paused_need"  # bytes a refused claim needs above the reserve; set by runtime.disk_claims
 BYTES_PER_TOKEN_ESTIMATE = "disk_bytes_per_token_estimate"  # recorded at submission, used until samples land
 PAUSE_HOLDS = (Stage.GENERATE, Stage.EXTRACT)  # the stages a disk pause holds back
+WRITER_HOLDS = (Stage.TRAIN, Stage.EVALUATE)  # the stages whose writers wait for space by themselves
+HELD_PREFIX = "disk_held_"  # meta field per held writer stage: why it waits (StageHold)
 LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
               "disk_checked_at")
 
@@ -100,6 +103,12 @@ class Headroom:
     message: str
     remaining_samples: int = 0
     measured: bool = False  # True once the numbers come from landed samples rather than the estimate
+    replies_bytes: int = 0  # of projected_bytes: the replies still to generate
+    training_bytes: int = 0  # of projected_bytes: the checkpoints and export still to write
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.projected_bytes - self.replies_bytes - self.training_bytes
 
 
 # ---- the volume --------------------------------------------------------------------------------
@@ -193,41 +202,72 @@ def assess(
     reserve_bytes: int = 0,
     reserve_fraction: float = 0.0,
     bytes_per_token_hint: float | None = None,
+    target_config: dict | None = None,
 ) -> Headroom:
-    """Project what the run still needs on its volume and compare it with free space less the reserve."""
+    """Project what the run still writes on its volume (hidden states, replies, checkpoints and export) and
+    compare it with free space less the reserve."""
     data, run = state.paths.data, state.run
     meta = state.meta()
     free, total = volume_usage(data)
     reserve = reserve_for(total, reserve_bytes, reserve_fraction)
-    remaining = remaining_samples(state, int(_number(meta, "expected")))
+    expected = int(_number(meta, "expected"))
+    remaining = remaining_samples(state, expected)
     landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
     done = state.counts(Stage.EXTRACT).done
     measured = landed_tokens > 0 and done > 0
+    spec = _spec(data, run)
+    rows = max(expected, 1)
     if measured:
         per_token, per_sample = landed_bytes / landed_tokens, landed_tokens / done
     else:
         per_token = _number(meta, BYTES_PER_TOKEN_ESTIMATE) or bytes_per_token_hint
-        per_sample = _estimated_sample_tokens(data, run, meta)
-    projected = int(remaining * per_sample * per_token) if per_token and per_sample else 0
-    return _verdict(data, free, reserve, projected, per_token or None, remaining, measured)
+        per_sample = (estimate_sample_tokens(_number(meta, "prompts_bytes") / rows, spec.generation.max_tokens,
+                                             spec.extraction.max_length) if spec else None)
+    hidden = int(remaining * per_sample * per_token) if per_token and per_sample else 0
+    replies = training = 0
+    if spec is not None:
+        generate = state.counts(Stage.GENERATE)
+        replies = reply_bytes(max(expected - generate.settled, 0), _number(meta, "generated_bytes"), generate.done,
+                              prompt_bytes_per_row=_number(meta, "prompts_bytes") / rows,
+                              max_tokens=spec.generation.max_tokens)
+        training = training_bytes(state.paths, target_config, spec.train)
+    return _verdict(data, free, reserve, Rest(hidden, replies, training), per_token or None, remaining, measured)
 
 
-def _estimated_sample_tokens(data: Path, run: str, meta: dict[str, str]) -> float | None:
+def _spec(data: Path, run: str) -> RunSpec | None:
     try:
-        spec = RunSpec.load(data, run)
+        return RunSpec.load(data, run)
     except (RunNotFound, OSError, ValueError):
         return None
-    rows = max(int(_number(meta, "expected")), 1)
-    return estimate_sample_tokens(_number(meta, "prompts_bytes") / rows, spec.generation.max_tokens,
-                                  spec.extraction.max_length)
 
 
-def _verdict(data: Path, free: int, reserve: int, projected: int, per_token: float | None,
+@dataclass(frozen=True)
+class Rest:
+    """What the run still writes, by writer."""
+
+    hidden: int
+    replies: int = 0
+    training: int = 0  # checkpoints and the export
+
+    @property
+    def total(self) -> int:
+        return self.hidden + self.replies + self.training
+
+    def describe(self) -> str:
+        parts = [f"{format_bytes(self.replies)} of replies" if self.replies else "",
+                 f"{format_bytes(self.training)} of checkpoints and export" if self.training else ""]
+        extra = ", ".join(p for p in parts if p)
+        return f" (with {extra})" if extra else ""
+
+
+def _verdict(data: Path, free: int, reserve: int, rest: Rest, per_token: float | None,
              remaining: int, measured: bool) -> Headroom:
+    projected = rest.total
     basis = "measured" if measured else "estimated"
     rate = f"{per_token:,.0f} bytes/token {basis}" if per_token else "no size per token known yet"
-    facts = (f"{format_bytes(projected)} still needed for {remaining:,} samples ({rate}); "
-             f"{format_bytes(free)} free on {data}, {format_bytes(reserve)} kept in reserve")
+    facts = (f"{format_bytes(projected)} still needed{rest.describe()}: {format_bytes(rest.hidden)} of hidden "
+             f"states for {remaining:,} samples ({rate}); {format_bytes(free)} free on {data}, "
+             f"{format_bytes(reserve)} kept in reserve")
     if free < reserve:
         message = (f"the volume {data} has {format_bytes(free)} free, less than the "
                    f"{format_bytes(reserve)} reserve; free space on it or grow it (or lower "
@@ -235,7 +275,7 @@ def _verdict(data: Path, free: int, reserve: int, projected: int, per_token: flo
         ok = False
     elif projected > free - reserve and measured:
         message = (f"{facts}; short by {format_bytes(projected - (free - reserve))}: free space "
-                   f"on {data} or grow the volume, and extraction resumes by itself")
+                   f"on {data} or grow the volume, and the run resumes by itself")
         ok = False
     elif projected > free - reserve:
         message = (f"{facts}; the estimate is short by {format_bytes(projected - (free - reserve))}, "
@@ -244,7 +284,8 @@ def _verdict(data: Path, free: int, reserve: int, projected: int, per_token: flo
     else:
         message = facts
         ok = True
-    return Headroom(free, projected, reserve, per_token, ok, message, remaining, measured)
+    return Headroom(free, projected, reserve, per_token, ok, message, remaining, measured,
+                    replies_bytes=rest.replies, training_bytes=rest.training)
 
 
 # ---- the pause flag ------------------------------------------------------------------------------
@@ -335,7 +376,8 @@ def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
     drop_settled_claims(state)
     hint = target_bytes_per_token(settings.model_dir) if settings.model_dir else None
     headroom = assess(state, reserve_bytes=settings.disk_reserve_bytes,
-                      reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint)
+                      reserve_fraction=settings.disk_reserve_fraction, bytes_per_token_hint=hint,
+                      target_config=target_config(settings.model_dir))
     values = (headroom.projected_bytes, headroom.bytes_per_token or "", headroom.free_bytes,
               headroom.reserve_bytes, time.time())
     conn.hset(RunKeys(run).meta, mapping={k: str(v) for k, v in zip(LAST_CHECK, values)})
@@ -352,10 +394,43 @@ def supervise_disk(settings: _DiskSettings, state: RunState) -> Headroom:
     return headroom
 
 
+def held_field(stage: Stage) -> str:
+    return f"{HELD_PREFIX}{Stage(stage)}"
+
+
+class StageHold:
+    """A writer of whole-run ``stage`` (training's checkpoints, the export, the evaluation's report) waiting for
+    disk space, named in the run's meta so status shows the stage held and why. Best effort: a writer that
+    cannot reach Redis still waits, and says so in its log."""
+
+    def __init__(self, conn: redis.Redis, run: str, stage: Stage) -> None:
+        self.conn, self.run, self.field = conn, run, held_field(stage)
+
+    def hold(self, reason: str) -> None:
+        try:
+            self.conn.hset(RunKeys(self.run).meta, self.field, reason)
+        except redis.RedisError as exc:
+            log.warning("run %s: could not record the wait for disk space in Redis: %s", self.run, exc)
+
+    def release(self) -> None:
+        try:
+            self.conn.hdel(RunKeys(self.run).meta, self.field)
+        except redis.RedisError as exc:
+            log.warning("run %s: could not clear the wait for disk space in Redis: %s", self.run, exc)
+
+
+def release_stages(conn: redis.Redis, run: str, stages: tuple[Stage, ...] = WRITER_HOLDS) -> None:
+    """Forget holds a killed writer left: a job of those stages starting again holds anew if it must."""
+    conn.hdel(RunKeys(run).meta, *(held_field(stage) for stage in stages))
+
+
 def disk_status(conn: redis.Redis, run: str) -> dict:
-    """The pause and the last projection, from the run's meta only (cheap at any run size)."""
-    fields = (PAUSED, PAUSED_AT, HIDDEN_BYTES, HIDDEN_TOKENS, *LAST_CHECK)
+    """The pause, the writers holding for space, and the last projection, from the run's meta only (cheap at
+    any run size)."""
+    writers = tuple(held_field(stage) for stage in WRITER_HOLDS)
+    fields = (PAUSED, PAUSED_AT, HIDDEN_BYTES, HIDDEN_TOKENS, *LAST_CHECK, *writers)
     meta = dict(zip(fields, (_s(v) for v in conn.hmget(RunKeys(run).meta, fields))))
+    held = {str(stage): meta[held_field(stage)] for stage in WRITER_HOLDS if meta[held_field(stage)] is not None}
     landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
     if landed_tokens > 0:
         per_token: float | None = landed_bytes / landed_tokens
@@ -364,8 +439,10 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
     paused = meta[PAUSED] is not None
     return {
         "paused": paused,
-        # A paused run takes no new prompts (the supervisor stops feeding) and its extractions wait.
-        "holds": list(PAUSE_HOLDS) if paused else [],
+        # A paused run takes no new prompts (the supervisor stops feeding) and its extractions wait; a writer
+        # that found the volume full holds its own stage.
+        "holds": [*(PAUSE_HOLDS if paused else ()), *held],
+        "held": held,  # stage -> why its writer waits
         "reason": meta[PAUSED],
         "paused_at": _number(meta, PAUSED_AT) or None,
         "projected_bytes": int(_number(meta, "disk_projected_bytes")) if meta["disk_checked_at"] else None,
@@ -378,7 +455,9 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
 
 
 def format_disk_pause(disk: dict) -> str | None:
-    """The operator line for a run paused for disk space (``disk`` holds ``disk_status``'s keys), else None."""
-    if not disk.get("paused"):
-        return None
-    return f"  PAUSED    new prompts held back and extraction waits for disk space: {disk.get('reason')}"
+    """The operator lines for a run paused or held for disk space (``disk`` holds ``disk_status``'s keys), else
+    None."""
+    lines = [f"  PAUSED    {stage} waits for disk space: {reason}" for stage, reason in (disk.get("held") or {}).items()]
+    if disk.get("paused"):
+        lines.insert(0, f"  PAUSED    new prompts held back and extraction waits for disk space: {disk.get('reason')}")
+    return "\n".join(lines) or None

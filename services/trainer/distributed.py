@@ -36,9 +36,11 @@ from services.trainer.train import pick_device, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
 from runtime.process import die_with_parent
+from runtime.disk import StageHold
 from runtime.queues import connect
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
+from shared.lifecycle import Stage
 from shared.settings import TrainerSettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -83,8 +85,12 @@ def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) 
     try:
         log.info("rank %d of %d (pid %d) training %s on %s", rank, dist.get_world_size(), os.getpid(), run, device)
         spec = RunSpec.load(settings.data, run)
-        progress = progress_reporter(RunState(connect(settings.redis_url), settings.data, run)) if rank == 0 else None
-        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress)
+        conn = connect(settings.redis_url)
+        progress = progress_reporter(RunState(conn, settings.data, run)) if rank == 0 else None
+        # Rank 0 writes the checkpoints; its peers wait for it at the next collective, within the train timeout.
+        hold = StageHold(conn, run, Stage.TRAIN) if rank == 0 else None
+        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress,
+                               space_hold=hold)
         # Every rank tears down together, after rank 0 has written the last checkpoint: a gloo rank that destroyed
         # its process group while its peer was still busy aborted at exit ("terminate called without an active
         # exception"), and the peer's torchrun then waited out its exit barrier for the node that never came.

@@ -27,8 +27,10 @@ from shared.layout import RunPaths
 from shared import metrics
 from shared.lifecycle import Stage, StageState
 from runtime.queues import connect
+from runtime.disk import StageHold, release_stages
 from runtime.remote_code import load_from_target
 from runtime.sample_queue import enqueue_evaluate
+from runtime.space import write_with_space
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
 from shared.settings import TrainerSettings, load_settings
@@ -122,6 +124,8 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
     # ranks it would surface as a failed rank).
     check_base_checkpoint(spec.train, data=settings.data, model_dir=settings.model_dir, target_config=target_config,
                           layer_ids=expected_layer_ids(spec, target_config))
+    release_stages(state.conn, state.run)  # a killed trainer's wait for space is not this one's
+    hold = StageHold(state.conn, state.run, Stage.TRAIN)
     state.set_stage(Stage.TRAIN, StageState.RUNNING, train_started_at=time.time(), train_procs=procs,
                     train_nodes=settings.train_nodes)
     if settings.train_nodes > 1 or procs > 1:  # rank 0 reports progress and writes the checkpoints
@@ -132,15 +136,18 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
     else:
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,
-                               progress=progress_reporter(state))
-    export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
-                   target_fingerprint=result.target_fingerprint, dtype=export_dtype(settings.model_dir))
+                               progress=progress_reporter(state), space_hold=hold)
+    write_with_space(lambda: export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
+                                            target_fingerprint=result.target_fingerprint,
+                                            dtype=export_dtype(settings.model_dir)),
+                     "the export", settings.data, hold=hold)
     return result
 
 
 def evaluate(payload: dict) -> dict:
     job = EvaluateJob.model_validate(payload)
     settings, _, state, paths = _run_context(job.run)
+    release_stages(state.conn, state.run, (Stage.EVALUATE,))
     state.set_stage(Stage.EVALUATE, StageState.RUNNING)
     try:
         spec = RunSpec.load(settings.data, job.run)
@@ -152,7 +159,8 @@ def evaluate(payload: dict) -> dict:
             return {"run": job.run, "acceptance_length": None, "eval_report": None}
         report = _evaluate_export(settings, paths, spec, state, sets)
         engine_error = _measure_in_engine(settings, paths, sets, report) if settings.eval_vllm_command else None
-        atomic_write_json(paths.eval_report, report)
+        write_with_space(lambda: atomic_write_json(paths.eval_report, report), "the evaluation report", settings.data,
+                         hold=StageHold(state.conn, state.run, Stage.EVALUATE))
         state.set_meta(acceptance_length=report["acceptance_length"], **curve_meta(report), **engine_meta(report),
                        **lookup_meta(report))
         # Raised after the report is on the volume: the numbers that failed stay readable.

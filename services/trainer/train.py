@@ -86,6 +86,7 @@ from modeling.ttt_attention import FLEX, attention_kind
 from services.trainer.validation import Validation, validation_split
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
 from modeling.attention import avoid_cudnn_attention
+from runtime.space import SpaceHold, append_line, write_with_space
 
 log = logging.getLogger(__name__)
 
@@ -227,15 +228,21 @@ def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+OnVolume = Callable[[str, Callable[[], object]], None]  # (what, write): a volume write that waits out a full disk
+
+
 class TrainLog:
     """``train_log.jsonl``, one line per optimizer step. On resume, lines past the checkpoint go, so the
-    log never shows a step twice; a fresh start empties it."""
+    log never shows a step twice; a fresh start empties it. A full volume makes a write wait for space
+    (``on_volume``); a line is appended whole or not at all."""
 
-    def __init__(self, path: Path, resume_step: int, enabled: bool) -> None:
+    def __init__(self, path: Path, resume_step: int, enabled: bool, on_volume: OnVolume | None = None) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.on_volume = on_volume or (lambda what, write: write())
         if enabled:
-            atomic_write_text(self.path, "".join(line + "\n" for line in self._kept(resume_step)))
+            text = "".join(line + "\n" for line in self._kept(resume_step))
+            self.on_volume(self.path.name, lambda: atomic_write_text(self.path, text))
 
     def _kept(self, step: int) -> list[str]:
         if step == 0 or not self.path.is_file():
@@ -251,8 +258,8 @@ class TrainLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
+            line = json.dumps(record, sort_keys=True)
+            self.on_volume(f"{self.path.name} at step {record.get('step')}", lambda: append_line(self.path, line))
 
 
 # ---- setup --------------------------------------------------------------------------------------
@@ -405,7 +412,12 @@ class Session:
     rank: int = 0
     world: int = 1
     validation: Validation | None = None  # rank 0's held-out files (train.validation_files), else None
+    space_hold: SpaceHold | None = None  # names the train stage held while a write waits for disk space
     result: TrainResult = field(init=False)
+
+    def on_volume(self, what: str, write: Callable[[], object]) -> None:
+        """Run the volume write ``write`` (atomic: a failed try leaves nothing), waiting out a full disk."""
+        write_with_space(write, what, self.paths.data, hold=self.space_hold)
 
 
 def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Session:
@@ -563,11 +575,15 @@ def measure_held_out(s: Session, step: int, epoch: int, validation_log: TrainLog
     return measured["curve"]
 
 
-def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None) -> TrainResult:
-    """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end."""
+def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None,
+                  space_hold: SpaceHold | None = None) -> TrainResult:
+    """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end. A
+    write that finds the volume full waits for space, with ``space_hold`` naming the stage held."""
     s = prepare(spec, data=data, model_dir=model_dir, device=device)
-    train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0)
-    validation_log = TrainLog(s.paths.validation_log, s.position.step, enabled=s.validation is not None)
+    s.space_hold = space_hold
+    train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0, on_volume=s.on_volume)
+    validation_log = TrainLog(s.paths.validation_log, s.position.step, enabled=s.validation is not None,
+                              on_volume=s.on_volume)
     validation = None
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     tokens, session_start = 0, time.monotonic()
@@ -599,12 +615,13 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if checkpoint:
+                position = ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3))
                 with s.weights.full_precision():
-                    ckpt.save_checkpoint(s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
-                                         scheduler=s.scheduler,
-                                         position=ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3)),
-                                         extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching,
-                                                "global_batch_size": s.cfg.global_batch_size})
+                    s.on_volume(f"checkpoint step {step}", partial(
+                        ckpt.save_checkpoint, s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
+                        scheduler=s.scheduler, position=position,
+                        extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching,
+                               "global_batch_size": s.cfg.global_batch_size}))
     s.weights.finish()
     s.result.steps = step
     return s.result

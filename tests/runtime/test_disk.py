@@ -52,8 +52,11 @@ def test_landed_samples_give_the_measured_projection(data_dir, redis_conn):
     assert headroom.measured and headroom.ok
     assert headroom.bytes_per_token == 100.0  # 10000 bytes / 100 tokens
     assert headroom.remaining_samples == 4  # 10 expected, 4 extracted, 1 failed and 1 dropped in generation
-    assert headroom.projected_bytes == 4 * 25 * 100  # 25 tokens per sample so far
-    assert "measured" in headroom.message
+    assert headroom.hidden_bytes == 4 * 25 * 100  # 25 tokens per sample so far
+    # No reply landed yet: 10 expected less 2 settled in generation, each 2 x 400 prompt bytes + 12 x 100 tokens.
+    assert headroom.replies_bytes == 8 * (2 * 400 + 12 * 100) and headroom.training_bytes == 0  # no target config
+    assert headroom.projected_bytes == headroom.hidden_bytes + headroom.replies_bytes
+    assert "measured" in headroom.message and "of replies" in headroom.message
 
 
 def test_before_any_sample_lands_the_stated_rule_estimates(data_dir, redis_conn):
@@ -62,18 +65,18 @@ def test_before_any_sample_lands_the_stated_rule_estimates(data_dir, redis_conn)
     # 400 prompt bytes per row / 4 bytes per token + 100 reply tokens = 200 tokens per sample
     assert disk.estimate_sample_tokens(400, 100, 4096) == 200
     assert disk.estimate_sample_tokens(400, 100, 150) == 150  # extraction.max_length caps a sample
-    assert headroom.projected_bytes == 10 * 200 * 513 and not headroom.measured
+    assert headroom.hidden_bytes == 10 * 200 * 513 and not headroom.measured
     assert "estimated" in headroom.message
 
     # an estimate recorded at submission wins over the hint
     RunState(redis_conn, data_dir, RUN).set_meta(**{disk.BYTES_PER_TOKEN_ESTIMATE: 1000})
-    assert disk.assess(RunState(redis_conn, data_dir, RUN), bytes_per_token_hint=513).projected_bytes == 10 * 200 * 1000
+    assert disk.assess(RunState(redis_conn, data_dir, RUN), bytes_per_token_hint=513).hidden_bytes == 10 * 200 * 1000
 
 
 def test_without_any_size_per_token_nothing_is_projected(data_dir, redis_conn):
     make_run(data_dir, redis_conn)
     headroom = disk.assess(RunState(redis_conn, data_dir, RUN))
-    assert (headroom.projected_bytes, headroom.bytes_per_token, headroom.ok) == (0, None, True)
+    assert (headroom.hidden_bytes, headroom.bytes_per_token, headroom.ok) == (0, None, True)
     assert "no size per token known yet" in headroom.message
 
 
@@ -102,7 +105,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         settings = settings_for(fs.path)
 
         headroom = disk.supervise_disk(settings, RunState(redis_conn, settings.data, RUN))
-        assert not headroom.ok and headroom.projected_bytes == 99 * 1000 * 100
+        assert not headroom.ok and headroom.hidden_bytes == 99 * 1000 * 100
         reason = disk.paused_reason(redis_conn, RUN)
         assert reason and str(fs.path) in reason and "short by" in reason
         status = disk.disk_status(redis_conn, RUN)
@@ -110,7 +113,7 @@ def test_supervision_pauses_a_run_that_does_not_fit_and_resumes_it_when_the_volu
         assert disk.format_disk_pause(status) == (f"  PAUSED    new prompts held back and extraction waits for disk "
                                                   f"space: {reason}")
         assert status["holds"] == ["generate", "extract"]
-        assert (status["projected_bytes"], status["bytes_per_token"]) == (99 * 1000 * 100, 100.0)
+        assert (status["projected_bytes"], status["bytes_per_token"]) == (headroom.projected_bytes, 100.0)
         assert status["checked_free_bytes"] == headroom.free_bytes and status["reserve_bytes"] == headroom.reserve_bytes
 
         # Still short: it stays paused, and the first pause time is kept.

@@ -6,6 +6,7 @@ and says why. Every mount is unmounted when its context ends, also when the test
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from collections.abc import Iterator
@@ -72,3 +73,20 @@ def mounted_tmpfs(path: Path, size: int, *, read_only: bool = False) -> Iterator
         yield fs
     finally:
         fs.unmount()
+
+
+def fill_volume(path: Path, keep: int = 0) -> Path:
+    """Another process's file at ``path`` that takes the volume's free space but ``keep`` bytes (about: tmpfs
+    counts whole pages); delete it to give the space back."""
+    path = Path(path)
+    with open(path, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 4096)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    if keep:
+        with open(path, "r+b") as handle:
+            handle.truncate(max(path.stat().st_size - keep, 0))
+    return path

@@ -54,6 +54,9 @@ def _run(status: dict) -> str:
     if disk.get("paused"):
         parts.append(f"<p class='paused'>PAUSED: new prompts held back and extraction waits for disk space: "
                      f"{escape(str(disk['reason']))}</p>")
+    for stage, reason in (disk.get("held") or {}).items():
+        parts.append(f"<p class='paused' data-held='{escape(stage)}'>PAUSED: {escape(stage)} waits for disk space: "
+                     f"{escape(str(reason))}</p>")
     if drafter["export_path"]:
         accept = drafter["acceptance_length"]
         margin = escape(margin_phrase(status["stages"][Stage.EVALUATE])) if accept else ""

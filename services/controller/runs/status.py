@@ -175,7 +175,9 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
         shown["paused"] = stage in disk["holds"] and shown["remaining"] > 0
         if shown["paused"]:
             shown["eta_seconds"] = None
-    paused = generate["paused"] or extract["paused"]
+    for stage, shown in ((Stage.TRAIN, train), (Stage.EVALUATE, evaluate)):
+        shown["paused"] = stage in disk["held"]  # its writer found the volume full and waits for space
+    paused = any(shown["paused"] for shown in (generate, extract, train, evaluate))
     return {
         "run": run,
         "state": RunPhase.of(meta.get("state")),  # stored at every transition (shared.lifecycle)
@@ -272,7 +274,9 @@ def _eta(s: dict) -> str:
 
 def _whole_line(name: str, s: dict, extra: str) -> str:
     error = f"\n  {'':<9} {s['error']}" if s["state"] == StageState.FAILED and s["error"] else ""
-    return f"  {name:<9} {s[Outcome.DONE]:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{extra}{error}"
+    waiting = "  (paused: waiting for disk space)" if s.get("paused") else ""
+    return (f"  {name:<9} {s[Outcome.DONE]:>9,} / {s['total']:<9,} {s['percent']:5.1f}%   {s['state']}{waiting}{extra}"
+            f"{error}")
 
 
 def _acceptance_text(evaluate: dict) -> str:

@@ -17,6 +17,10 @@ from shared import eagle3
 from shared.atomic import TEMP_PREFIX
 from shared.layout import RunPaths
 from shared.runspec import RunSpec
+from runtime.disk import StageHold, disk_status
+from shared.lifecycle import Stage
+from tests.support.tiny_runs import write_run
+from tests.support.tmpfs import fill_volume, mounted_tmpfs
 
 
 class Crash(Exception):
@@ -253,3 +257,33 @@ def test_a_run_with_epochs_unset_trains_the_passes_its_data_calls_for(make_run, 
     result = train(paths, tiny_model_dir)
     records = log_records(paths)
     assert result.steps == s.total == len(records) and {r["epoch"] for r in records} == {0, 1, 2}
+
+
+def test_a_checkpoint_that_finds_the_volume_full_waits_for_space_and_training_goes_on(
+        tmp_path, redis_conn, make_run, tiny_model_dir, tiny_target, tiny_samples, eval_messages):
+    train_cfg = {"epochs": 2, "save_every": 3}  # 4 batches an epoch: checkpoints at 3, 6 and 8
+    straight = train(make_run("straight", train=train_cfg), tiny_model_dir)
+    with mounted_tmpfs(tmp_path / "volume", 64 << 20) as fs:
+        paths = write_run(fs.path, "full", tiny_target, tiny_samples, eval_messages, train=train_cfg)
+        neighbour, held = fs.path / "neighbour.bin", []
+
+        class Operator(StageHold):
+            """The trainer's hold as status reads it; the operator frees the space once the run says it waits."""
+
+            def hold(self, reason: str) -> None:
+                super().hold(reason)
+                held.append(disk_status(redis_conn, "full")["held"])
+                neighbour.unlink()
+
+        def fill_before_the_checkpoint(p: TrainProgress) -> None:
+            if p.step == 3:  # called after step 3's log line, before its checkpoint: room for log lines only
+                fill_volume(neighbour, keep=64 << 10)
+
+        result = train(paths, tiny_model_dir, progress=fill_before_the_checkpoint,
+                       space_hold=Operator(redis_conn, "full", Stage.TRAIN))
+        assert [list(h) for h in held] == [["train"]] and "checkpoint step 3" in held[0]["train"]
+        assert disk_status(redis_conn, "full")["held"] == {}  # released once the checkpoint landed
+        assert result.steps == straight.steps == 8 and same_weights(result.drafter, straight.drafter)
+        assert [step for step, _ in list_checkpoints(paths.checkpoints_dir)] == [6, 8]
+        assert [r["step"] for r in log_records(paths)] == list(range(1, 9))
+        assert not list(fs.path.rglob(f"{TEMP_PREFIX}*"))

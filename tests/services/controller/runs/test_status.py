@@ -9,7 +9,7 @@ import pytest
 
 from services.controller.runs.status import first_failures, format_status, list_status, run_status
 from services.controller.runs.submit import submit_run
-from runtime.disk import clear_paused, set_paused
+from runtime.disk import StageHold, clear_paused, release_stages, set_paused
 from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
 from shared.runspec import EvalConfig, RunSpec
@@ -55,12 +55,13 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
     assert set(status["stages"]["extract"]) == STAGE_KEYS
-    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding", "validation"}
-    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "acceptance_length",
+    assert set(status["stages"]["train"]) == {"total", "done", "percent", "state", "error", "loss", "padding", "validation",
+                                              "paused"}
+    assert set(status["stages"]["evaluate"]) == {"total", "done", "percent", "state", "error", "paused", "acceptance_length",
                                                  "engine_acceptance_length", "engine_prompts", "engine_error", "k",
                                                  "lookup_acceptance_length", "over_lookup"}
     assert set(status["errors"]) == {"total", "since_resume", "dropped"}
-    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "holds", "reason",
+    assert set(status["disk"]) == {"path", "used_bytes", "free_bytes", "total_bytes", "run_bytes", "paused", "holds", "held", "reason",
                                    "paused_at", "projected_bytes", "bytes_per_token", "checked_at",
                                    "checked_free_bytes", "reserve_bytes"}
     assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
@@ -85,7 +86,7 @@ def test_stage_numbers(data_dir, redis_conn, state):
     assert status["disk"]["path"] == str(data_dir)
     assert 0 < status["disk"]["free_bytes"] <= status["disk"]["total_bytes"]
     assert status["stages"]["train"] == {"total": 0, "done": 0, "percent": 0.0, "state": "pending", "error": None,
-                                         "loss": None, "padding": None, "validation": {}}
+                                         "loss": None, "padding": None, "validation": {}, "paused": False}
     assert status["drafter"] == {"export_path": None, "acceptance_length": None, "warning": None}
 
 
@@ -124,7 +125,7 @@ def test_trainer_progress_and_drafter_show_up(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert status["state"] == "training"
     assert status["stages"]["train"] == {"total": 20, "done": 5, "percent": 25.0, "state": "running", "error": None,
-                                         "loss": 1.25, "padding": 0.025, "validation": {}}
+                                         "loss": 1.25, "padding": 0.025, "validation": {}, "paused": False}
     assert "padding 2.5%" in format_status(status) and "held-out" not in format_status(status)
     # Held-out files (train.validation_files): the curve the trainer's progress report writes, in k order.
     state.set_progress("train", 8, 20, **{f"val_accept{k}": 1 + k / 10 for k in (10, 1, 2, 3)})
@@ -308,3 +309,19 @@ def test_a_pause_for_disk_space_names_the_stages_it_holds_and_their_eta_reads_pa
     clear_paused(redis_conn, RUN)
     status = run_status(data_dir, redis_conn, RUN)
     assert not status["paused"] and not status["stages"]["extract"]["paused"] and "PAUSED" not in format_status(status)
+
+
+def test_a_writer_waiting_for_disk_space_holds_its_stage_by_name(data_dir, redis_conn, state):
+    hold = StageHold(redis_conn, RUN, Stage.TRAIN)
+    hold.hold("writing checkpoint step 50 found /data full (0 B free: No space left on device)")
+    status = run_status(data_dir, redis_conn, RUN)
+    assert status["disk"]["holds"] == ["train"] and status["stages"]["train"]["paused"] and status["paused"]
+    assert not status["stages"]["extract"]["paused"] and not status["stages"]["evaluate"]["paused"]
+    text = format_status(status)
+    assert "  PAUSED    train waits for disk space: writing checkpoint step 50 found /data full" in text
+    assert "(paused: waiting for disk space)" in next(line for line in text.splitlines() if line.startswith("  train"))
+    hold.release()
+    assert run_status(data_dir, redis_conn, RUN)["disk"]["holds"] == []
+    hold.hold("again")
+    release_stages(redis_conn, RUN)  # a train or evaluate job starting again forgets a killed writer's hold
+    assert run_status(data_dir, redis_conn, RUN)["disk"]["held"] == {}
