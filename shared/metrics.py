@@ -40,6 +40,8 @@ ACCEPTANCE_CURVE = "draftline_acceptance_length_by_k"
 ACCEPTANCE_OVER_LOOKUP = "draftline_acceptance_over_lookup"
 RUN_DISK_PAUSED = "draftline_run_disk_paused"  # 1 while the run's extraction waits for disk space
 RUN_PROJECTED_BYTES = "draftline_run_projected_bytes"  # bytes the rest of the run still needs on the volume
+# Label stage: 1 while a disk pause holds it (generate, extract) or its writer waits for space (train, evaluate).
+RUN_STAGE_HELD = "draftline_run_stage_held"
 
 # ---- queues and workers: labels queue[, state] ----------------------------------------------------
 QUEUE_JOBS = "draftline_queue_jobs"  # jobs waiting in the queue

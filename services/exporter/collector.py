@@ -258,6 +258,10 @@ def _run_disk(families: Families, run: str, disk: dict) -> None:
     families.gauge(metrics.RUN_DISK_PAUSED, "1 while the run's extraction waits for disk space.", ["run"]).add_metric(
         [run], 1 if disk["paused"] else 0
     )
+    held = families.gauge(metrics.RUN_STAGE_HELD, "1 while the stage waits for disk space: held by the run's pause "
+                          "(generate, extract) or its writer waiting for space (train, evaluate).", ["run", "stage"])
+    for stage in (*SAMPLE_STAGES, *WHOLE_RUN_STAGES):
+        held.add_metric([run, str(stage)], 1 if stage in disk["holds"] else 0)
     if disk["projected_bytes"] is not None:
         families.gauge(metrics.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
                        ["run"]).add_metric([run], disk["projected_bytes"])

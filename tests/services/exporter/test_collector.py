@@ -351,7 +351,8 @@ def test_gpu_readings_become_labelled_series_and_missing_fields_are_left_out() -
 
 
 def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_conn, data_dir) -> None:
-    from runtime.disk import clear_paused, set_paused, supervise_disk
+    from runtime.disk import StageHold, clear_paused, set_paused, supervise_disk
+    from shared.lifecycle import Stage
     from shared.settings import ControllerSettings
 
     populate(redis_conn, data_dir)
@@ -361,5 +362,12 @@ def test_a_run_paused_for_disk_and_its_projection_are_exported(redis_url, redis_
     assert value(scrape(redis_url, data_dir), metrics.RUN_PROJECTED_BYTES, run="r1") == headroom.projected_bytes
     set_paused(redis_conn, "r1", "projected 2 TiB, 1 TiB free")
     assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 1
+    held = scrape(redis_url, data_dir)
+    assert [value(held, metrics.RUN_STAGE_HELD, run="r1", stage=s) for s in ("generate", "extract", "train", "evaluate")] \
+        == [1, 1, 0, 0]
     clear_paused(redis_conn, "r1")
     assert value(scrape(redis_url, data_dir), metrics.RUN_DISK_PAUSED, run="r1") == 0
+    StageHold(redis_conn, "r1", Stage.TRAIN).hold("writing checkpoint step 5 found /data full")
+    held = scrape(redis_url, data_dir)
+    assert [value(held, metrics.RUN_STAGE_HELD, run="r1", stage=s) for s in ("generate", "extract", "train", "evaluate")] \
+        == [0, 0, 1, 0]
