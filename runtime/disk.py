@@ -70,8 +70,9 @@ PAUSED_AT = "disk_paused_at"
 PAUSED_NEED = "disk_paused_need"  # bytes a refused claim needs above the reserve; set by runtime.disk_claims
 BYTES_PER_TOKEN_ESTIMATE = "disk_bytes_per_token_estimate"  # recorded at submission, used until samples land
 PAUSE_HOLDS = (Stage.GENERATE, Stage.EXTRACT)  # the stages a disk pause holds back
-WRITER_HOLDS = (Stage.TRAIN, Stage.EVALUATE)  # the stages whose writers wait for space by themselves
-HELD_PREFIX = "disk_held_"  # meta field per held writer stage: why it waits (StageHold)
+WRITER_HOLDS = (Stage.GENERATE, Stage.TRAIN, Stage.EVALUATE)  # the stages whose writers wait for space themselves
+HELD_PREFIX = "disk_held_"  # meta field per held writer stage: why it waits and when it last said so (StageHold)
+HOLD_STALE_S = 180.0  # three of a waiting writer's tries (runtime.space.RETRY_EVERY_S): a hold older is a dead writer's
 LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
               "disk_checked_at")
 
@@ -408,7 +409,7 @@ class StageHold:
 
     def hold(self, reason: str) -> None:
         try:
-            self.conn.hset(RunKeys(self.run).meta, self.field, reason)
+            self.conn.hset(RunKeys(self.run).meta, self.field, json.dumps({"reason": reason, "at": time.time()}))
         except redis.RedisError as exc:
             log.warning("run %s: could not record the wait for disk space in Redis: %s", self.run, exc)
 
@@ -417,6 +418,16 @@ class StageHold:
             self.conn.hdel(RunKeys(self.run).meta, self.field)
         except redis.RedisError as exc:
             log.warning("run %s: could not clear the wait for disk space in Redis: %s", self.run, exc)
+
+
+def _live_hold(value: str | None) -> str | None:
+    """The reason of a hold its writer renewed lately (a waiting writer renews it at every try, at least once a
+    minute), else None: a writer killed while it waited leaves a hold nobody releases."""
+    try:
+        hold = json.loads(value) if value else None
+        return hold["reason"] if hold and time.time() - float(hold["at"]) <= HOLD_STALE_S else None
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def release_stages(conn: redis.Redis, run: str, stages: tuple[Stage, ...] = WRITER_HOLDS) -> None:
@@ -430,7 +441,7 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
     writers = tuple(held_field(stage) for stage in WRITER_HOLDS)
     fields = (PAUSED, PAUSED_AT, HIDDEN_BYTES, HIDDEN_TOKENS, *LAST_CHECK, *writers)
     meta = dict(zip(fields, (_s(v) for v in conn.hmget(RunKeys(run).meta, fields))))
-    held = {str(stage): meta[held_field(stage)] for stage in WRITER_HOLDS if meta[held_field(stage)] is not None}
+    held = {str(stage): reason for stage in WRITER_HOLDS if (reason := _live_hold(meta[held_field(stage)]))}
     landed_bytes, landed_tokens = _number(meta, HIDDEN_BYTES), _number(meta, HIDDEN_TOKENS)
     if landed_tokens > 0:
         per_token: float | None = landed_bytes / landed_tokens
@@ -441,7 +452,7 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
         "paused": paused,
         # A paused run takes no new prompts (the supervisor stops feeding) and its extractions wait; a writer
         # that found the volume full holds its own stage.
-        "holds": [*(PAUSE_HOLDS if paused else ()), *held],
+        "holds": list(dict.fromkeys([*(PAUSE_HOLDS if paused else ()), *held])),
         "held": held,  # stage -> why its writer waits
         "reason": meta[PAUSED],
         "paused_at": _number(meta, PAUSED_AT) or None,

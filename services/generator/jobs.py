@@ -29,6 +29,8 @@ from services.generator.client import (
 from shared.conversation_turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
+from runtime.disk import StageHold
+from runtime.space import write_with_space
 from shared.chat_turns import assistant_message
 from shared.errors import (
     InferenceRejected,
@@ -183,9 +185,12 @@ def reply_record(item: PromptItem, turns: list[Turn]) -> dict:
 
 
 def save_reply(state: RunState, item: PromptItem, turns: list[Turn]) -> int:
-    """Write the sample's reply file atomically; its size in bytes."""
+    """Write the sample's reply file atomically; its size in bytes. A full volume makes it wait for space (the
+    reply cost the target's time: it is kept, not failed), with the generate stage held in the run's status."""
     path = state.paths.generated(item.sample_id)
-    atomic_write_json(path, reply_record(item, turns))
+    record = reply_record(item, turns)
+    write_with_space(lambda: atomic_write_json(path, record), f"the reply of sample {item.sample_id}",
+                     state.paths.data, hold=StageHold(state.conn, state.run, Stage.GENERATE))
     return path.stat().st_size
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -9,12 +10,12 @@ import pytest
 
 from services.controller.runs.status import first_failures, format_status, list_status, run_status
 from services.controller.runs.submit import submit_run
-from runtime.disk import StageHold, clear_paused, release_stages, set_paused
+from runtime.disk import HOLD_STALE_S, StageHold, clear_paused, held_field, release_stages, set_paused
 from services.trainer.jobs import MIN_USEFUL_LOSS_TOKENS, too_small_warning
 from shared.errors import RunNotFound
 from shared.runspec import EvalConfig, RunSpec
 from runtime.runstate import RunState
-from shared.lifecycle import Failure, FailureKind, RunPhase, Stage, StageState
+from shared.lifecycle import Failure, FailureKind, RunKeys, RunPhase, Stage, StageState
 from tests.services.controller.runs.test_datasets import write_jsonl
 
 RUN = "stat"
@@ -325,3 +326,10 @@ def test_a_writer_waiting_for_disk_space_holds_its_stage_by_name(data_dir, redis
     hold.hold("again")
     release_stages(redis_conn, RUN)  # a train or evaluate job starting again forgets a killed writer's hold
     assert run_status(data_dir, redis_conn, RUN)["disk"]["held"] == {}
+    # A hold its writer stopped renewing (killed while it waited) is not shown.
+    stale = {"reason": "writing the reply of sample 3 found /data full", "at": time.time() - HOLD_STALE_S - 1}
+    redis_conn.hset(RunKeys(RUN).meta, held_field(Stage.GENERATE), json.dumps(stale))
+    assert run_status(data_dir, redis_conn, RUN)["disk"]["held"] == {}
+    redis_conn.hset(RunKeys(RUN).meta, held_field(Stage.GENERATE), json.dumps({**stale, "at": time.time()}))
+    assert run_status(data_dir, redis_conn, RUN)["stages"]["generate"]["paused"] is False  # nothing left to generate
+    assert run_status(data_dir, redis_conn, RUN)["disk"]["held"] == {"generate": stale["reason"]}
