@@ -7,6 +7,7 @@ data volume: 30 samples of the tiny target need about 2 MB of hidden states; the
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,11 +17,12 @@ import redis
 
 from services.cli.demo import demo_prompts_path
 from services.cli.stack import LocalStack, StackConfig
+from services.controller.runs.status import format_status
 from shared.atomic import temp_files
 from runtime.disk import disk_status
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
-from tests.support.tmpfs import mounted_tmpfs
+from tests.support.tmpfs import fill_volume, mounted_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -125,3 +127,66 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
         assert temp_files(paths.root) == []
         assert disk_status(conn, RUN)["paused"] is False
         assert final["drafter"]["export_path"]
+
+
+TRAINING_RUN = "fulltrain"
+
+
+def test_a_volume_another_process_fills_during_training_holds_the_trainer_and_the_run_completes(
+        tmp_path, redis_server, tiny_model_dir):
+    """The projection fits, then a neighbour takes the volume's space while the drafter trains: the trainer's next
+    write (a log line or a checkpoint) waits, status names the held stage, and once the neighbour's file goes the
+    run completes with every step logged once and no partial file."""
+    conn = redis.Redis.from_url(redis_server.url)
+    conn.flushall()
+    dataset = write_dataset(tmp_path / "prompts.jsonl")
+    with mounted_tmpfs(tmp_path / "volume", GROWN_BYTES) as volume:
+        env = {"DRAFTLINE_FEED_INTERVAL_S": "0.2", "DRAFTLINE_DISK_RESERVE_BYTES": str(128 << 10),
+               "DRAFTLINE_DISK_RESERVE_FRACTION": "0", "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}
+        config = StackConfig(data=volume.path, model_dir=tiny_model_dir, log_dir=tmp_path / "logs",
+                             redis_url=redis_server.url, env=env)
+        paths, neighbour = RunPaths(volume.path, TRAINING_RUN), volume.path / "neighbour.bin"
+        with LocalStack(config) as stack:
+            body = {
+                "dataset": str(dataset), "name": TRAINING_RUN,
+                "generation": {"max_tokens": 16, "min_completion_tokens": 2},
+                # Enough steps that the neighbour's file lands while the trainer still writes.
+                "train": {"epochs": 40, "batch_size": 4, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 128,
+                          "max_length": 128, "save_every": 20},
+                "evaluate": {"holdout": HOLDOUT, "max_new_tokens": 8, "draft_steps": 2, "sets": ["holdout"],
+                             "curve_max_steps": 2},
+            }
+            response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=120)
+            assert response.status_code == 201, response.text
+
+            def status() -> dict:
+                stack.check_alive()
+                return httpx.get(f"{stack.url('controller')}/runs/{TRAINING_RUN}", timeout=30).json()
+
+            deadline = time.monotonic() + 300
+            while (shown := status())["stages"]["train"]["done"] < 2:
+                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, shown
+                time.sleep(0.1)
+            fill_volume(neighbour)
+            while not (shown := status())["disk"]["held"]:
+                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, f"nothing waited: {shown}"
+                time.sleep(0.2)
+            assert shown["disk"]["holds"] == ["train"] and shown["stages"]["train"]["paused"] and shown["paused"]
+            assert str(volume.path) in shown["disk"]["held"]["train"]
+            assert "  PAUSED    train waits for disk space: writing " in format_status(shown)
+            held_step = shown["stages"]["train"]["done"]
+            time.sleep(2)
+            assert status()["stages"]["train"]["done"] <= held_step + 1  # waiting, not training on
+            assert status()["state"] == "training"
+
+            neighbour.unlink()  # the neighbour's file goes; nobody touches the run
+            deadline = time.monotonic() + 300
+            while (final := status())["state"] not in TERMINAL:
+                assert time.monotonic() < deadline, final
+                time.sleep(0.5)
+
+        assert final["state"] == "complete", final
+        assert final["disk"]["held"] == {} and final["drafter"]["export_path"]
+        steps = [json.loads(line)["step"] for line in paths.train_log.read_text().splitlines()]
+        assert steps == list(range(1, final["stages"]["train"]["total"] + 1))  # each step once, no torn line
+        assert temp_files(paths.root) == []
