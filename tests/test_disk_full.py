@@ -40,6 +40,13 @@ def write_dataset(path: Path) -> Path:
     return path
 
 
+def stack_config(tmp_path: Path, volume: Path, model_dir: Path, redis_url: str) -> StackConfig:
+    """The real services on ``volume``, checking it every 0.2 s against a 128 KiB reserve."""
+    env = {"DRAFTLINE_FEED_INTERVAL_S": "0.2", "DRAFTLINE_DISK_RESERVE_BYTES": str(128 << 10),
+           "DRAFTLINE_DISK_RESERVE_FRACTION": "0", "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}
+    return StackConfig(data=volume, model_dir=model_dir, log_dir=tmp_path / "logs", redis_url=redis_url, env=env)
+
+
 def status_of(stack: LocalStack) -> dict:
     stack.check_alive()
     return httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=30).json()
@@ -82,10 +89,7 @@ def test_a_run_pauses_before_the_disk_fills_and_completes_when_the_volume_grows(
     conn.flushall()
     dataset = write_dataset(tmp_path / "prompts.jsonl")
     with mounted_tmpfs(tmp_path / "volume", VOLUME_BYTES) as volume:
-        env = {"DRAFTLINE_FEED_INTERVAL_S": "0.2", "DRAFTLINE_DISK_RESERVE_BYTES": str(128 << 10),
-               "DRAFTLINE_DISK_RESERVE_FRACTION": "0", "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}
-        config = StackConfig(data=volume.path, model_dir=tiny_model_dir, log_dir=tmp_path / "logs",
-                             redis_url=redis_server.url, env=env)
+        config = stack_config(tmp_path, volume.path, tiny_model_dir, redis_server.url)
         paths = RunPaths(volume.path, RUN)
         with LocalStack(config) as stack:
             body = {
@@ -141,10 +145,7 @@ def test_a_volume_another_process_fills_during_training_holds_the_trainer_and_th
     conn.flushall()
     dataset = write_dataset(tmp_path / "prompts.jsonl")
     with mounted_tmpfs(tmp_path / "volume", GROWN_BYTES) as volume:
-        env = {"DRAFTLINE_FEED_INTERVAL_S": "0.2", "DRAFTLINE_DISK_RESERVE_BYTES": str(128 << 10),
-               "DRAFTLINE_DISK_RESERVE_FRACTION": "0", "DRAFTLINE_DATASET_ROOTS": str(tmp_path)}
-        config = StackConfig(data=volume.path, model_dir=tiny_model_dir, log_dir=tmp_path / "logs",
-                             redis_url=redis_server.url, env=env)
+        config = stack_config(tmp_path, volume.path, tiny_model_dir, redis_server.url)
         paths, neighbour = RunPaths(volume.path, TRAINING_RUN), volume.path / "neighbour.bin"
         with LocalStack(config) as stack:
             body = {
