@@ -5,8 +5,8 @@ answers 412) unless it is forced; a failed ``warning`` is reported and the run g
 records what was found. The checks: Redis answers; the inference server answers and serves the run's
 model (and, when the controller knows ``DRAFTLINE_MODEL_DIR``, the same target by fingerprint); the data
 directory takes an atomic write and is persistent (tmpfs or /tmp only with
-``DRAFTLINE_ALLOW_EPHEMERAL_DATA``); the run's hidden states fit the volume (``runtime.disk``'s estimate);
-a GPU is visible when ``DRAFTLINE_DEVICE=cuda``; and a base drafter checkpoint is on the volume (or is
+``DRAFTLINE_ALLOW_EPHEMERAL_DATA``); the run's hidden states, replies, checkpoints and export fit the volume
+(``runtime.disk`` and ``runtime.disk_training``'s estimates); a GPU is visible when ``DRAFTLINE_DEVICE=cuda``; and a base drafter checkpoint is on the volume (or is
 fetched there from the Hugging Face Hub) and verifies.
 """
 
@@ -41,9 +41,10 @@ from runtime.disk import (
     target_bytes_per_token,
     volume_usage,
 )
+from runtime.disk_training import reply_bytes, target_config, training_bytes
 from shared.endpoints import parse_endpoints
 from shared.errors import DatasetError, DraftlineError, PathOutsideVolume
-from shared.layout import resolve_inside
+from shared.layout import RunPaths, resolve_inside
 from shared.runspec import RunSpec
 from shared.settings import ControllerSettings
 
@@ -414,9 +415,13 @@ def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts)
     rows, prompt_bytes = size
     samples = max(rows - spec.evaluate.holdout, 0)
     tokens = estimate_sample_tokens(prompt_bytes / rows, spec.generation.max_tokens, spec.extraction.max_length)
-    projected = int(samples * tokens * facts.bytes_per_token)
-    estimate = (f"about {format_bytes(projected)} of hidden states ({samples:,} samples × {tokens:,.0f} tokens × "
-                f"{facts.bytes_per_token:,.0f} bytes, an upper estimate from max_tokens)")
+    hidden = int(samples * tokens * facts.bytes_per_token)
+    replies = reply_bytes(samples, 0, 0, prompt_bytes_per_row=prompt_bytes / rows, max_tokens=spec.generation.max_tokens)
+    training = training_bytes(RunPaths(data, spec.name), target_config(settings.model_dir), spec.train)
+    projected = hidden + replies + training
+    estimate = (f"about {format_bytes(projected)}: {format_bytes(hidden)} of hidden states ({samples:,} samples × "
+                f"{tokens:,.0f} tokens × {facts.bytes_per_token:,.0f} bytes, an upper estimate from max_tokens), "
+                f"{format_bytes(replies)} of replies and {format_bytes(training)} of checkpoints and export")
     if projected > free - reserve:
         return Check("disk space", False, WARNING, f"the run needs {estimate}; {room}",
                      "free space or grow the volume, or lower generation.max_tokens or limit; otherwise "

@@ -25,6 +25,9 @@ from shared.runspec import (
     RunSpec,
     TrainConfig,
 )
+from runtime.disk import format_bytes
+from runtime.disk_training import training_bytes
+from shared.layout import RunPaths
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer
@@ -245,6 +248,22 @@ def test_a_run_larger_than_the_volume_warns_and_a_volume_below_its_reserve_refus
     assert limited.ok and "1 samples" in limited.message  # limit 3, 2 held out
     assert (full.ok, full.severity) == (False, pf.ERROR)
     assert "less free space than the reserve" in full.message
+
+
+def test_the_projection_counts_replies_checkpoints_and_the_export_beside_the_hidden_states(tmp_path):
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "q"} for _ in range(6)])
+    model_dir = tmp_path / "target"
+    model_dir.mkdir()
+    target = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
+              "vocab_size": 774, "num_hidden_layers": 8, "torch_dtype": "float32"}
+    (model_dir / "config.json").write_text(json.dumps(target))
+    spec = spec_for(big, train=TrainConfig(draft_vocab_size=128))
+    with mounted_tmpfs(tmp_path / "volume", 1 << 20) as fs:
+        found = pf.check_disk(settings_for(fs.path, model_dir=model_dir), spec, pf.Facts(card=TINY_CARD))
+    # Four samples' hidden states fit in 1 MiB; three checkpoints of ~78k trained parameters at 12 bytes do not.
+    training = training_bytes(RunPaths(fs.path, "pre"), target, spec.train)
+    assert training > 3 * 12 * 70_000 and f"{format_bytes(training)} of checkpoints and export" in found.message
+    assert "of replies" in found.message and (found.ok, found.severity) == (False, pf.WARNING)
 
 
 @pytest.mark.parametrize("rows", [40, 3000])  # read whole, and extrapolated from the first 4 MiB
