@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from services.cli.commands.common import controller_settings, pick_run
-from shared.lifecycle import SAMPLE_STAGES
+from shared.lifecycle import SAMPLE_STAGES, Stage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,10 +32,7 @@ def handle(args: argparse.Namespace) -> int:
     report = retry_failures(settings.data, connect(settings.redis_url), run, stage=args.stage,
                             sample_ids=ids or None, include_dropped=args.include_dropped)
     if report.resumed is not None:
-        step = report.resumed["checkpoint_step"]
-        where = f"; training resumes from its checkpoint at step {step}" if step is not None else (
-            "; training starts over (no checkpoint was written)" if report.resumed["stage"] == "train" else "")
-        sys.stdout.write(f"run {run}: its failed {report.resumed['stage']} job is queued again{where}\n")
+        sys.stdout.write(resumed_line(run, report.resumed) + "\n")
         return 0
     lines = [f"run {run}: {len(report.cleared):,} failures cleared; the controller enqueues them again"]
     lines += [f"  not retried: {r['stage']} sample {r['sample_id']}: {r['reason']}" for r in report.not_retryable]
@@ -45,3 +42,13 @@ def handle(args: argparse.Namespace) -> int:
         lines.append(f"  the run had finished: its drafter and evaluation moved to {report.superseded}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if report.cleared else 1
+
+
+def resumed_line(run: str, resumed: dict) -> str:
+    """What ``retry`` says of a failed train or evaluate job it queued again (``RetryReport.resumed``)."""
+    step, stage = resumed["checkpoint_step"], Stage(resumed["stage"])
+    if step is not None:
+        where = f"; training resumes from its checkpoint at step {step}"
+    else:
+        where = "; training starts over (no checkpoint was written)" if stage is Stage.TRAIN else ""
+    return f"run {run}: its failed {stage} job is queued again{where}"

@@ -12,7 +12,8 @@ import pytest
 
 from runtime.runstate import RunState, known_runs
 from shared.lifecycle import Failure, FailureKind
-from tests.services.controller.volume import finish_samples, prompt_rows, submit
+from services.cli.commands.retry import resumed_line
+from tests.services.controller.volume import fail_training, finish_samples, prompt_rows, submit
 from tests.support.processes import REPO
 
 
@@ -81,3 +82,14 @@ def test_without_a_run_name_the_latest_is_used_and_the_others_named(env, data_di
     assert json.loads(done.stdout) == [] and "cli, cli-later" in done.stderr and "cli-later" in done.stderr
     missing = draftline(env, "resume", "nope")
     assert missing.returncode == 2 and "RunNotFound" in missing.stderr
+
+
+def test_retry_of_a_run_whose_training_failed_says_the_checkpoint_it_resumes_from(env, data_dir, redis_conn, tmp_path):
+    trained = submit(data_dir, redis_conn, tmp_path, "failed-train", prompt_rows(5))
+    fail_training(trained, checkpoints=(25, 50))
+    done = draftline(env, "retry", "failed-train")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "run failed-train: its failed train job is queued again; training resumes from its checkpoint at step 50\n"
+    assert resumed_line("r", {"stage": "train", "checkpoint_step": None}) == (
+        "run r: its failed train job is queued again; training starts over (no checkpoint was written)")
+    assert resumed_line("r", {"stage": "evaluate", "checkpoint_step": None}) == "run r: its failed evaluate job is queued again"

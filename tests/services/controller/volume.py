@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import redis
+from rq.job import Job, JobStatus
 from safetensors.numpy import save
 
 from services.controller.runs.submit import submit_run
@@ -19,7 +21,11 @@ from shared import SCHEMA_VERSION, eagle3
 from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, ManifestEntry
 from shared.runspec import EvalConfig, RunSpec
-from runtime.runstate import RunState
+from runtime.queues import SERIALIZER
+from runtime.runstate import RunState, write_finished
+from runtime.sample_queue import enqueue_train
+from shared.jobs import train_job_id
+from shared.lifecycle import RunPhase, Stage, StageState
 from tests.services.controller.runs.test_datasets import write_jsonl
 
 LAYERS = [1, 3, 4]
@@ -86,3 +92,17 @@ def finish_samples(state: RunState, *, generated: range | list, extracted: range
     for sample_id in generated:
         write_reply(state.paths, sample_id)
     write_manifest(state.paths, [write_hidden(state.paths, i) for i in extracted])
+
+
+def fail_training(state: RunState, *, checkpoints: tuple[int, ...]) -> None:
+    """A run whose samples all settled, whose training wrote ``checkpoints`` and then failed, finished as failed."""
+    finish_samples(state, generated=range(4), extracted=range(4))
+    state.set_meta(train_enqueued_at=time.time())
+    state.set_stage(Stage.TRAIN, StageState.RUNNING)
+    for step in checkpoints:
+        state.paths.checkpoint(step).mkdir(parents=True)
+    state.set_stage(Stage.TRAIN, StageState.FAILED, train_error="OSError: [Errno 28] No space left on device")
+    write_finished(state, RunPhase.FAILED)
+    enqueue_train(state.conn, state.run)
+    job = Job.fetch(train_job_id(state.run), connection=state.conn, serializer=SERIALIZER)
+    job.set_status(JobStatus.FAILED)  # what RQ leaves of a job that raised

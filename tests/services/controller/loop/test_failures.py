@@ -19,9 +19,9 @@ from services.extractor.jobs import run_extract
 from shared.jobs import EXTRACT_QUEUE, TRAIN_QUEUE, ExtractJob, evaluate_job_id, extract_job_id, train_job_id
 from runtime.queues import SERIALIZER, queue
 from shared.runspec import GenerationConfig
-from runtime.sample_queue import enqueue_extract, enqueue_train
+from runtime.sample_queue import enqueue_extract
 from shared.settings import ControllerSettings, ExtractorSettings
-from tests.services.controller.volume import finish_samples, prompt_rows, submit
+from tests.services.controller.volume import fail_training, finish_samples, prompt_rows, submit
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import ServiceProcess, free_port
 from tests.support.queues import queued_extractions
@@ -145,20 +145,6 @@ def test_a_job_that_lost_redis_is_requeued_not_named(data_dir, redis_conn, tmp_p
     assert name_failed_jobs(data_dir, redis_conn) == 0
     assert state.failures() == [] and not state.paths.failure("extract", 1).exists()
     assert queue(EXTRACT_QUEUE, redis_conn).get_job_ids() == [extract_job_id(RUN, 1)]
-
-
-def fail_training(state: RunState, *, checkpoints: tuple[int, ...]) -> None:
-    """A run whose samples all settled, whose training wrote ``checkpoints`` and then failed, finished as failed."""
-    finish_samples(state, generated=range(4), extracted=range(4))
-    state.set_meta(train_enqueued_at=time.time())
-    state.set_stage(Stage.TRAIN, StageState.RUNNING)
-    for step in checkpoints:
-        state.paths.checkpoint(step).mkdir(parents=True)
-    state.set_stage(Stage.TRAIN, StageState.FAILED, train_error="OSError: [Errno 28] No space left on device")
-    write_finished(state, RunPhase.FAILED)
-    enqueue_train(state.conn, state.run)
-    job = Job.fetch(train_job_id(state.run), connection=state.conn, serializer=SERIALIZER)
-    job.set_status(JobStatus.FAILED)  # what RQ leaves of a job that raised
 
 
 @pytest.mark.parametrize("redis_lost", [False, True])
