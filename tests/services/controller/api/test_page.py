@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 from services.controller.api.app import create_app
 from services.controller.runs.status import run_status
 from runtime.gpu import GpuReader
-from shared.lifecycle import Failure
+from runtime.disk import StageHold, set_paused
+from shared.lifecycle import Failure, Stage
 from shared.settings import ControllerSettings
 from tests.services.controller.volume import finish_samples, prompt_rows, submit
 
@@ -47,6 +48,23 @@ def test_a_rate_or_eta_the_data_cannot_support_reads_unknown(data_dir, redis_con
     rows = {stage: re.search(rf"<tr data-stage='{stage}'>.*?</tr>", html).group(0) for stage in ("generate", "extract")}
     assert "<td data-key='samples_per_second'>unknown</td><td data-key='eta_seconds'>unknown</td>" in rows["generate"]
     assert "<td data-key='samples_per_second'>0.00</td><td data-key='eta_seconds'>unknown</td>" in rows["extract"]
+
+
+def test_a_pause_for_disk_space_reads_paused_and_names_every_held_stage(data_dir, redis_conn, redis_url, tmp_path):
+    state = submit(data_dir, redis_conn, tmp_path, "held", prompt_rows(60))
+    for sample_id in range(10):
+        state.mark_done("generate", sample_id)
+    set_paused(redis_conn, "held", "9.0 MiB still needed; 1.0 MiB free on /data")
+    StageHold(redis_conn, "held", Stage.GENERATE).hold("writing the reply of sample 12 found /data <full>")
+    app = create_app(ControllerSettings(data=data_dir, redis_url=redis_url), redis_conn)
+    with TestClient(app) as client:
+        html = client.get("/status").text
+    rows = {stage: re.search(rf"<tr data-stage='{stage}'>.*?</tr>", html).group(0) for stage in ("generate", "extract")}
+    assert all("<td data-key='eta_seconds'>paused</td>" in row for row in rows.values())
+    assert ("PAUSED: new prompts held back and extraction waits for disk space: 9.0 MiB still needed; 1.0 MiB free on "
+            "/data") in html
+    assert ("<p class='paused' data-held='generate'>PAUSED: generate waits for disk space: writing the reply of sample "
+            "12 found /data &lt;full&gt;</p>") in html
 
 
 def test_without_runs_the_page_says_how_to_start_one(data_dir, redis_conn, redis_url):
