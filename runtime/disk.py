@@ -47,7 +47,7 @@ from typing import Protocol
 import redis
 
 from shared.errors import DraftlineError, RunNotFound
-from shared.runspec import RunSpec
+from shared.runspec import RunSpec, cached_spec
 from runtime.disk_training import reply_bytes, target_config, training_bytes
 from runtime.runstate import RunState
 from shared.lifecycle import RunKeys, Stage
@@ -73,8 +73,9 @@ PAUSE_HOLDS = (Stage.GENERATE, Stage.EXTRACT)  # the stages a disk pause holds b
 WRITER_HOLDS = (Stage.GENERATE, Stage.TRAIN, Stage.EVALUATE)  # the stages whose writers wait for space themselves
 HELD_PREFIX = "disk_held_"  # meta field per held writer stage: why it waits and when it last said so (StageHold)
 HOLD_STALE_S = 180.0  # three of a waiting writer's tries (runtime.space.RETRY_EVERY_S): a hold older is a dead writer's
-LAST_CHECK = ("disk_projected_bytes", "disk_bytes_per_token", "disk_free_bytes", "disk_reserve_bytes",
-              "disk_checked_at")
+LAST_BYTES_PER_TOKEN = "disk_bytes_per_token"  # the supervisor's last figure, measured or estimated
+LAST_RESERVE = "disk_reserve_bytes"  # the reserve the supervisor's last check kept
+LAST_CHECK = ("disk_projected_bytes", LAST_BYTES_PER_TOKEN, "disk_free_bytes", LAST_RESERVE, "disk_checked_at")
 
 
 class DiskPaused(DraftlineError):
@@ -237,7 +238,7 @@ def assess(
 
 def _spec(data: Path, run: str) -> RunSpec | None:
     try:
-        return RunSpec.load(data, run)
+        return cached_spec(data, run)  # read again only when run.json changes: the supervisor asks every round
     except (RunNotFound, OSError, ValueError):
         return None
 
@@ -446,7 +447,7 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
     if landed_tokens > 0:
         per_token: float | None = landed_bytes / landed_tokens
     else:
-        per_token = _number(meta, "disk_bytes_per_token") or None
+        per_token = _number(meta, LAST_BYTES_PER_TOKEN) or None
     paused = meta[PAUSED] is not None
     return {
         "paused": paused,
@@ -459,7 +460,7 @@ def disk_status(conn: redis.Redis, run: str) -> dict:
         "projected_bytes": int(_number(meta, "disk_projected_bytes")) if meta["disk_checked_at"] else None,
         # What that projection was held against: the free space at the check and the reserve kept.
         "checked_free_bytes": int(_number(meta, "disk_free_bytes")) if meta["disk_checked_at"] else None,
-        "reserve_bytes": int(_number(meta, "disk_reserve_bytes")) if meta["disk_checked_at"] else None,
+        "reserve_bytes": int(_number(meta, LAST_RESERVE)) if meta["disk_checked_at"] else None,
         "bytes_per_token": round(per_token, 1) if per_token else None,
         "checked_at": _number(meta, "disk_checked_at") or None,
     }

@@ -27,14 +27,11 @@ from pathlib import Path
 
 import redis
 
-from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, format_bytes,
-                          set_paused, volume_usage, wait_for_headroom)
+from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, LAST_RESERVE,
+                          _number, _s, format_bytes, set_paused, volume_usage, wait_for_headroom)
 from shared.lifecycle import RunKeys
 
 log = logging.getLogger(__name__)
-
-LAST_BYTES_PER_TOKEN = "disk_bytes_per_token"
-LAST_RESERVE = "disk_reserve_bytes"
 
 # Grants ARGV[2] bytes to field ARGV[1] when they and every other field's bytes fit in ARGV[3]; returns -1
 # when granted, else the bytes the other claims hold.
@@ -52,23 +49,25 @@ return others
 """
 
 
-def _number(value: bytes | None) -> float:
-    try:
-        return float(value or 0)
-    except ValueError:
-        return 0.0
+_FIELDS = (HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE, LAST_RESERVE)
+
+
+def _claim_facts(conn: redis.Redis, run: str) -> tuple[float | None, str, int]:
+    """``(bytes per token, where that figure comes from, reserve)`` in one read of the run's meta."""
+    meta = dict(zip(_FIELDS, (_s(v) for v in conn.hmget(RunKeys(run).meta, _FIELDS))))
+    reserve = int(_number(meta, LAST_RESERVE))
+    if _number(meta, HIDDEN_TOKENS) > 0:
+        return _number(meta, HIDDEN_BYTES) / _number(meta, HIDDEN_TOKENS), "measured", reserve
+    for field in (LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE):
+        if _number(meta, field) > 0:
+            return _number(meta, field), "estimated", reserve
+    return None, "unknown", reserve
 
 
 def bytes_per_token(conn: redis.Redis, run: str) -> tuple[float | None, str]:
     """The run's bytes per token and where the figure comes from; None when nothing is known yet."""
-    landed_bytes, landed_tokens, last, estimate = conn.hmget(
-        RunKeys(run).meta, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE)
-    if _number(landed_tokens) > 0:
-        return _number(landed_bytes) / _number(landed_tokens), "measured"
-    for value in (last, estimate):
-        if _number(value) > 0:
-            return _number(value), "estimated"
-    return None, "unknown"
+    per_token, basis, _ = _claim_facts(conn, run)
+    return per_token, basis
 
 
 @contextmanager
@@ -78,17 +77,16 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
 
     Waits, with the run paused, while the claim does not fit; yields the bytes claimed (0 when no size per
     token is known yet, so nothing can be claimed: the supervisor's check is all there is then)."""
-    per_token, basis = bytes_per_token(conn, run)
+    per_token, basis, reserve = _claim_facts(conn, run)
     if per_token is None:
         yield 0
         return
     need = int(tokens * per_token)
     keys = RunKeys(run)
     grant = conn.register_script(_CLAIM)
+    # Asked first: a claim that fits costs one round trip; only a refused one pauses the run and waits.
     while True:
-        wait_for_headroom(conn, data, run, poll_s=poll_s)
         free, _ = volume_usage(data)
-        reserve = int(_number(conn.hget(keys.meta, LAST_RESERVE)))
         others = int(grant(keys=[keys.disk_claims], args=[sample_id, need, free - reserve]))
         if others < 0:
             break
@@ -98,6 +96,8 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
                   f"or grow the volume, and extraction resumes by itself")
         set_paused(conn, run, reason, need=need)
         log.warning("run %s: %s; extraction paused", run, reason)
+        wait_for_headroom(conn, data, run, poll_s=poll_s)
+        reserve = _claim_facts(conn, run)[2]  # as the supervisor's check that lifted the pause kept it
     try:
         yield need
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shared.drafter_format import CONFIG_FILE
 from shared.layout import RunPaths
 from shared.runspec import TrainConfig
 
@@ -29,7 +30,6 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and Adam's exp_avg and exp_avg_s
 EXPORT_BYTES_PER_PARAM = 2  # bf16, what the engines load
 REPLY_BYTES_PER_TOKEN = 12  # a reply token's text and its id, in the reply record's JSON
 REPLY_PROMPT_FACTOR = 2  # the record repeats the prompt, with the chat's framing
-EXPORT_CONFIG = "config.json"  # written last: its presence means the export is whole
 
 
 def target_config(model_dir: Path | None) -> dict | None:
@@ -82,7 +82,7 @@ def training_bytes(paths: RunPaths, config: dict | None, train: TrainConfig) -> 
     """Bytes the run's training and export still have to write; 0 once the export is whole, or when the
     target's config is unknown and no checkpoint exists to measure."""
     export_dir = paths.export_dir
-    if (export_dir / EXPORT_CONFIG).is_file():
+    if (export_dir / CONFIG_FILE).is_file():  # an export appears whole, in one rename
         return 0
     steps = paths.checkpoint_steps()
     params = trained_params(config, train) if config else None

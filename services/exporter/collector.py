@@ -260,7 +260,7 @@ def _run_disk(families: Families, run: str, disk: dict) -> None:
     )
     held = families.gauge(metrics.RUN_STAGE_HELD, "1 while the stage waits for disk space: held by the run's pause "
                           "(generate, extract) or its writer waiting for space (train, evaluate).", ["run", "stage"])
-    for stage in (*SAMPLE_STAGES, *WHOLE_RUN_STAGES):
+    for stage in Stage:
         held.add_metric([run, str(stage)], 1 if stage in disk["holds"] else 0)
     if disk["projected_bytes"] is not None:
         families.gauge(metrics.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
