@@ -42,7 +42,8 @@ from shared.atomic import fsync_dir
 from shared.errors import RunNotFound
 from shared.jobs import EXTRACT_QUEUE, GENERATE_QUEUE, payload_sample_ids
 from shared.layout import RunPaths
-from shared.lifecycle import SAMPLE_STAGES, Failure, FailureKind, RunPhase, Stage, StageState
+from shared.lifecycle import (SAMPLE_STAGES, WHOLE_RUN_STAGES, Failure, FailureKind, RunPhase, Stage, StageState,
+                              phase_for_stage)
 from runtime.queues import SERIALIZER, queue
 from runtime.sample_queue import enqueue_evaluate, enqueue_train
 from shared.runspec import RunSpec
@@ -153,12 +154,11 @@ def resume_failed_stage(state: RunState) -> dict | None:
     meta = state.meta()
     if RunPhase.of(meta.get("state")) is not RunPhase.FAILED:
         return None
-    failed = next((s for s in (Stage.TRAIN, Stage.EVALUATE) if StageState.of(meta.get(f"{s}_state")) is
-                   StageState.FAILED), None)
+    failed = next((s for s in WHOLE_RUN_STAGES if StageState.of(meta.get(f"{s}_state")) is StageState.FAILED), None)
     if failed is None:
         return None
     finished_path(state.paths).unlink(missing_ok=True)
-    phase = RunPhase.TRAINING if failed is Stage.TRAIN else RunPhase.EVALUATING
+    phase = phase_for_stage(failed, StageState.RUNNING, unverified=0)  # training, or evaluating
     now = time.time()
     # A run rebuilt after a Redis loss has no train_enqueued_at: without it the supervisor would feed it again.
     state.set_phase(phase, retried_at=now, train_enqueued_at=meta.get("train_enqueued_at", now))
