@@ -45,9 +45,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.controller:
         return _through_api(args, sections, settings)
     conn = connect(settings.redis_url)
-    spec = retrain_run(settings.data, conn, args.source, args.name, sections)
     # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
-    report = reconcile_run(settings.data, conn, spec.name)
+    spec, report = retrain_run(settings.data, conn, args.source, args.name, sections, register=reconcile_run)
     changed = ", ".join(f"{part}.{k}={v}" for part in RETRAIN_SECTIONS for k, v in sections.get(part, {}).items())
     sys.stdout.write(f"run {spec.name}: {report.extracted:,} of {report.expected:,} samples from {args.source}'s "
                      f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "

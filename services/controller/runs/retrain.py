@@ -20,12 +20,14 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from runtime.runstate import RunState, known_runs, read_finished
+from services.controller.runs.submit import submission_lock
 from shared.atomic import atomic_write_json, fsync_dir
 from shared.errors import DraftlineError, RunExists
 from shared.layout import RunPaths, check_run_name, runs_root
@@ -53,10 +55,29 @@ def copied(paths: RunPaths) -> list[Path]:
     return [paths.failures_dir]
 
 
-def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:
-    """Lay run ``name`` on the volume: ``source``'s capture with ``sections`` (train, evaluate) over its settings."""
+class Retrained(NamedTuple):
+    spec: RunSpec
+    registered: Any  # what ``register`` returned (the controller's reconcile report), None without one
+
+
+def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections: dict[str, dict[str, Any]],
+                register: Callable[[Path, redis.Redis, str], Any] | None = None) -> Retrained:
+    """Lay run ``name`` on the volume: ``source``'s capture with ``sections`` (train, evaluate) over its settings,
+    then ``register(data, conn, name)`` (the controller's reconcile) while the name's submission lock is held."""
     data = Path(data)
     spec = derived_spec(RunSpec.load(data, source), check_run_name(name), sections)
+    # Under the lock the supervisor leaves the new directory to this caller: otherwise its pass could find the
+    # run on the volume and not in Redis and reconcile it at the same moment, and this caller's reconcile would
+    # be refused as busy.
+    with submission_lock(conn, name):
+        _lay(data, conn, source, spec)
+        log.info("run %s: laid on the volume from %s's capture (train %s)", name, source, sections.get(Stage.TRAIN, {}))
+        registered = register(data, conn, name) if register is not None else None
+    return Retrained(spec, registered)
+
+
+def _lay(data: Path, conn: redis.Redis, source: str, spec: RunSpec) -> None:
+    name = spec.name
     source_paths, paths = RunPaths(data, source), RunPaths(data, name)
     if paths.root.exists() or name in known_runs(conn):
         raise RunExists(f"run {name!r} already exists")
@@ -83,8 +104,6 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
             raise RunExists(f"run {name!r} already exists") from None
         raise
     fsync_dir(runs_root(data))
-    log.info("run %s: laid on the volume from %s's capture (train %s)", name, source, sections.get(Stage.TRAIN, {}))
-    return spec
 
 
 def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:

@@ -61,7 +61,7 @@ def submit_run(data: Path, conn: redis.Redis, spec: RunSpec) -> RunSpec:
     """Create run ``spec.name`` from ``spec.dataset``; RunExists if it exists, DatasetError if nothing can be
     read. The spec saved is this one with the rows counted and the training ids split from the held out."""
     data, name = Path(data), check_run_name(spec.name)
-    with _submission_lock(conn, name):
+    with submission_lock(conn, name):
         _refuse_existing(data, conn, name)
         paths, state = RunPaths(data, name), RunState(conn, data, name)
         try:
@@ -137,8 +137,10 @@ def _discard(paths: RunPaths, state: RunState) -> None:
 
 
 @contextmanager
-def _submission_lock(conn: redis.Redis, name: str) -> Iterator[None]:
-    """Two submissions of one name race between the existence check and registration; one waits out."""
+def submission_lock(conn: redis.Redis, name: str) -> Iterator[None]:
+    """Two submissions of one name race between the existence check and registration; one waits out. The
+    supervisor also leaves a run under this lock alone (``lost_runs``): its directory may be on the volume
+    before Redis knows it, and the submitter registers it."""
     key = RunKeys(name).submit_lock
     if not conn.set(key, str(time.time()), nx=True, ex=SUBMIT_LOCK_TTL_S):
         raise RunExists(f"run {name!r} is being submitted right now")

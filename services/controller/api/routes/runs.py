@@ -118,14 +118,13 @@ def retrain(run: str, body: RetrainRequest, settings: SettingsDep, conn: ConnDep
     """A new run training on ``run``'s finished capture (services/controller/runs/retrain.py), registered at once."""
     sections = {part: value for part, value in zip(RETRAIN_SECTIONS, (body.train, body.evaluate)) if value}
     try:
-        spec = retrain_run(settings.data, conn, _known_run(run), body.name, sections)
+        spec = retrain_run(settings.data, conn, _known_run(run), body.name, sections, register=reconcile_run).spec
     except RunNotFound as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from None
     except (RunExists, RetrainRefused) as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
     except ValueError as exc:  # a setting out of range or misspelt, named
         raise HTTPException(status_code=422, detail=str(exc)) from None
-    reconcile_run(settings.data, conn, spec.name)
     return spec.model_dump(mode="json")
 
 

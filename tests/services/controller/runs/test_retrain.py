@@ -9,7 +9,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from services.controller.loop.reconcile import reconcile_run
+from services.controller.loop.reconcile import lost_runs, reconcile_run
 from services.controller.loop.supervisor import supervise_once
 from services.controller.runs.retrain import RetrainRefused, retrain_run
 from services.controller.runs.status import run_status
@@ -17,7 +17,7 @@ from runtime.runstate import RunState, known_runs
 from shared.errors import RunExists
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
-from shared.lifecycle import RunPhase, StageState
+from shared.lifecycle import RunKeys, RunPhase, StageState
 from runtime.queues import queue
 from shared.runspec import RunSpec
 from shared.settings import ControllerSettings
@@ -47,7 +47,7 @@ def captured(data_dir, redis_conn, tmp_path) -> RunState:
 def test_a_retrain_shares_the_capture_changes_only_training_and_the_controller_trains_it(data_dir, redis_conn,
                                                                                        captured):
     spec = retrain_run(data_dir, redis_conn, SOURCE, "again", {"train": {"lr": 1e-3, "epochs": 3},
-                                                                "evaluate": {"draft_steps": 4}})
+                                                                "evaluate": {"draft_steps": 4}}).spec
     source, again = RunSpec.load(data_dir, SOURCE), RunSpec.load(data_dir, "again")
     assert again == spec and (again.train.lr, again.train.epochs, again.evaluate.draft_steps) == (1e-3, 3, 4)
     assert again.model_dump(exclude={"name", "created_at", "train", "evaluate"}) == \
@@ -89,7 +89,7 @@ def test_what_the_capture_fixed_cannot_change_and_nothing_is_laid_down_when_refu
     assert not RunPaths(data_dir, "x").root.exists() and not list(data_dir.glob(".retrain-*"))
     # The held-out count as it is, repeated, changes nothing and is accepted.
     holdout = RunSpec.load(data_dir, SOURCE).evaluate.holdout
-    assert retrain_run(data_dir, redis_conn, SOURCE, "same", {"evaluate": {"holdout": holdout}}).evaluate.holdout == 2
+    assert retrain_run(data_dir, redis_conn, SOURCE, "same", {"evaluate": {"holdout": holdout}}).spec.evaluate.holdout == 2
 
 
 def test_a_run_whose_training_failed_is_trained_again_with_smaller_batches(data_dir, redis_conn, captured):
@@ -97,12 +97,28 @@ def test_a_run_whose_training_failed_is_trained_again_with_smaller_batches(data_
     captured.set_stage("train", StageState.FAILED, train_error="OutOfMemoryError: CUDA out of memory")
     captured.set_phase(RunPhase.FAILED)
     assert run_status(data_dir, redis_conn, SOURCE)["state"] == "failed"
-    spec = retrain_run(data_dir, redis_conn, SOURCE, "smaller", {"train": {"max_tokens": 16384}})
+    spec = retrain_run(data_dir, redis_conn, SOURCE, "smaller", {"train": {"max_tokens": 16384}}).spec
     assert spec.train.max_tokens == 16384 and RunSpec.load(data_dir, SOURCE).train.max_tokens is None
     supervise_once(cfg(data_dir), redis_conn)
     supervise_once(cfg(data_dir), redis_conn)
     assert RunState(redis_conn, data_dir, "smaller").meta()["state"] == "training"
     assert train_job_id("smaller") in queue(TRAIN_QUEUE, redis_conn).job_ids
+
+
+def test_the_supervisor_leaves_a_run_being_laid_to_its_registration(data_dir, redis_conn, captured):
+    # CI once saw the API's registration refused as busy: the supervisor's pass had found the new directory on
+    # the volume, not yet in Redis, and was reconciling it at the same moment.
+    def register(data, conn, name):
+        assert RunPaths(data, name).spec.is_file() and name not in known_runs(conn)  # laid, not yet registered
+        assert name not in lost_runs(data, conn)  # so a supervisor pass now leaves it alone
+        supervise_once(cfg(data), conn)
+        assert name not in known_runs(conn)
+        return reconcile_run(data, conn, name)
+
+    spec, report = retrain_run(data_dir, redis_conn, SOURCE, "racing", {}, register=register)
+    assert report.run == "racing" and report.extracted == 17 and spec.name == "racing"
+    assert not redis_conn.exists(RunKeys("racing").submit_lock)
+    assert RunState(redis_conn, data_dir, "racing").meta()["expected"] == str(report.expected)
 
 
 def test_a_capture_still_under_way_is_refused(data_dir, redis_conn, tmp_path):
