@@ -226,6 +226,9 @@ def assess(
         per_sample = (estimate_sample_tokens(_number(meta, "prompts_bytes") / rows, spec.generation.max_tokens,
                                              spec.extraction.max_length) if spec else None)
     hidden = int(remaining * per_sample * per_token) if per_token and per_sample else 0
+    if spec is not None and spec.online.enabled and spec.online.budget_bytes is not None:
+        # Its files come and go every epoch; what they may still grow by is what the budget leaves.
+        hidden = max(0, spec.online.budget_bytes - int(landed_bytes))
     replies = training = 0
     if spec is not None:
         generate = state.counts(Stage.GENERATE)

@@ -16,11 +16,15 @@ pauses the run with what it needs; the extraction waits in ``wait_for_headroom``
 and the supervisor lifts the pause once the need fits again (``disk.claim_need_fits``). A claim is
 dropped when its write ends, either way; a worker killed mid-write leaves one that the sample's next
 extraction overwrites, or that the supervisor drops once the sample is done.
+
+An online run's claim must also fit its byte budget beside the spool's files (``runtime.spool``): refused, it
+waits without pausing anything, its time counted as the extractors' blocked time, until the trainer frees files.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,65 +33,90 @@ import redis
 
 from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, LAST_RESERVE,
                           _number, _s, format_bytes, set_paused, volume_usage, wait_for_headroom)
+from runtime.spool import ONLINE_BLOCKED_S, ONLINE_HEAD
 from shared.lifecycle import RunKeys
+
+BUDGET_POLL_S = 0.5  # a trainer frees files at each checkpoint: a blocked extraction looks again this often
 
 log = logging.getLogger(__name__)
 
-# Grants ARGV[2] bytes to field ARGV[1] when they and every other field's bytes fit in ARGV[3]; returns -1
-# when granted, else the bytes the other claims hold.
+# Grants ARGV[2] bytes to field ARGV[1] when they and every other field's bytes fit in ARGV[3] and, for an online
+# run (ARGV[4] its budget, else -1), also fit the budget with the spool's bytes (the meta's hidden_bytes), unless
+# ARGV[5] is 1 (the sample the trainer waits for). Returns -1 when granted, -2 when the budget refused it, else
+# the bytes the other claims hold.
 _CLAIM = """
 local others = 0
 local values = redis.call('HGETALL', KEYS[1])
 for i = 1, #values, 2 do
   if values[i] ~= ARGV[1] then others = others + tonumber(values[i + 1]) end
 end
-if others + tonumber(ARGV[2]) <= tonumber(ARGV[3]) then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  return -1
+local need = tonumber(ARGV[2])
+if others + need > tonumber(ARGV[3]) then return others end
+local budget = tonumber(ARGV[4])
+if budget >= 0 and ARGV[5] ~= '1' then
+  local spool = tonumber(redis.call('HGET', KEYS[2], 'hidden_bytes') or '0')
+  if spool + others + need > budget then return -2 end
 end
-return others
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return -1
 """
+BUDGET_REFUSED = -2
 
 
-_FIELDS = (HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE, LAST_RESERVE)
+_FIELDS = (HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE, LAST_RESERVE, ONLINE_HEAD)
 
 
-def _claim_facts(conn: redis.Redis, run: str) -> tuple[float | None, str, int]:
-    """``(bytes per token, where that figure comes from, reserve)`` in one read of the run's meta."""
+def _claim_facts(conn: redis.Redis, run: str) -> tuple[float | None, str, int, str | None]:
+    """``(bytes per token, where that figure comes from, reserve, the sample an online trainer waits for)`` in
+    one read of the run's meta."""
     meta = dict(zip(_FIELDS, (_s(v) for v in conn.hmget(RunKeys(run).meta, _FIELDS))))
-    reserve = int(_number(meta, LAST_RESERVE))
+    reserve, head = int(_number(meta, LAST_RESERVE)), meta.get(ONLINE_HEAD)
     if _number(meta, HIDDEN_TOKENS) > 0:
-        return _number(meta, HIDDEN_BYTES) / _number(meta, HIDDEN_TOKENS), "measured", reserve
+        return _number(meta, HIDDEN_BYTES) / _number(meta, HIDDEN_TOKENS), "measured", reserve, head
     for field in (LAST_BYTES_PER_TOKEN, BYTES_PER_TOKEN_ESTIMATE):
         if _number(meta, field) > 0:
-            return _number(meta, field), "estimated", reserve
-    return None, "unknown", reserve
+            return _number(meta, field), "estimated", reserve, head
+    return None, "unknown", reserve, head
 
 
 def bytes_per_token(conn: redis.Redis, run: str) -> tuple[float | None, str]:
     """The run's bytes per token and where the figure comes from; None when nothing is known yet."""
-    per_token, basis, _ = _claim_facts(conn, run)
+    per_token, basis, _, _ = _claim_facts(conn, run)
     return per_token, basis
 
 
 @contextmanager
 def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens: int,
-                *, poll_s: float = 2.0) -> Iterator[int]:
+                *, budget: int | None = None, poll_s: float = 2.0) -> Iterator[int]:
     """Hold a claim on the bytes of sample ``sample_id``'s file (``tokens`` long) while the body writes it.
 
-    Waits, with the run paused, while the claim does not fit; yields the bytes claimed (0 when no size per
-    token is known yet, so nothing can be claimed: the supervisor's check is all there is then)."""
-    per_token, basis, reserve = _claim_facts(conn, run)
+    Waits, with the run paused, while the claim does not fit the disk, and (an online run, ``budget`` its byte
+    budget) while it does not fit the budget beside the spool's files (``runtime.spool``); yields the bytes
+    claimed (0 when no size per token is known yet, so nothing can be claimed: the supervisor's check is all
+    there is then)."""
+    per_token, basis, reserve, head = _claim_facts(conn, run)
     if per_token is None:
         yield 0
         return
     need = int(tokens * per_token)
     keys = RunKeys(run)
     grant = conn.register_script(_CLAIM)
+    blocked_since = None
     # Asked first: a claim that fits costs one round trip; only a refused one pauses the run and waits.
     while True:
         free, _ = volume_usage(data)
-        others = int(grant(keys=[keys.disk_claims], args=[sample_id, need, free - reserve]))
+        others = int(grant(keys=[keys.disk_claims, keys.meta],
+                           args=[sample_id, need, free - reserve, -1 if budget is None else budget,
+                                 1 if head == str(sample_id) else 0]))
+        if others == BUDGET_REFUSED:
+            # Not a pause: the trainer frees the spool as its checkpoints land, and the extraction goes on then.
+            blocked_since = blocked_since or time.monotonic()
+            time.sleep(min(poll_s, BUDGET_POLL_S))
+            head = _claim_facts(conn, run)[3]
+            continue
+        if blocked_since is not None:
+            conn.hincrbyfloat(keys.meta, ONLINE_BLOCKED_S, round(time.monotonic() - blocked_since, 3))
+            blocked_since = None
         if others < 0:
             break
         reason = (f"sample {sample_id} needs {format_bytes(need)} ({tokens:,} tokens at {per_token:,.0f} "
@@ -97,7 +126,7 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
         set_paused(conn, run, reason, need=need)
         log.warning("run %s: %s; extraction paused", run, reason)
         wait_for_headroom(conn, data, run, poll_s=poll_s)
-        reserve = _claim_facts(conn, run)[2]  # as the supervisor's check that lifted the pause kept it
+        reserve, head = _claim_facts(conn, run)[2:]  # as the supervisor's check that lifted the pause kept it
     try:
         yield need
     finally:

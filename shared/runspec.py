@@ -17,8 +17,9 @@ from shared.lifecycle import Stage
 DEFAULT_SPLIT = "train"  # the split a dataset on the hub names its training rows (not the train stage)
 # A run's settings, a section per stage: the sample stages' are named for their work, the whole-run stages' for
 # the stage itself. A retrain may change only the last two: the capture fixed the others.
-SECTIONS = ("generation", "extraction", Stage.TRAIN.value, Stage.EVALUATE.value)
-RETRAIN_SECTIONS = SECTIONS[2:]
+# ``online`` says how the run keeps its hidden states (services/trainer/online.py).
+SECTIONS = ("generation", "extraction", Stage.TRAIN.value, Stage.EVALUATE.value, "online")
+RETRAIN_SECTIONS = (Stage.TRAIN.value, Stage.EVALUATE.value)
 
 
 class _Frozen(BaseModel):
@@ -137,6 +138,21 @@ class TrainConfig(_Frozen):
         return self
 
 
+class OnlineConfig(_Frozen):
+    """Train while extracting, the run's hidden states bounded by a byte budget (services/trainer/online.py)."""
+
+    enabled: bool = Field(False, description="Online: training starts once generation has settled and asks for each "
+                          "sample's states in its own order, at most budget_bytes ahead; a file is deleted once every "
+                          "step that read it is in a checkpoint, and each epoch extracts the samples again from the "
+                          "stored replies. Offline (false): every file is kept until training ends, and a retrain "
+                          "reuses them.")
+    budget_bytes: int | None = Field(None, ge=1, description="Most bytes the run's hidden-state files hold at once "
+                                     "(the held-out validation files included); unset: a quarter of the volume's free "
+                                     "space less its reserve, fixed and shown at submission.")
+    vocab_files: int = Field(256, ge=1, description="Files the draft vocabulary is counted from: the first this many "
+                             "of the first epoch's seeded order (offline counts every file).")
+
+
 EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # evaluation/evalsets.py loads each
 EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
 
@@ -213,6 +229,15 @@ class RunSpec(_Frozen):
     extraction: ExtractionConfig = ExtractionConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+    online: OnlineConfig = OnlineConfig()
+
+    @model_validator(mode="after")
+    def _online_batches_by_count(self) -> RunSpec:
+        # An online trainer cuts its batches before the files exist, so it cannot size them by their lengths.
+        if self.online.enabled and self.train.max_tokens is not None:
+            raise ValueError("online.enabled: batches are train.batch_size (or global_batch_size) samples; "
+                             "train.max_tokens sizes them by lengths, which an online run learns only as files land")
+        return self
 
     @model_validator(mode="after")
     def _second_turns_are_the_targets(self) -> RunSpec:

@@ -33,6 +33,7 @@ from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
 from runtime.disk_claims import claim_space
+from runtime.spool import note_peak
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
@@ -134,6 +135,8 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
         pipe.execute()
     # The done bit and the file's counts in one atomic step: a kill between them would count it never or twice.
     state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
+    if spec.online.enabled:
+        note_peak(state.conn, state.run)
     return SampleResult.DONE
 
 
@@ -149,7 +152,8 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
                     "renders the reply otherwise)", state.run, sample_id, len(record["turns"]),
                     "; ".join(map(str, unlearned)))
     # The file's bytes are claimed until it is on the volume, where free space counts it instead.
-    with claim_space(state.conn, state.paths.data, state.run, sample_id, len(input_ids)):
+    budget = spec.online.budget_bytes if spec.online.enabled else None
+    with claim_space(state.conn, state.paths.data, state.run, sample_id, len(input_ids), budget=budget):
         result = client.extract(
             input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
             layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},

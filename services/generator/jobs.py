@@ -75,7 +75,8 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in (SampleResult.DONE, SampleResult.SKIPPED)]
     sizes = {item.sample_id: nbytes for item, (_, nbytes, _) in zip(job.items, results)}
     mark_generated(state, replies, sizes, sum(asked for _, _, asked in results))
-    queue_extractions(state, replies, settings)
+    if not spec.online.enabled:  # an online run's trainer asks for each sample's states when it needs them
+        queue_extractions(state, replies, settings)
     summary = {result.value: count for result, count in Counter(outcomes).items()}
     log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
     return summary

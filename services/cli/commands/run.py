@@ -33,8 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--draft-vocab-size", type=int)
     run.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
     run.add_argument("--holdout", type=int, help="rows held out for evaluation")
+    run.add_argument("--online", action="store_true", default=None,
+                     help="train while extracting, the hidden states bounded by --online-budget (README: online runs)")
+    run.add_argument("--online-budget", type=int, metavar="BYTES",
+                     help="most bytes of hidden states on the volume at once (default: a quarter of the free space)")
     run.add_argument("--run-config", metavar="FILE",
-                     help="a JSON object of the run's generation, extraction, train and evaluate sections, as "
+                     help="a JSON object of the run's generation, extraction, train, evaluate and online sections, as "
                           "POST /runs takes them; the flags above override its values")
     run.add_argument("--force", action="store_true", help="start even when preflight checks fail")
     run.add_argument("--controller", metavar="URL",
@@ -50,15 +54,16 @@ def handle(args: argparse.Namespace) -> int:
     from services.controller.runs.served import served_model
     from services.controller.runs.start import PreflightFailed, RunRequest, start_run
     from runtime.queues import connect
-    from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, TrainConfig
+    from shared.runspec import EvalConfig, ExtractionConfig, GenerationConfig, OnlineConfig, TrainConfig
 
     settings = controller_settings()
-    generation, extraction, train, evaluate = _run_sections(args)
+    generation, extraction, train, evaluate, online = _run_sections(args)
     request = RunRequest(
         dataset=args.dataset, name=args.name, limit=args.limit, split=args.split,
         model=args.model or served_model(settings.inference_url),
         generation=GenerationConfig(**generation), extraction=ExtractionConfig(**extraction),
         train=TrainConfig(**train), evaluate=EvalConfig(**evaluate) if evaluate else None,
+        online=OnlineConfig(**online) if online else None,
     )
     try:
         spec, report = start_run(settings, connect(settings.redis_url), request, force=args.force)
@@ -67,7 +72,7 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     if report.warnings:
         sys.stderr.write(format_preflight(report) + "\n")
-    _submitted(spec.name, spec.rows, spec.train_ids)
+    _submitted(spec.name, spec.rows, spec.train_ids, spec.online.model_dump())
     return 0
 
 
@@ -94,8 +99,8 @@ def run_config(path: str | None) -> dict[str, dict]:
     return config
 
 
-def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
-    """The generation, extraction, train and evaluate settings: the ``--run-config`` file's, then the
+def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict, dict]:
+    """The generation, extraction, train, evaluate and online settings: the ``--run-config`` file's, then the
     command line's flags over them (the rest take defaults)."""
     generation = {"max_tokens": args.max_tokens, "min_completion_tokens": args.min_completion_tokens,
                   "temperature": args.temperature}
@@ -103,18 +108,20 @@ def _run_sections(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
     train = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab_size,
              "base_checkpoint": args.base_checkpoint}
     evaluate = {"holdout": args.holdout}
+    online = {"enabled": args.online or (True if args.online_budget is not None else None),
+              "budget_bytes": args.online_budget}
     config = run_config(getattr(args, "run_config", None))
     return tuple({**config.get(name, {}), **{k: v for k, v in section.items() if v is not None}}
-                 for name, section in zip(SECTIONS, (generation, extraction, train, evaluate)))
+                 for name, section in zip(SECTIONS, (generation, extraction, train, evaluate, online)))
 
 
 def _run_through_api(args: argparse.Namespace) -> int:
     """``draftline run --controller URL``: the same run through ``POST /runs``, with the API token."""
     from services.cli.api import ControllerClient, ControllerRefused
 
-    generation, extraction, train, evaluate = _run_sections(args)
+    sections = _run_sections(args)
     body = {"dataset": args.dataset, "name": args.name, "limit": args.limit, "split": args.split, "model": args.model,
-            **{name: section or None for name, section in zip(SECTIONS, (generation, extraction, train, evaluate))},
+            **{name: section or None for name, section in zip(SECTIONS, sections)},
             "force": args.force}
     token = controller_settings().api_token
     with ControllerClient(args.controller, token=token.get_secret_value() if token else None) as client:
@@ -125,7 +132,7 @@ def _run_through_api(args: argparse.Namespace) -> int:
                 raise
             sys.stderr.write(_refused_preflight(exc.detail) + "\n")
             return 1
-    _submitted(spec["name"], spec["rows"], spec["train_ids"])
+    _submitted(spec["name"], spec["rows"], spec["train_ids"], spec.get("online") or {})
     return 0
 
 
@@ -143,6 +150,11 @@ def _refused_preflight(detail: object) -> str:
     return "\n".join(lines)
 
 
-def _submitted(name: str, rows: int, train_ids: int) -> None:
+def _submitted(name: str, rows: int, train_ids: int, online: dict) -> None:
+    from runtime.disk import format_bytes
+
     sys.stdout.write(f"run {name}: {rows} rows read, {train_ids} sample ids queued for generation\n")
+    if online.get("enabled"):
+        sys.stdout.write(f"online: hidden states bounded by {format_bytes(online['budget_bytes'])} "
+                         f"({online['budget_bytes']:,} bytes); training starts once generation has settled\n")
     sys.stdout.write(f"follow it with: draftline status {name}\n")

@@ -45,6 +45,7 @@ from shared.jobs import (
 )
 from shared.layout import RunPaths
 from shared.lifecycle import OUTCOMES, Outcome, Stage
+from shared.runspec import cached_spec
 from runtime.queues import queue
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract, enqueue_once, held_sample_ids
@@ -213,6 +214,8 @@ def feed_finished(meta: dict[str, str]) -> bool:
 def backfill_extract(settings: ControllerSettings, state: RunState) -> int:
     """Queue extractions for replies that have none, within the extract backlog; returns how many samples."""
     conn, run = state.conn, state.run
+    if cached_spec(settings.data, run).online.enabled:
+        return 0  # its trainer asks for each sample's states in its own order, within the run's budget
     meta = state.meta()
     limit = int(meta.get("train_ids", 0))
     cursor = _extract_cursor(state, meta, limit)

@@ -43,6 +43,7 @@ from runtime.disk import supervise_disk
 from shared.lifecycle import SAMPLE_PHASES, SAMPLE_STAGES, Outcome, RunPhase, Stage
 from runtime.outage import REDIS_DOWN, RedisOutage
 from runtime.sample_queue import enqueue_train
+from shared.runspec import cached_spec
 from shared.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ def settled(state: RunState) -> tuple[int, int]:
 def advance(state: RunState, meta: dict[str, str]) -> None:
     """Move a run from its sample stages to training once every expected sample is settled."""
     expected = int(meta.get("expected", 0))
+    if cached_spec(state.paths.data, state.run).online.enabled:
+        advance_online(state, expected)
+        return
     done, extracted = settled(state)
     if done < expected:
         generated = state.counts(Stage.GENERATE).settled >= expected
@@ -81,6 +85,22 @@ def advance(state: RunState, meta: dict[str, str]) -> None:
         log.info("run %s: removed %d temp files left by killed writers", state.run, removed)
     if enqueue_train(state.conn, state.run):
         log.info("run %s: all %d samples settled (%d extracted); train job enqueued", state.run, expected, extracted)
+    state.set_phase(RunPhase.TRAINING, train_enqueued_at=time.time())
+
+
+def advance_online(state: RunState, expected: int) -> None:
+    """An online run trains once generation has settled: its trainer then asks for each sample's states in its
+    own order (services/trainer/online.py), so extraction is not a phase of its own."""
+    generate = state.counts(Stage.GENERATE)
+    if generate.settled < expected:
+        return
+    if generate.done == 0:
+        state.set_phase(RunPhase.FAILED, error="no sample made it through generation; nothing to train on")
+        log.error("run %s: every sample failed before training", state.run)
+        return
+    if enqueue_train(state.conn, state.run):
+        log.info("run %s: generation settled (%d replies of %d); online train job enqueued", state.run,
+                 generate.done, expected)
     state.set_phase(RunPhase.TRAINING, train_enqueued_at=time.time())
 
 

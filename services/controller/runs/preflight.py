@@ -415,12 +415,21 @@ def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts)
     rows, prompt_bytes = size
     samples = max(rows - spec.evaluate.holdout, 0)
     tokens = estimate_sample_tokens(prompt_bytes / rows, spec.generation.max_tokens, spec.extraction.max_length)
-    hidden = int(samples * tokens * facts.bytes_per_token)
+    offline = int(samples * tokens * facts.bytes_per_token)
     replies = reply_bytes(samples, 0, 0, prompt_bytes_per_row=prompt_bytes / rows, max_tokens=spec.generation.max_tokens)
     training = training_bytes(RunPaths(data, spec.name), target_config(settings.model_dir), spec.train)
+    states = (f"{samples:,} samples × {tokens:,.0f} tokens × {facts.bytes_per_token:,.0f} bytes, an upper estimate "
+              "from max_tokens")
+    if spec.online.enabled and spec.online.budget_bytes is not None:
+        # An online run holds at most its budget of states whatever the dataset's size.
+        hidden = min(offline, spec.online.budget_bytes)
+        states = (f"(online: at most its budget of {format_bytes(spec.online.budget_bytes)}, where offline would "
+                  f"keep {format_bytes(offline)}: {states})")
+    else:
+        hidden = offline
+        states = f"({states})"
     projected = hidden + replies + training
-    estimate = (f"about {format_bytes(projected)}: {format_bytes(hidden)} of hidden states ({samples:,} samples × "
-                f"{tokens:,.0f} tokens × {facts.bytes_per_token:,.0f} bytes, an upper estimate from max_tokens), "
+    estimate = (f"about {format_bytes(projected)}: {format_bytes(hidden)} of hidden states {states}, "
                 f"{format_bytes(replies)} of replies and {format_bytes(training)} of checkpoints and export")
     if projected > free - reserve:
         return Check("disk space", False, WARNING, f"the run needs {estimate}; {room}",

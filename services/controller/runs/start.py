@@ -16,7 +16,7 @@ import redis
 from services.controller.runs.datasets import PACKAGED, looks_like_repo_id, packaged_dataset, split_files
 from services.controller.runs.preflight import PreflightReport, run_preflight
 from services.controller.runs.submit import default_run_name, submit_run
-from runtime.disk import BYTES_PER_TOKEN_ESTIMATE
+from runtime.disk import BYTES_PER_TOKEN_ESTIMATE, reserve_for, volume_usage
 from shared.errors import DatasetError, DraftlineError
 from shared.layout import check_run_name
 from shared.lifecycle import Stage
@@ -25,6 +25,7 @@ from shared.runspec import (
     EvalConfig,
     ExtractionConfig,
     GenerationConfig,
+    OnlineConfig,
     RunSpec,
     TrainConfig,
 )
@@ -54,6 +55,7 @@ class RunRequest:
     extraction: ExtractionConfig | None = None
     train: TrainConfig | None = None
     evaluate: EvalConfig | None = None
+    online: OnlineConfig | None = None
 
 
 class DatasetOutsideRoots(DatasetError):
@@ -117,8 +119,23 @@ def draft_spec(settings: ControllerSettings, request: RunRequest) -> RunSpec:
         name=check_run_name(request.name or default_run_name(dataset)), dataset=dataset, split=request.split,
         limit=request.limit, model=request.model, generation=request.generation or GenerationConfig(),
         extraction=request.extraction or ExtractionConfig(), train=request.train or TrainConfig(),
-        evaluate=request.evaluate or EvalConfig(),
+        evaluate=request.evaluate or EvalConfig(), online=online_with_budget(settings, request.online),
     )
+
+
+# An online run's default budget: a share of what the volume has free, so other runs and the checkpoints keep room.
+DEFAULT_BUDGET_SHARE = 0.25
+
+
+def online_with_budget(settings: ControllerSettings, online: OnlineConfig | None) -> OnlineConfig:
+    """The run's online settings with its byte budget fixed: as asked, or a quarter of the volume's free space
+    less the reserve (stored in run.json, so a later change of free space does not move it)."""
+    online = online or OnlineConfig()
+    if not online.enabled or online.budget_bytes is not None:
+        return online
+    free, total = volume_usage(settings.data)
+    room = free - reserve_for(total, settings.disk_reserve_bytes, settings.disk_reserve_fraction)
+    return online.model_copy(update={"budget_bytes": max(1, int(room * DEFAULT_BUDGET_SHARE))})
 
 
 def start_run(settings: ControllerSettings, conn: redis.Redis, request: RunRequest, *,

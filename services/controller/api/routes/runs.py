@@ -30,6 +30,7 @@ from shared.runspec import (
     EvalConfig,
     ExtractionConfig,
     GenerationConfig,
+    OnlineConfig,
     TrainConfig,
 )
 from runtime.runstate import RunState
@@ -54,12 +55,13 @@ class SubmitRequest(BaseModel):
     extraction: ExtractionConfig | None = None
     train: TrainConfig | None = None
     evaluate: EvalConfig | None = None
+    online: OnlineConfig | None = None
     force: bool = Field(False, description="Start the run even when preflight checks fail.")
 
     def run_request(self, model: str) -> RunRequest:
         return RunRequest(dataset=self.dataset, model=model, name=self.name, limit=self.limit, split=self.split,
                           generation=self.generation, extraction=self.extraction, train=self.train,
-                          evaluate=self.evaluate)
+                          evaluate=self.evaluate, online=self.online)
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,176 @@
+"""An online run's spool: its hidden-state files on the volume, held within the run's byte budget.
+
+An online run (``online.enabled``) keeps a sample's file only while training still needs it. The files lie where
+an offline run's do (``RunPaths.hidden``), so extraction, verification, the manifest and a resume treat them
+alike; what differs is their life:
+
+- **landing**: an extraction claims its file's bytes before it asks for the states (``runtime.disk_claims``);
+  for an online run the claim is granted only while the spool's bytes (``hidden_bytes`` in the run's meta, which
+  each landed file adds to) plus every claim being written plus this one fit the budget. The one sample the
+  trainer is waiting for (``ONLINE_HEAD``) is always granted as far as the disk allows, so a spool filled with
+  files the trainer needs later can never keep it waiting for good: the spool peaks at the budget plus that file.
+- **release**: once every optimizer step that read a file is in a checkpoint, the trainer deletes it
+  (``release``): the file goes, then its done bit and its bytes and tokens leave the run's counts in one atomic
+  step, so the feeder of the next epoch (the trainer itself) extracts it again from the stored reply.
+- **resync**: a trainer that starts (or resumes) makes the counts equal to the files on the volume first, so a
+  process killed between a deletion and its count leaves nothing behind.
+
+The trainer's waits and the extractors' blocked time are kept in the run's meta, as cumulative seconds, for
+status and Prometheus to turn into fractions (``online_status``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+
+from runtime.disk import HIDDEN_BYTES, HIDDEN_TOKENS, _number, _s
+from runtime.runstate import RunState
+from shared.errors import HiddenStateFileError
+from shared.hidden_file import read_header
+from shared.lifecycle import Outcome, RunKeys, Stage
+from shared.runspec import cached_spec
+
+log = logging.getLogger(__name__)
+
+# Fields of the run's meta hash (online runs only).
+ONLINE_HEAD = "online_head"  # the sample the trainer waits for now; "" while it waits for none
+ONLINE_STARTED_AT = "online_started_at"  # the trainer's first start (wall clock)
+ONLINE_WAIT_S = "online_wait_s"  # seconds the trainer has waited for files, all sessions
+ONLINE_TRAIN_S = "online_train_s"  # seconds the trainer has been running, all sessions (waits included)
+ONLINE_BLOCKED_S = "online_blocked_s"  # seconds extractions waited for the budget, summed over extractors
+ONLINE_EPOCH = "online_epoch"  # the epoch the trainer is in
+ONLINE_EPOCH_TRAINED = "online_epoch_trained"  # samples trained so far in that epoch
+ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
+ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
+ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
+ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_EPOCH,
+                 ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_PEAK_BYTES)
+# Above this share of its time waiting for files, the trainer is the side starved: extraction is the bottleneck.
+STARVED_FRACTION = 0.5
+
+# KEYS: the extract stage's done bitmap, the run's meta. ARGV: sample id, bytes, tokens. Clears the done bit and,
+# only when it was set, takes the file's bytes and tokens off the counts; returns the bit as it was.
+_RELEASE = """
+local was = redis.call('SETBIT', KEYS[1], ARGV[1], 0)
+if was == 1 then
+  redis.call('HINCRBYFLOAT', KEYS[2], 'hidden_bytes', '-' .. ARGV[2])
+  redis.call('HINCRBYFLOAT', KEYS[2], 'hidden_tokens', '-' .. ARGV[3])
+  redis.call('HINCRBY', KEYS[2], 'online_released', 1)
+end
+return was
+"""
+
+
+def budget_of(state: RunState) -> int | None:
+    """The run's byte budget when it trains online, else None."""
+    online = cached_spec(state.paths.data, state.run).online
+    return online.budget_bytes if online.enabled else None
+
+
+def file_counts(path) -> tuple[int, int]:
+    """``(bytes, tokens)`` of a hidden-state file, from its size and its header (no tensor is read)."""
+    header, _ = read_header(path)
+    ids = header.get("input_ids")
+    if not isinstance(ids, dict) or not ids.get("shape"):
+        raise HiddenStateFileError(f"{path}: no input_ids in its header")
+    return path.stat().st_size, int(ids["shape"][0])
+
+
+def release(state: RunState, sample_id: int) -> int:
+    """Delete sample ``sample_id``'s file and take it off the run's counts; returns the bytes freed (0 when it
+    was gone already)."""
+    path = state.paths.hidden(sample_id)
+    try:
+        nbytes, tokens = file_counts(path)
+    except (HiddenStateFileError, FileNotFoundError):
+        nbytes, tokens = 0, 0
+    path.unlink(missing_ok=True)
+    keys = state.keys
+    state.conn.eval(_RELEASE, 2, keys.outcome(Stage.EXTRACT, Outcome.DONE), keys.meta, sample_id, nbytes, tokens)
+    return nbytes
+
+
+def present(state: RunState, sample_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
+    """``{sample id: (bytes, tokens)}`` of the files of ``sample_ids`` on the volume now."""
+    found = {}
+    for sample_id in sample_ids:
+        try:
+            found[sample_id] = file_counts(state.paths.hidden(sample_id))
+        except (HiddenStateFileError, FileNotFoundError):
+            continue
+    return found
+
+
+def resync(state: RunState, sample_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
+    """Make the done bits and the spool's counts those of the files on the volume (the volume is the truth);
+    returns the files found."""
+    ids = list(sample_ids)
+    found = present(state, ids)
+    keys = state.keys
+    done = keys.outcome(Stage.EXTRACT, Outcome.DONE)
+    with state.conn.pipeline() as pipe:
+        for sample_id in ids:
+            pipe.setbit(done, sample_id, 1 if sample_id in found else 0)
+        pipe.hset(keys.meta, mapping={HIDDEN_BYTES: sum(b for b, _ in found.values()),
+                                      HIDDEN_TOKENS: sum(t for _, t in found.values())})
+        pipe.execute()
+    return found
+
+
+def spool_bytes(conn: redis.Redis, run: str) -> int:
+    return int(_number({HIDDEN_BYTES: _s(conn.hget(RunKeys(run).meta, HIDDEN_BYTES))}, HIDDEN_BYTES))
+
+
+def note_peak(conn: redis.Redis, run: str) -> None:
+    """Raise the recorded peak of the spool's counts to what they hold now."""
+    conn.eval("local now = tonumber(redis.call('HGET', KEYS[1], 'hidden_bytes') or '0') "
+              "local peak = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') "
+              "if now > peak then redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', now)) end return 0",
+              1, RunKeys(run).meta, ONLINE_PEAK_BYTES)
+
+
+def add_seconds(conn: redis.Redis, run: str, field: str, seconds: float) -> None:
+    if seconds > 0:
+        conn.hincrbyfloat(RunKeys(run).meta, field, round(seconds, 3))
+
+
+@dataclass(frozen=True)
+class OnlineStatus:
+    """What an online run's spool and trainer are doing, as status and the exporter report it."""
+
+    budget_bytes: int
+    spool_bytes: int
+    spool_files: int
+    peak_bytes: int
+    epoch: int | None
+    epoch_trained: int
+    epoch_samples: int
+    released: int
+    train_wait_fraction: float | None  # of the trainer's running time, waiting for files
+    extract_blocked_s: float  # summed over extractors
+    bottleneck: str  # "extraction" (the trainer starves), "training" (extraction waits on the budget), "unknown"
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineStatus:
+    wait, running = _number(meta, ONLINE_WAIT_S), _number(meta, ONLINE_TRAIN_S)
+    fraction = wait / running if running > 0 else None
+    blocked = _number(meta, ONLINE_BLOCKED_S)
+    if fraction is None:
+        bottleneck = "unknown"
+    elif fraction >= STARVED_FRACTION:
+        bottleneck = "extraction"
+    else:
+        bottleneck = "training"
+    epoch = meta.get(ONLINE_EPOCH)
+    return OnlineStatus(budget, int(_number(meta, HIDDEN_BYTES)), state.counts(Stage.EXTRACT).done,
+                        int(_number(meta, ONLINE_PEAK_BYTES)), int(epoch) if epoch not in (None, "") else None,
+                        int(_number(meta, ONLINE_EPOCH_TRAINED)), int(_number(meta, ONLINE_EPOCH_SAMPLES)),
+                        int(_number(meta, ONLINE_RELEASED)), None if fraction is None else round(fraction, 4),
+                        round(blocked, 3), bottleneck)
