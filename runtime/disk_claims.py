@@ -33,7 +33,7 @@ import redis
 
 from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, LAST_RESERVE,
                           _number, _s, format_bytes, set_paused, volume_usage, wait_for_headroom)
-from runtime.spool import ONLINE_BLOCKED_S, ONLINE_HEAD
+from runtime.spool import ONLINE_BLOCKED_S, ONLINE_HEAD, ONLINE_REFUSED_AT
 from shared.lifecycle import RunKeys
 
 BUDGET_POLL_S = 0.5  # a trainer frees files at each checkpoint: a blocked extraction looks again this often
@@ -109,7 +109,9 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
                            args=[sample_id, need, free - reserve, -1 if budget is None else budget,
                                  1 if head == str(sample_id) else 0]))
         if others == BUDGET_REFUSED:
-            # Not a pause: the trainer frees the spool as its checkpoints land, and the extraction goes on then.
+            # Not a pause: the trainer frees the spool as its checkpoints land, and the extraction goes on then;
+            # the time says so to the trainer, which checkpoints to release what it has read.
+            conn.hset(keys.meta, ONLINE_REFUSED_AT, time.time())
             blocked_since = blocked_since or time.monotonic()
             time.sleep(min(poll_s, BUDGET_POLL_S))
             head = _claim_facts(conn, run)[3]

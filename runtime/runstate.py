@@ -476,7 +476,7 @@ def read_finished(paths: RunPaths) -> dict | None:
 
 FINISHED_META = "meta"  # the whole-run stages' fields a finished record keeps for a Redis that lost the run
 _KEPT_PREFIXES = ("train_state", "train_error", "train_finished_at", "train_warning", "evaluate_state",
-                  "evaluate_error")
+                  "evaluate_error", "online_")  # online_: an online run's spool and trainer figures (runtime.spool)
 _KEPT_FIELDS = ("export_path", "acceptance_length", "error")
 
 

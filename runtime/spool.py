@@ -42,12 +42,14 @@ ONLINE_STARTED_AT = "online_started_at"  # the trainer's first start (wall clock
 ONLINE_WAIT_S = "online_wait_s"  # seconds the trainer has waited for files, all sessions
 ONLINE_TRAIN_S = "online_train_s"  # seconds the trainer has been running, all sessions (waits included)
 ONLINE_BLOCKED_S = "online_blocked_s"  # seconds extractions waited for the budget, summed over extractors
+ONLINE_REFUSED_AT = "online_refused_at"  # when the budget last refused an extraction's claim (wall clock)
 ONLINE_EPOCH = "online_epoch"  # the epoch the trainer is in
 ONLINE_EPOCH_TRAINED = "online_epoch_trained"  # samples trained so far in that epoch
 ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
 ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
 ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
-ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_EPOCH,
+ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
+                 ONLINE_EPOCH,
                  ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_PEAK_BYTES)
 # Above this share of its time waiting for files, the trainer is the side starved: extraction is the bottleneck.
 STARVED_FRACTION = 0.5
@@ -143,6 +145,7 @@ class OnlineStatus:
     """What an online run's spool and trainer are doing, as status and the exporter report it."""
 
     budget_bytes: int
+    waiting_for: int | None  # the sample the trainer waits for now (its extraction passes the budget)
     spool_bytes: int
     spool_files: int
     peak_bytes: int
@@ -169,7 +172,8 @@ def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineS
     else:
         bottleneck = "training"
     epoch = meta.get(ONLINE_EPOCH)
-    return OnlineStatus(budget, int(_number(meta, HIDDEN_BYTES)), state.counts(Stage.EXTRACT).done,
+    head = meta.get(ONLINE_HEAD)
+    return OnlineStatus(budget, int(head) if head not in (None, "") else None, int(_number(meta, HIDDEN_BYTES)), state.counts(Stage.EXTRACT).done,
                         int(_number(meta, ONLINE_PEAK_BYTES)), int(epoch) if epoch not in (None, "") else None,
                         int(_number(meta, ONLINE_EPOCH_TRAINED)), int(_number(meta, ONLINE_EPOCH_SAMPLES)),
                         int(_number(meta, ONLINE_RELEASED)), None if fraction is None else round(fraction, 4),

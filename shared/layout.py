@@ -112,6 +112,11 @@ class RunPaths:
         return self.drafter_dir / "train_log.jsonl"
 
     @property
+    def online_plan(self) -> Path:
+        """An online run's training ids, held-out ids and target, fixed when its training first starts."""
+        return self.drafter_dir / "online_plan.json"
+
+    @property
     def validation_log(self) -> Path:
         return self.drafter_dir / "validation.jsonl"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -118,9 +119,19 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
         return SampleResult.SKIPPED
     wait_for_headroom(state.conn, settings.data, state.run)  # a paused run's samples wait here instead of failing
     spec = cached_spec(settings.data, state.run)
-    try:
-        result, info = _extract(sample_id, spec, state, tokenizer, str(settings.model_dir), client)
+
+    def landed(result: HiddenStatesResult, info: HiddenFileInfo) -> None:
         _record_manifest(state, sample_id, info)
+        with state.conn.pipeline() as pipe:  # recorded first: a sample marked done implies the run's layer record
+            _record_layers(pipe, state.run, result)
+            pipe.execute()
+        # The done bit and the file's counts in one atomic step: a kill between them would count it never or twice.
+        state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
+        if spec.online.enabled:
+            note_peak(state.conn, state.run)
+
+    try:
+        _extract(sample_id, spec, state, tokenizer, str(settings.model_dir), client, landed)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
@@ -130,18 +141,13 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
                                   error_class=error_class(exc), message=str(exc)))
         log.warning("run %s: sample %d extract failed: %s: %s", state.run, sample_id, error_class(exc), exc)
         return SampleResult.FAILED
-    with state.conn.pipeline() as pipe:  # recorded first: a sample marked done implies the run's layer record
-        _record_layers(pipe, state.run, result)
-        pipe.execute()
-    # The done bit and the file's counts in one atomic step: a kill between them would count it never or twice.
-    state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(info.nbytes, info.num_tokens))
-    if spec.online.enabled:
-        note_peak(state.conn, state.run)
     return SampleResult.DONE
 
 
-def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_dir: str,
-             client: HiddenStateSource) -> tuple[HiddenStatesResult, HiddenFileInfo]:
+def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_dir: str, client: HiddenStateSource,
+             landed: Callable[[HiddenStatesResult, HiddenFileInfo], None]) -> None:
+    """Extract the sample's file, verify it, and call ``landed`` with it while its bytes are still claimed: until
+    ``landed`` has counted them in the run's meta, the claim is what keeps other extractions from taking them."""
     record = _read_reply(state, sample_id)  # a missing or torn reply fails the sample before any tokenizing
     turn_end = turn_end_of(tokenizer, model_dir)
     path = state.paths.generated(sample_id)
@@ -151,7 +157,8 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
                     "conversation's tokens differ from what the target wrote (its chat template or tokenizer "
                     "renders the reply otherwise)", state.run, sample_id, len(record["turns"]),
                     "; ".join(map(str, unlearned)))
-    # The file's bytes are claimed until it is on the volume, where free space counts it instead.
+    # The file's bytes are claimed until they are counted as landed (free space, and an online run's spool, then
+    # hold them instead).
     budget = spec.online.budget_bytes if spec.online.enabled else None
     with claim_space(state.conn, state.paths.data, state.run, sample_id, len(input_ids), budget=budget):
         result = client.extract(
@@ -159,6 +166,12 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
             layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
             storage=spec.extraction.storage, on_retry=lambda: state.note_retry(Stage.EXTRACT),
         )
+        landed(result, _verified(state, spec, sample_id, input_ids, result))
+
+
+def _verified(state: RunState, spec: RunSpec, sample_id: int, input_ids: list[int],
+              result: HiddenStatesResult) -> HiddenFileInfo:
+    """The file the server wrote, verified; a file that fails is deleted and the error raised."""
     path = state.paths.hidden(sample_id)
     try:
         info = verify_hidden_file(path, layer_ids=_run_layers(state, spec, result), sha256=result.sha256)
@@ -173,7 +186,7 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
     if result.layer_convention != eagle3.LAYER_CONVENTION:
         raise MalformedHiddenResponse(f"server reports layer convention {result.layer_convention!r}, "
                                       f"expected {eagle3.LAYER_CONVENTION!r}")
-    return result, info
+    return info
 
 
 UNBOUNDED = 1 << 62  # an earlier turn's sample is cut where the whole conversation's is, not on its own

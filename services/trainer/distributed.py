@@ -90,7 +90,7 @@ def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) 
         # Rank 0 writes the checkpoints; its peers wait for it at the next collective, within the train timeout.
         hold = StageHold(conn, run, Stage.TRAIN) if rank == 0 else None
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress,
-                               space_hold=hold)
+                               space_hold=hold, state=RunState(conn, settings.data, run))
         # Every rank tears down together, after rank 0 has written the last checkpoint: a gloo rank that destroyed
         # its process group while its peer was still busy aborted at exit ("terminate called without an active
         # exception"), and the peer's torchrun then waited out its exit barrier for the node that never came.

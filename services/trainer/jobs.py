@@ -11,6 +11,7 @@ metadata so RQ records the job as failed.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import shlex
 import time
@@ -99,8 +100,7 @@ def train(payload: dict) -> dict:
         spec = RunSpec.load(settings.data, job.run)
         with exclusive_training(paths):
             result = _train_and_export(spec, settings, state, paths)
-        trained, _ = validation_split(list_hidden_files(paths), spec.train.validation_files)
-        learned = count_loss_tokens(trained, spec.train_max_length)
+        learned = learned_tokens(spec, paths)
     except TrainingInProgress:
         raise  # the run's state belongs to the trainer holding the lock
     except Exception as exc:  # every way out of here but success leaves the run's train stage named failed
@@ -115,6 +115,20 @@ def train(payload: dict) -> dict:
     log.info("run %s: trained %d steps (draft vocabulary from the %s), exported to %s, evaluation queued", job.run,
              result.steps, result.draft_vocab, paths.export_dir)
     return {"run": job.run, "steps": result.steps, "export_path": str(paths.export_dir), "draft_vocab": result.draft_vocab}
+
+
+def learned_tokens(spec: RunSpec, paths: RunPaths) -> int:
+    """Loss tokens one pass trains on: counted in the files, or, online (the files are gone), summed from the
+    training log's first epoch."""
+    if not spec.online.enabled:
+        trained, _ = validation_split(list_hidden_files(paths), spec.train.validation_files)
+        return count_loss_tokens(trained, spec.train_max_length)
+    total = 0
+    for line in paths.train_log.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("epoch") == 0:
+            total += int(record.get("tokens", 0))
+    return total
 
 
 def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState, paths: RunPaths) -> TrainResult:
@@ -136,7 +150,7 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
     else:
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,
-                               progress=progress_reporter(state), space_hold=hold)
+                               progress=progress_reporter(state), space_hold=hold, state=state)
     write_with_space(lambda: export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
                                             target_fingerprint=result.target_fingerprint,
                                             dtype=export_dtype(settings.model_dir)),

@@ -83,9 +83,20 @@ from modeling.eagle3 import DrafterConfig, Eagle3Drafter, TargetTied, rope_scali
 from services.trainer.precision import Float32Weights, make_weights, precision_kind
 from modeling.target_head import load_target_head, read_target_config, target_logits, text_config
 from modeling.ttt_attention import FLEX, attention_kind
+from services.trainer.online import (
+    Feed,
+    OnlinePlan,
+    OnlinePlanError,
+    global_span,
+    load_plan,
+    online_epoch_plan,
+    plan_facts,
+    record_facts,
+)
 from services.trainer.validation import Validation, validation_split
 from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
 from modeling.attention import avoid_cudnn_attention
+from runtime.runstate import RunState
 from runtime.space import SpaceHold, append_line, write_with_space
 
 log = logging.getLogger(__name__)
@@ -413,30 +424,148 @@ class Session:
     world: int = 1
     validation: Validation | None = None  # rank 0's held-out files (train.validation_files), else None
     space_hold: SpaceHold | None = None  # names the train stage held while a write waits for disk space
+    feed: Feed | None = None  # an online run's spool (services/trainer/online.py); None offline
     result: TrainResult = field(init=False)
+    trained_to: ckpt.Position = field(init=False)  # after the last step taken: what a checkpoint now would record
+
+    def __post_init__(self) -> None:
+        self.trained_to = self.position
 
     def on_volume(self, what: str, write: Callable[[], object]) -> None:
         """Run the volume write ``write`` (atomic: a failed try leaves nothing), waiting out a full disk."""
         write_with_space(write, what, self.paths.data, hold=self.space_hold)
 
 
-def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Session:
+@dataclass
+class TrainData:
+    """What a session trains on: the files (offline) or the plan and its feed (online), and the epochs' batches."""
+
+    files: list[Path]  # in dataset order: plans index into it
+    held_out: list[Path]  # the validation files (train.validation_files)
+    vocab_files: list[Path]  # what the draft vocabulary is counted from (none on an online resume: the checkpoint has it)
+    lengths: list[int]  # tokens of each file training reads; empty online (learned as files land)
+    epochs: int
+    plans: list[list[list[int]]]
+    batching: str
+    target_meta: dict[str, str]  # the hidden-state files' metadata: the target's name and fingerprint
+    positions: int  # tokens an epoch trains (online: estimated from the vocabulary's files)
+    feed: Feed | None = None
+    mask_token_id: int | None = None  # online DFlash: the mask token the first start chose
+
+
+def offline_data(spec: RunSpec, paths: RunPaths, *, world: int, rank: int, layer_ids: list[int],
+                 hidden_size: int) -> TrainData:
+    """Every file of the run, verified before training starts."""
+    cfg, max_length = spec.train, spec.train_max_length
+    files, held_out = validation_split(list_hidden_files(paths), cfg.validation_files)
+    infos = verify_files([*files, *held_out], layer_ids=layer_ids, hidden_size=hidden_size)[: len(files)]
+    if rank == 0:
+        report_truncation(infos, max_length, spec)
+    lengths = [min(info.num_tokens, max_length) for info in infos]
+    batching = checkpoint_batching(paths, cfg)
+    epochs = auto_epochs(cfg.epochs, sum(lengths))
+    plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(epochs)]
+    return TrainData(files, held_out, files, lengths, epochs, plans, batching, infos[0].metadata, sum(lengths))
+
+
+def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world: int, rank: int,
+                layer_ids: list[int], hidden_size: int) -> TrainData:
+    """The online plan, and the files the draft vocabulary is counted from, waited for (services/trainer/online.py)."""
+    if state is None:
+        raise OnlinePlanError(f"run {spec.name} trains online: its trainer needs the run's Redis state")
+    cfg, max_length = spec.train, spec.train_max_length
+    plan = load_plan(paths, spec, rank)
+    samples = len(plan.train_ids)
+    feed = Feed(state, plan, [online_epoch_plan(cfg, samples, 0, world)], rank, int(spec.online.budget_bytes or 0))
+    feed.start()
+    held_out = [paths.hidden(i) for i in plan.validation_ids]
+    facts = plan_facts(paths)
+    resuming = facts is not None and ckpt.latest_checkpoint(paths.checkpoints_dir) is not None
+    feed.wait_ready(plan.validation_ids)
+    vocab_ids = [] if resuming else vocabulary_ids(feed, spec, samples)
+    feed.plan = OnlinePlan(plan.train_ids, [i for i in plan.validation_ids if i not in feed.failed])
+    held_out = [paths.hidden(i) for i in feed.plan.validation_ids]
+    vocab_files = [paths.hidden(i) for i in vocab_ids if i not in feed.failed]
+    infos = verify_files([*vocab_files, *held_out], layer_ids=layer_ids, hidden_size=hidden_size) \
+        if vocab_files or held_out else []
+    if facts is None:
+        if not vocab_files:
+            raise OnlinePlanError(f"run {spec.name}: none of the first {len(vocab_ids)} samples of the first epoch "
+                                  "could be extracted (failures/extract names each)")
+        per_sample = sum(min(i.num_tokens, max_length) for i in infos[: len(vocab_files)]) / len(vocab_files)
+        positions = int(per_sample * samples)
+        meta = infos[0].metadata
+        facts = {"epochs": auto_epochs(cfg.epochs, positions), "positions": positions,
+                 "target_model": meta.get(eagle3.META_MODEL, spec.model),
+                 "target_fingerprint": meta.get(eagle3.META_MODEL_FINGERPRINT, "")}
+    epochs = int(facts["epochs"])
+    feed.plans = [online_epoch_plan(cfg, samples, epoch, world) for epoch in range(epochs)]
+    target_meta = {eagle3.META_MODEL: facts["target_model"], eagle3.META_MODEL_FINGERPRINT: facts["target_fingerprint"]}
+    return TrainData([paths.hidden(i) for i in plan.train_ids], held_out, vocab_files, [], epochs, feed.plans, SHUFFLE,
+                     target_meta, int(facts["positions"]), feed, facts.get("mask_token_id"))
+
+
+def vocabulary_ids(feed: Feed, spec: RunSpec, samples: int) -> list[int]:
+    """The first samples of the first epoch that the draft vocabulary is counted from, waited for: as many as
+    ``online.vocab_files`` asks, or as the budget holds beside the held-out files (every one must be on the volume
+    at once), leaving room for one more."""
+    first = feed.upcoming(0, 0, 1)
+    feed.wait_ready(first)
+    mean = max(feed.mean_bytes, 1.0)
+    room = feed.budget - feed.held_bytes
+    if room < 2 * mean:
+        raise OnlinePlanError(f"online.budget_bytes {feed.budget:,} leaves {max(room, 0):,} bytes beside the "
+                              f"{len(feed.plan.validation_ids)} held-out validation files, under two files of "
+                              f"about {mean:,.0f} bytes: raise the budget or lower train.validation_files")
+    count = min(samples, spec.online.vocab_files, int(room // mean) - 1)
+    if count < min(samples, spec.online.vocab_files):
+        log.info("draft vocabulary from the first %d files of the first epoch: the budget holds no more at once "
+                 "(online.vocab_files %d)", count, spec.online.vocab_files)
+    ids = feed.upcoming(0, 0, count)
+    feed.wait_ready(ids)
+    interval = spec.train.save_every * global_span(spec.train, 1)
+    if room // mean < interval:
+        log.warning("online.budget_bytes %d holds about %d files beside the held-out ones, and the %d steps between "
+                    "checkpoints read about %d: the trainer checkpoints whenever the spool fills with files it has "
+                    "read (raise the budget or lower train.save_every to checkpoint less often)", feed.budget,
+                    int(room // mean), spec.train.save_every, interval)
+    return ids
+
+
+def record_online_facts(data_in: TrainData, paths: RunPaths, drafter: TargetTied, rank: int) -> None:
+    """Rank 0 records what its first start measured and chose, for every resume (``online.plan_facts``)."""
+    if data_in.feed is None or rank != 0 or plan_facts(paths) is not None:
+        return
+    facts = {"epochs": data_in.epochs, "positions": data_in.positions,
+             "target_model": data_in.target_meta[eagle3.META_MODEL],
+             "target_fingerprint": data_in.target_meta[eagle3.META_MODEL_FINGERPRINT],
+             "vocab_files": len(data_in.vocab_files)}
+    if isinstance(drafter, DFlashDrafter):
+        facts["mask_token_id"] = drafter.config.mask_token_id
+    record_facts(paths, facts)
+
+
+def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str, state: RunState | None = None) -> Session:
     cfg, paths = spec.train, RunPaths(data, spec.name)
     rank, world = dist_info()
     dev = pick_device(device)
     target_config = read_target_config(model_dir)
     layer_ids = expected_layer_ids(spec, target_config)
-    files, held_out = validation_split(list_hidden_files(paths), cfg.validation_files)
-    infos = verify_files([*files, *held_out], layer_ids=layer_ids,
-                         hidden_size=int(text_config(target_config)["hidden_size"]))[: len(files)]
+    hidden_size = int(text_config(target_config)["hidden_size"])
     max_length = spec.train_max_length
-    if rank == 0:
-        report_truncation(infos, max_length, spec)
+    shape = {"world": world, "rank": rank, "layer_ids": layer_ids, "hidden_size": hidden_size}
+    data_in = (online_data(spec, paths, state, **shape) if spec.online.enabled
+               else offline_data(spec, paths, **shape))
+    files, held_out, lengths = data_in.files, data_in.held_out, data_in.lengths
+    if data_in.mask_token_id is not None and cfg.dflash.mask_token_id is None:
+        cfg = cfg.model_copy(update={"dflash": cfg.dflash.model_copy(update={"mask_token_id": data_in.mask_token_id})})
     head = load_target_head(model_dir, dtype=None)  # the target's own dtype: the head is (V, H), keep it small
 
     torch.manual_seed(cfg.seed)
     drafter, draft_vocab = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config,
-                                         layer_ids=layer_ids, embed=head.embed, files=files, max_length=max_length)
+                                         layer_ids=layer_ids, embed=head.embed, files=data_in.vocab_files,
+                                         max_length=max_length)
+    record_online_facts(data_in, paths, drafter, rank)
     drafter.store_embedding_as(head.embed.dtype)
     drafter = drafter.to(dev)
     attention = attention_kind(cfg.attention, dev)
@@ -451,10 +580,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
     # The fused CUDA AdamW updates every tensor in a few kernels (the foreach one: 8.3 ms a step at 8B shapes,
     # fused 3.5; bench/RESULTS.md); it keeps the same state, so checkpoints move between the two.
     optimizer = torch.optim.AdamW(weights.optimizer_params, lr=cfg.lr, weight_decay=0.0, fused=dev.type == "cuda")
-    lengths = [min(info.num_tokens, max_length) for info in infos]
-    batching = checkpoint_batching(paths, cfg)
-    epochs = auto_epochs(cfg.epochs, sum(lengths))
-    plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(epochs)]
+    epochs, plans, batching = data_in.epochs, data_in.plans, data_in.batching
     total = sum(len(plan) for plan in plans)
     schedule = partial(warmup_cosine, warmup=math.ceil(cfg.warmup_ratio * total), total=total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -462,16 +588,19 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str) -> Sessi
         position = resume(paths, cfg, total, world, drafter, optimizer, scheduler)
     validation = (Validation(held_out, max_length, spec.evaluate.chain_lengths, dev)
                   if held_out and rank == 0 else None)
+    if data_in.feed is not None:
+        data_in.feed.settle(position.epoch, position.batch_in_epoch, global_span(cfg, world))
     session = Session(cfg, paths, dev, drafter, objective, head.lm_head.to(dev), weights, optimizer, scheduler,
                       HiddenStateDataset(files, max_length), lengths, plans, total, position, batching, rank, world,
-                      validation)
-    meta = infos[0].metadata
+                      validation, feed=data_in.feed)
+    meta = data_in.target_meta
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(files), draft_vocab=draft_vocab)
     objective_kind = "DFlash blocks" if cfg.method == DFLASH else f"EAGLE-3, {attention} TTT attention"
     log.info("training %s: %d files of up to %d tokens (%d held out for validation), %d epochs%s, %s batches, %d steps, "
              "starting at step %d, %s, %s weights", spec.name, len(files), max_length, len(held_out), epochs,
-             "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over {sum(lengths):,} a pass)",
+             "" if cfg.epochs is not None else f" (unset: about {AUTO_EPOCH_POSITIONS:,} positions over "
+                                               f"{data_in.positions:,} a pass{', estimated' if data_in.feed else ''})",
              batching, total, session.position.step, objective_kind, precision)
     return session
 
@@ -547,6 +676,10 @@ def trained_from_checkpoint(spec: RunSpec, *, data: Path, model_dir: Path) -> Tr
     if step != total:
         raise CheckpointFormatError(f"{found}: training stopped at step {step} of {total}")
     drafter.load_embedding(load_target_head(model_dir, dtype=None).embed)
+    if spec.online.enabled:  # its files are gone; the plan recorded the target and the samples
+        facts, trained = plan_facts(paths) or {}, load_plan(paths, spec, rank=1).train_ids
+        return TrainResult(drafter, step, list(drafter.config.layer_ids), facts.get("target_model", spec.model),
+                           facts.get("target_fingerprint", ""), len(trained), draft_vocab=VOCAB_FROM_DATA)
     files, _ = validation_split(list_hidden_files(paths), spec.train.validation_files)  # what ``prepare`` trained on
     if not files:
         raise HiddenStateFileError(f"{paths.hidden_dir}: no hidden-state files")
@@ -576,10 +709,11 @@ def measure_held_out(s: Session, step: int, epoch: int, validation_log: TrainLog
 
 
 def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "auto", progress: ProgressFn | None = None,
-                  space_hold: SpaceHold | None = None) -> TrainResult:
+                  space_hold: SpaceHold | None = None, state: RunState | None = None) -> TrainResult:
     """Train (or resume training) the run's drafter; checkpoints every ``save_every`` steps and at the end. A
-    write that finds the volume full waits for space, with ``space_hold`` naming the stage held."""
-    s = prepare(spec, data=data, model_dir=model_dir, device=device)
+    write that finds the volume full waits for space, with ``space_hold`` naming the stage held. An online run
+    (``online.enabled``) reads its states as its trainer asks for them, through the run's ``state``."""
+    s = prepare(spec, data=data, model_dir=model_dir, device=device, state=state)
     s.space_hold = space_hold
     train_log = TrainLog(s.paths.train_log, s.position.step, enabled=s.rank == 0, on_volume=s.on_volume)
     validation_log = TrainLog(s.paths.validation_log, s.position.step, enabled=s.validation is not None,
@@ -587,27 +721,42 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
     validation = None
     step, started = s.position.step, time.monotonic() - s.position.elapsed_s
     tokens, session_start = 0, time.monotonic()
+    span = global_span(s.cfg, s.world)
     for epoch in range(s.position.epoch, len(s.plans)):
-        plan, padding = s.plans[epoch], plan_padding(s.plans[epoch], s.lengths, s.world)
-        if s.rank == 0:
+        plan = s.plans[epoch]
+        padding = plan_padding(plan, s.lengths, s.world) if s.feed is None else None
+        if s.rank == 0 and padding is not None:
             log.info("epoch %d: %d batches, %d real of %d computed tokens (padding %.1f%%)",
                      epoch, len(plan), padding.real, padding.computed, 100 * padding.fraction)
+        elif s.rank == 0:
+            log.info("epoch %d: %d batches of %d samples, online (seeded order, states asked for as it goes)",
+                     epoch, len(plan), span)
         first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
-        for index, batch in enumerate(epoch_loader(s, plan, first), start=first):
-            part = share(plan[index], s.rank, s.world)
+        trained_in_epoch = sum(len(b) for b in plan[:first])
+        for index, batch in enumerate(epoch_loader(s, plan, first, epoch), start=first):
+            online = s.feed.read(epoch, index) if s.feed is not None else None
+            global_batch = plan[index] if online is None else online[0]
+            part = share(global_batch, s.rank, s.world)
             if part.filler:
                 batch = batch.without_loss()
             done = train_step(s, batch.to(s.device, None if s.device.type == "cuda" else torch.float32),
                               row_seeds(s, part.indices))
             step += 1
             tokens += done.tokens
+            trained_in_epoch += len(global_batch)
             speed = tokens / max(time.monotonic() - session_start, 1e-9)
+            step_padding = (batch_padding(plan[index], s.lengths, s.world).fraction if online is None
+                            else float(1 - batch.lengths.sum() / max(1, batch.lengths.numel() * int(batch.lengths.max()))))
             s.result.last = TrainProgress(step, s.total, epoch, done.loss, done.acc, s.scheduler.get_last_lr()[0], speed,
-                                          padding.fraction, validation)
-            train_log.write({"step": step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
-                             "grad_norm": done.grad_norm, "lr": s.result.last.lr,
-                             "padding": round(batch_padding(plan[index], s.lengths, s.world).fraction, 6),
-                             "elapsed_s": round(time.monotonic() - started, 3)})
+                                          padding.fraction if padding is not None else step_padding, validation)
+            record = {"step": step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
+                      "grad_norm": done.grad_norm, "lr": s.result.last.lr, "padding": round(step_padding, 6),
+                      "elapsed_s": round(time.monotonic() - started, 3)}
+            if online is not None:  # each epoch's multiset of samples, on the volume; tokens: what the run learned
+                record.update(samples=online[1], tokens=done.tokens)
+            train_log.write(record)
+            following = (epoch, index + 1) if index + 1 < len(plan) else (epoch + 1, 0)
+            s.trained_to = ckpt.Position(step, *following, round(time.monotonic() - started, 3))
             checkpoint = s.rank == 0 and (step % s.cfg.save_every == 0 or step == s.total)
             if checkpoint and s.validation is not None:
                 validation = measure_held_out(s, step, epoch, validation_log)  # None: no current figure, not a stale one
@@ -615,27 +764,59 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
             if progress is not None and s.rank == 0:
                 progress(s.result.last)
             if checkpoint:
-                position = ckpt.Position(step, epoch, index + 1, round(time.monotonic() - started, 3))
-                with s.weights.full_precision():
-                    s.on_volume(f"checkpoint step {step}", partial(
-                        ckpt.save_checkpoint, s.paths.checkpoint(step), drafter=s.drafter, optimizer=s.optimizer,
-                        scheduler=s.scheduler, position=position,
-                        extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching,
-                               "global_batch_size": s.cfg.global_batch_size}))
+                save_checkpoint(s, s.trained_to)
+            if s.feed is not None:
+                s.feed.ask_ahead(*following, span)
+                s.feed.report(epoch, trained_in_epoch)
+    if s.feed is not None:
+        s.feed.report(len(s.plans) - 1, trained_in_epoch if s.plans else 0, force=True)
     s.weights.finish()
     s.result.steps = step
     return s.result
 
 
-def epoch_loader(s: Session, plan: list[list[int]], first: int) -> DataLoader:
-    """This rank's shares of the epoch's global batches from batch ``first`` on."""
-    shares = [share(batch, s.rank, s.world).indices for batch in plan[first:]]
+def save_checkpoint(s: Session, position: ckpt.Position, why: str = "") -> None:
+    """Rank 0's checkpoint at ``position``; online, the files its steps read are released after it."""
+    with s.weights.full_precision():
+        s.on_volume(f"checkpoint step {position.step}", partial(
+            ckpt.save_checkpoint, s.paths.checkpoint(position.step), drafter=s.drafter, optimizer=s.optimizer,
+            scheduler=s.scheduler, position=position,
+            extra={"total_steps": s.total, "world_size": s.world, "batching": s.batching,
+                   "global_batch_size": s.cfg.global_batch_size,
+                   **({"online": {"order": "seeded permutation of each epoch", "seed": s.cfg.seed}}
+                      if s.feed is not None else {})}))
+    if s.feed is not None:
+        freed = s.feed.released_after_checkpoint(position.epoch, position.batch_in_epoch, global_span(s.cfg, s.world))
+        log.info("step %d: checkpoint%s; %d files read before it released", position.step, why, freed)
+
+
+def relieve_spool(s: Session) -> None:
+    """A checkpoint where training stands, out of schedule: the spool is full of files already read."""
+    if s.trained_to.step > 0 and ckpt.latest_checkpoint(s.paths.checkpoints_dir) != s.paths.checkpoint(s.trained_to.step):
+        save_checkpoint(s, s.trained_to, " (the spool is full of files already read)")
+
+
+def epoch_loader(s: Session, plan: list[list[int]], first: int, epoch: int = 0) -> DataLoader:
+    """This rank's shares of the epoch's global batches from batch ``first`` on; online, each waited for as the
+    loader asks for it."""
+    if s.feed is None:
+        shares = [share(batch, s.rank, s.world).indices for batch in plan[first:]]
+    else:
+        shares = _online_shares(s, len(plan), first, epoch)
     if s.device.type != "cuda":
         return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=0)
     # Workers read and pad the next batches while the GPU works, into pinned memory so the copy to the GPU
     # is asynchronous (a pageable copy of an 8B-shape sample held the step for 8 ms).
     return DataLoader(s.dataset, batch_sampler=shares, collate_fn=collate, num_workers=LOADER_WORKERS,
                       prefetch_factor=LOADER_PREFETCH, pin_memory=True)
+
+
+def _online_shares(s: Session, batches: int, first: int, epoch: int):
+    """The online run's shares, each global batch waited for on the volume when the loader reaches it."""
+    assert s.feed is not None
+    span = global_span(s.cfg, s.world)
+    for index in range(first, batches):
+        yield share(s.feed.wait_for(epoch, index, span, relieve=lambda: relieve_spool(s)), s.rank, s.world).indices
 
 
 @dataclass(frozen=True)

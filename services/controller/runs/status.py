@@ -30,6 +30,7 @@ from runtime.runstate import (
     read_finished,
 )
 from runtime.disk import disk_status, format_bytes, format_disk_pause
+from runtime.spool import online_status
 from shared import metrics
 from shared.errors import RunNotFound
 from shared.layout import list_runs
@@ -44,7 +45,7 @@ from shared.lifecycle import (
     Stage,
     StageState,
 )
-from shared.runspec import RunSpec
+from shared.runspec import RunSpec, cached_spec
 
 FAILURES_SHOWN = 50
 FAILURE_FIELDS = ("sample_id", "stage", "error_class", "message", "kind")
@@ -178,6 +179,10 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
     for stage, shown in ((Stage.TRAIN, train), (Stage.EVALUATE, evaluate)):
         shown["paused"] = stage in disk["held"]  # its writer found the volume full and waits for space
     paused = any(shown["paused"] for shown in (generate, extract, train, evaluate))
+    online = _online(state, meta)
+    if online is not None:
+        # Extraction follows the trainer, epoch after epoch: its "done" is the files on the spool, and it has no ETA.
+        extract["eta_seconds"] = None
     return {
         "run": run,
         "state": RunPhase.of(meta.get("state")),  # stored at every transition (shared.lifecycle)
@@ -187,11 +192,23 @@ def run_status(data: Path, conn: redis.Redis, run: str, now: float | None = None
         "failures": first_failures(conn, run),
         "disk": disk,
         "paused": paused,  # held for disk space: eta_seconds is None until space is back
-        "eta_seconds": None if paused else overall_eta([generate, extract]),
+        "eta_seconds": None if paused else overall_eta([generate] if online else [generate, extract]),
+        "online": online,
         "drafter": {"export_path": meta.get("export_path") or None, "acceptance_length": evaluate["acceptance_length"],
                     "warning": meta.get("train_warning") or None},
         "updated_at": now,
     }
+
+
+def _online(state: RunState, meta: dict[str, str]) -> dict | None:
+    """An online run's spool against its budget and its trainer's waits (runtime.spool); None offline."""
+    try:
+        spec = cached_spec(state.paths.data, state.run)
+    except (RunNotFound, OSError, ValueError):
+        return None
+    if not spec.online.enabled or spec.online.budget_bytes is None:
+        return None
+    return online_status(state, meta, spec.online.budget_bytes).to_dict()
 
 
 def lookup_margin(meta: dict[str, str]) -> dict:
