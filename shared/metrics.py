@@ -12,7 +12,7 @@ REDIS_UP = "draftline_redis_up"  # 1 when Redis answered this scrape, else 0
 
 # ---- per run and stage: labels run, stage --------------------------------------------------------
 STAGE_EXPECTED = "draftline_stage_expected"  # samples (generate, extract) or steps (train, evaluate)
-STAGE_DONE = "draftline_stage_done_total"  # per-sample stages only: a done bit is never cleared
+STAGE_DONE = "draftline_stage_done_total"  # per-sample stages only; online, extractions of every epoch
 STAGE_RETRIED = "draftline_stage_retried_total"  # attempts repeated after a transient error or a lost job
 # Failed and dropped are gauges, not counters: a sample that succeeds on a later attempt leaves the failed
 # set (RunState.mark_done clears it), and a counter that goes down reads to Prometheus as a reset.
@@ -42,6 +42,14 @@ RUN_DISK_PAUSED = "draftline_run_disk_paused"  # 1 while the run's extraction wa
 RUN_PROJECTED_BYTES = "draftline_run_projected_bytes"  # bytes the rest of the run still needs on the volume
 # Label stage: 1 while a disk pause holds it (generate, extract) or its writer waits for space (train, evaluate).
 RUN_STAGE_HELD = "draftline_run_stage_held"
+# An online run (runtime.spool): its hidden-state files on the volume against its byte budget, and the trainer.
+ONLINE_SPOOL_BYTES = "draftline_online_spool_bytes"
+ONLINE_SPOOL_FILES = "draftline_online_spool_files"
+ONLINE_BUDGET_BYTES = "draftline_online_budget_bytes"
+ONLINE_TRAIN_WAIT_SECONDS = "draftline_online_train_wait_seconds_total"  # the trainer waiting for files
+ONLINE_TRAIN_SECONDS = "draftline_online_train_seconds_total"  # the trainer running, its waits included
+ONLINE_EXTRACT_BLOCKED_SECONDS = "draftline_online_extract_blocked_seconds_total"  # extractions waiting on the budget
+ONLINE_EPOCH_TRAINED = "draftline_online_epoch_trained_samples"  # samples trained in the current epoch
 
 # ---- queues and workers: labels queue[, state] ----------------------------------------------------
 QUEUE_JOBS = "draftline_queue_jobs"  # jobs waiting in the queue

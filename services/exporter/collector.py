@@ -29,6 +29,7 @@ from rq.worker import WorkerStatus
 from shared import metrics
 from runtime.gpu import GpuReader, GpuReading
 from runtime.disk import disk_status
+from runtime.spool import ONLINE_BLOCKED_S, ONLINE_RELEASED, ONLINE_TRAIN_S, ONLINE_WAIT_S, online_status
 from shared.jobs import (
     QUEUES,
     evaluate_job_id,
@@ -39,6 +40,8 @@ from shared.jobs import (
 from shared.lifecycle import SAMPLE_STAGES, WHOLE_RUN_STAGES, Stage
 from runtime.queues import SERIALIZER, queue
 from runtime.runstate import RunState, known_runs, retried_field
+from shared.errors import RunNotFound
+from shared.runspec import cached_spec
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class DraftlineCollector(Collector):
                 _whole_run_stage(families, run, meta, stage, in_flight[(run, stage)])
             _run_meta(families, run, meta)
             _run_disk(families, run, disk_status(self.conn, run))
+            _run_online(families, state, meta)
         _collect_queues(families, self.conn)
 
 
@@ -149,8 +153,11 @@ def _sample_stage(
     expected = int(_number(meta, "expected") or 0)
     counts = state.counts(stage)
     remaining = max(expected - counts.settled, 0)
+    # An online run deletes its files after their checkpoints and clears their done bits: its extractions count
+    # with the deleted ones added back, so the counter still only grows (every epoch's extractions).
+    released = int(_number(meta, ONLINE_RELEASED) or 0) if stage == Stage.EXTRACT else 0
     families.counter(metrics.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
-        labels, counts.done
+        labels, counts.done + released
     )
     # 0 until the first retry, so the series exists and rate() over it starts from the run's beginning.
     families.counter(
@@ -265,6 +272,34 @@ def _run_disk(families: Families, run: str, disk: dict) -> None:
     if disk["projected_bytes"] is not None:
         families.gauge(metrics.RUN_PROJECTED_BYTES, "Bytes the rest of the run still needs on the volume.",
                        ["run"]).add_metric([run], disk["projected_bytes"])
+
+
+def _run_online(families: Families, state: RunState, meta: dict[str, str]) -> None:
+    """An online run's spool against its budget, and its trainer's running and waiting seconds (counters, so
+    rate() over a window gives the share of that window the trainer waited)."""
+    try:
+        spec = cached_spec(state.paths.data, state.run)
+    except (RunNotFound, OSError, ValueError):
+        return
+    if not spec.online.enabled or spec.online.budget_bytes is None:
+        return
+    online = online_status(state, meta, spec.online.budget_bytes)
+    run = [state.run]
+    families.gauge(metrics.ONLINE_SPOOL_BYTES, "Bytes of the online run's hidden-state files on the volume.",
+                   ["run"]).add_metric(run, online.spool_bytes)
+    families.gauge(metrics.ONLINE_SPOOL_FILES, "The online run's hidden-state files on the volume.",
+                   ["run"]).add_metric(run, online.spool_files)
+    families.gauge(metrics.ONLINE_BUDGET_BYTES, "The online run's byte budget for its hidden-state files.",
+                   ["run"]).add_metric(run, online.budget_bytes)
+    families.gauge(metrics.ONLINE_EPOCH_TRAINED, "Samples the online trainer has trained in its current epoch.",
+                   ["run"]).add_metric(run, online.epoch_trained)
+    for metric, field, doc in (
+        (metrics.ONLINE_TRAIN_SECONDS, ONLINE_TRAIN_S, "Seconds the online trainer has run, its waits included."),
+        (metrics.ONLINE_TRAIN_WAIT_SECONDS, ONLINE_WAIT_S, "Seconds the online trainer has waited for files."),
+        (metrics.ONLINE_EXTRACT_BLOCKED_SECONDS, ONLINE_BLOCKED_S,
+         "Seconds extractions have waited for the online run's budget, summed over extractors."),
+    ):
+        families.counter(metric, doc, ["run"]).add_metric(run, _number(meta, field) or 0)
 
 
 def _number(meta: dict[str, str], field: str) -> float | None:

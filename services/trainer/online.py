@@ -41,6 +41,8 @@ from pathlib import Path
 
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
+from rq.job import Job
+
 from runtime.disk import HIDDEN_BYTES, _s
 from runtime.spool import (
     ONLINE_EPOCH,
@@ -60,6 +62,7 @@ from services.trainer.batching import epoch_order, fixed_batches
 from services.trainer.validation import validation_split
 from shared.atomic import atomic_write_json, read_json
 from shared.errors import DraftlineError, HiddenStateFileError
+from shared.jobs import extract_job_id
 from shared.layout import RunPaths
 from shared.lifecycle import Stage
 from shared.manifest import MANIFEST_NAME, ManifestEntry, check_quick, read_manifest
@@ -217,17 +220,22 @@ class Feed:
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
 
-    def ask(self, sample_ids: list[int]) -> None:
-        """Queue the extraction of those of ``sample_ids`` without a file that were not asked for lately."""
+    def ask(self, sample_ids: list[int], *, lost: bool = False) -> None:
+        """Queue the extraction of those of ``sample_ids`` without a file that were not asked for lately, and,
+        with ``lost``, of those whose job Redis no longer holds (a Redis restarted empty)."""
         now = time.monotonic()
         wanted = [i for i in sample_ids
-                  if now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S and not self.paths.hidden(i).is_file()
-                  and i not in self.failed]
+                  if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S or (lost and self._job_lost(i)))
+                  and not self.paths.hidden(i).is_file() and i not in self.failed]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)
             for sample_id in chunk:
                 self.asked[sample_id] = now
+
+    def _job_lost(self, sample_id: int) -> bool:
+        job_id = extract_job_id(self.state.run, sample_id)
+        return not Job.exists(job_id, connection=self.state.conn)
 
     def ask_ahead(self, epoch: int, index: int, span: int) -> None:
         """Ask for what the budget holds from here on (at most once a second: it looks at every file ahead)."""
@@ -241,7 +249,7 @@ class Feed:
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
                 self.state.set_meta(**{ONLINE_HEAD: missing[0]})
-                self.ask(missing)
+                self.ask(missing, lost=True)
             time.sleep(POLL_S)
         if self.leader:
             self.waited_s += time.monotonic() - started
@@ -335,7 +343,7 @@ class Feed:
                     relieve()  # files already read go first; only a spool full of files ahead lets one past
                 self.state.set_meta(**{ONLINE_HEAD: missing[0] if full and not self.unreleased else ""})
                 self.ask_ahead(epoch, index, span)
-                self.ask(missing)
+                self.ask(missing, lost=True)
             time.sleep(POLL_S)
         waited = time.monotonic() - started
         if self.leader:

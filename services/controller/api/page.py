@@ -12,7 +12,7 @@ from html import escape
 
 from runtime.gpu import GpuReading
 from runtime.disk import format_bytes
-from services.controller.runs.status import margin_phrase
+from services.controller.runs.status import online_text, margin_phrase
 from shared.lifecycle import Outcome, Stage
 
 REFRESH_S = 5
@@ -57,6 +57,10 @@ def _run(status: dict) -> str:
     for stage, reason in (disk.get("held") or {}).items():
         parts.append(f"<p class='paused' data-held='{escape(stage)}'>PAUSED: {escape(stage)} waits for disk space: "
                      f"{escape(str(reason))}</p>")
+    if status.get("online"):
+        online = status["online"]
+        parts.append(f"<p data-key='online.spool_bytes' data-value='{online['spool_bytes']}'>"
+                     f"{escape(online_text(online).strip())}</p>")
     if drafter["export_path"]:
         accept = drafter["acceptance_length"]
         margin = escape(margin_phrase(status["stages"][Stage.EVALUATE])) if accept else ""

@@ -331,6 +331,23 @@ def _validation_text(curve: dict[str, float | None]) -> str:
     return "  held-out " + " ".join(f"k={k} {curve[k]:.2f}" for k in picks)
 
 
+BOTTLENECK = {"extraction": "extraction is the bottleneck", "training": "training is the bottleneck",
+              "unknown": "no bottleneck measured yet"}
+
+
+def online_text(online: dict) -> str:
+    """An online run's spool against its budget, its epoch, and which side waits on the other."""
+    fraction = online["train_wait_fraction"]
+    epoch = "not training yet" if online["epoch"] is None else (
+        f"epoch {online['epoch']}: {online['epoch_trained']:,} of {online['epoch_samples']:,} samples trained")
+    waits = ("" if fraction is None else f"; the trainer waited {100 * fraction:.0f}% of its time for files")
+    head = f"; waiting for sample {online['waiting_for']}" if online.get("waiting_for") is not None else ""
+    return (f"  online    spool {format_bytes(online['spool_bytes'])} of its {format_bytes(online['budget_bytes'])} "
+            f"budget ({online['spool_files']:,} files, peak {format_bytes(online['peak_bytes'])}, "
+            f"{online['released']:,} deleted after their checkpoints); {epoch}{waits}, extractions blocked "
+            f"{online['extract_blocked_s']:,.0f}s on the budget ({BOTTLENECK[online['bottleneck']]}){head}")
+
+
 def format_status(status: dict) -> str:
     """Operator text: what is done, what failed and why, how fast, how long, how much disk."""
     stages, errors, disk = status["stages"], status["errors"], status["disk"]
@@ -351,6 +368,8 @@ def format_status(status: dict) -> str:
     ]
     if pause := format_disk_pause(disk):
         lines.append(pause)
+    if status.get("online"):
+        lines.append(online_text(status["online"]))
     if status["drafter"]["export_path"]:
         lines.append(f"  drafter   {status['drafter']['export_path']}")
     if status["drafter"].get("warning"):

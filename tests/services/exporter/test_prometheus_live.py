@@ -32,6 +32,7 @@ pytestmark = [
 ]
 
 RUN = "observed"
+ONLINE_RUN = "observed-online"  # the same prompts trained online after it: the online panels' series
 ROWS = 10
 # Grafana makes $__rate_interval at least four scrape intervals; with the test's 1 s scrapes that is 4 s.
 # 10 s leaves rates several samples even when a loaded machine delays scrapes.
@@ -91,11 +92,17 @@ def observed(tmp_path_factory, redis_server, tiny_model_dir):
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
         status = wait_terminal(stack, RUN, timeout=240.0)
+        online = {**body, "name": ONLINE_RUN, "online": {"enabled": True, "budget_bytes": 200_000, "vocab_files": 4}}
+        response = httpx.post(f"{stack.url('controller')}/runs", json=online, timeout=60)
+        assert response.status_code == 201, response.text
+        online_status = wait_terminal(stack, ONLINE_RUN, timeout=240.0)
         # The run's last numbers reach Prometheus on the next scrape of the exporter.
-        prom.wait_for(lambda: prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="{RUN}"}}'),
-                      "the acceptance length in Prometheus", timeout=30)
+        for run in (RUN, ONLINE_RUN):
+            prom.wait_for(lambda: prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="{run}"}}'),
+                          "the acceptance length in Prometheus", timeout=30)
         # A range query evaluates at start + k steps; end one step past the newest sample so it is seen.
-        yield {"prom": prom, "stack": stack, "status": status, "start": started, "end": time.time() + 2}
+        yield {"prom": prom, "stack": stack, "status": status, "online": online_status, "start": started,
+               "end": time.time() + 2}
 
 
 def every_dashboard_query() -> list[dashboards.Query]:
@@ -119,9 +126,21 @@ def test_prometheus_holds_the_numbers_the_controller_reports(observed) -> None:
     assert float(acceptance["value"][1]) == pytest.approx(status["drafter"]["acceptance_length"])
 
 
+def test_prometheus_scraped_the_online_spool_as_the_controller_reports_it(observed) -> None:
+    prom, online = observed["prom"], observed["online"]["online"]
+    assert observed["online"]["state"] in ("complete", "complete_with_failures"), observed["online"]
+    (scrapes,) = prom.query(f'count_over_time({metrics.ONLINE_SPOOL_BYTES}{{run="{ONLINE_RUN}"}}[5m])')
+    assert float(scrapes["value"][1]) >= 2
+    (spool,) = prom.query(f'{metrics.ONLINE_SPOOL_BYTES}{{run="{ONLINE_RUN}"}}')
+    (budget,) = prom.query(f'{metrics.ONLINE_BUDGET_BYTES}{{run="{ONLINE_RUN}"}}')
+    assert float(spool["value"][1]) == online["spool_bytes"] > 0 and float(budget["value"][1]) == 200_000
+    (peak,) = prom.query(f'max_over_time({metrics.ONLINE_SPOOL_BYTES}{{run="{ONLINE_RUN}"}}[5m])')
+    assert float(peak["value"][1]) <= online["peak_bytes"]
+
+
 @pytest.mark.parametrize("query", every_dashboard_query(), ids=lambda q: f"{q.dashboard}/{q.panel}/{q.ref_id}")
 def test_every_dashboard_query_returns_data_during_the_run(observed, query: dashboards.Query) -> None:
-    expr = dashboards.substitute(query.expr, {"run": RUN, "__rate_interval": RATE_INTERVAL})
+    expr = dashboards.substitute(query.expr, {"run": f"{RUN}|{ONLINE_RUN}", "__rate_interval": RATE_INTERVAL})
     result = observed["prom"].query_range(expr, observed["start"], observed["end"], step=1)
     assert has_values(result), f"no data for {query}\nsent: {expr}\ngot: {result}"
 
