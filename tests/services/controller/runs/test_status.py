@@ -52,7 +52,8 @@ def state(data_dir, redis_conn, tmp_path) -> RunState:
 def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
     status = run_status(data_dir, redis_conn, RUN)
     assert set(status) == {"run", "state", "expected", "stages", "errors", "failures", "disk", "eta_seconds",
-                           "paused", "drafter", "updated_at"}
+                           "paused", "drafter", "updated_at", "online"}
+    assert status["online"] is None  # an offline run
     assert set(status["stages"]) == {"generate", "extract", "train", "evaluate"}
     assert set(status["stages"]["generate"]) == STAGE_KEYS | {"requests", "requests_per_sample"}
     assert set(status["stages"]["extract"]) == STAGE_KEYS
@@ -67,6 +68,32 @@ def test_status_has_exactly_the_documented_keys(data_dir, redis_conn, state):
                                    "checked_free_bytes", "reserve_bytes"}
     assert set(status["drafter"]) == {"export_path", "acceptance_length", "warning"}
     assert all(set(f) == {"sample_id", "stage", "error_class", "message", "kind"} for f in status["failures"])
+
+
+def test_an_online_run_shows_its_spool_against_the_budget_and_who_waits(data_dir, redis_conn, tmp_path):
+    from runtime import spool
+    from runtime.disk import landed_counts
+    from shared.runspec import OnlineConfig
+
+    dataset = write_jsonl(tmp_path / "online.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name="onl", model="m", evaluate=EvalConfig(holdout=1),
+                                             online=OnlineConfig(enabled=True, budget_bytes=4 << 20)))
+    state = RunState(redis_conn, data_dir, "onl")
+    for sample_id in (0, 1):
+        state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(1 << 20, 500))
+    state.set_meta(**{spool.ONLINE_EPOCH: 1, spool.ONLINE_EPOCH_TRAINED: 3, spool.ONLINE_EPOCH_SAMPLES: 5,
+                      spool.ONLINE_TRAIN_S: 100, spool.ONLINE_WAIT_S: 75, spool.ONLINE_BLOCKED_S: 2.5,
+                      spool.ONLINE_RELEASED: 7, spool.ONLINE_PEAK_BYTES: 3 << 20, spool.ONLINE_HEAD: 4})
+    status = run_status(data_dir, redis_conn, "onl")
+    assert status["online"] == {"budget_bytes": 4 << 20, "waiting_for": 4, "spool_bytes": 2 << 20, "spool_files": 2,
+                                "peak_bytes": 3 << 20, "epoch": 1, "epoch_trained": 3, "epoch_samples": 5,
+                                "released": 7, "train_wait_fraction": 0.75, "extract_blocked_s": 2.5,
+                                "bottleneck": "extraction"}
+    assert status["stages"]["extract"]["eta_seconds"] is None  # extraction follows the trainer: no ETA of its own
+    text = format_status(status)
+    assert ("online    spool 2.0 MiB of its 4.0 MiB budget (2 files, peak 3.0 MiB, 7 deleted after their checkpoints); "
+            "epoch 1: 3 of 5 samples trained; the trainer waited 75% of its time for files, extractions blocked 2s on "
+            "the budget (extraction is the bottleneck); waiting for sample 4") in text, text
 
 
 def test_stage_numbers(data_dir, redis_conn, state):

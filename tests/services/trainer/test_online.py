@@ -1,0 +1,92 @@
+"""The online trainer's plan and order (services/trainer/online.py): which samples it trains, in which seeded order,
+what it asks for ahead, and what it keeps after a checkpoint. The real extraction meets it in tests/test_online.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from runtime.runstate import RunState
+from services.trainer.online import Feed, OnlinePlanError, load_plan, make_plan, online_epoch_plan
+from shared.atomic import atomic_write_json
+from shared.layout import RunPaths
+from shared.lifecycle import Stage
+from shared.runspec import OnlineConfig, RunSpec, TrainConfig
+
+RUN = "plan"
+
+
+def spec_of(rows: int, **train) -> RunSpec:
+    return RunSpec(name=RUN, dataset="d.jsonl", model="m", rows=rows, train_ids=rows, train=TrainConfig(**train),
+                   online=OnlineConfig(enabled=True, budget_bytes=10**6))
+
+
+def with_replies(data, ids, failed=()) -> RunPaths:
+    paths = RunPaths(data, RUN)
+    for i in ids:
+        atomic_write_json(paths.generated(i), {"sample_id": i})
+    for i in failed:
+        atomic_write_json(paths.failure(Stage.EXTRACT, i), {"sample_id": i})
+    return paths
+
+
+def test_the_plan_is_the_samples_with_a_reply_less_the_held_out_and_is_kept(data_dir):
+    paths = with_replies(data_dir, [i for i in range(20) if i not in (3, 7)], failed=[11])
+    spec = spec_of(20, validation_files=2)
+    plan = make_plan(paths, spec)
+    assert len(plan.validation_ids) == 2 and not set(plan.validation_ids) & set(plan.train_ids)
+    assert sorted(plan.train_ids + plan.validation_ids) == [i for i in range(20) if i not in (3, 7, 11)]
+    kept = load_plan(paths, spec, rank=0)  # written on the first start
+    with_replies(data_dir, [3])  # a reply that lands later changes nothing: the plan is what training started with
+    assert load_plan(paths, spec, rank=1) == kept
+
+
+def test_a_run_without_replies_has_no_plan(data_dir):
+    with pytest.raises(OnlinePlanError, match="no sample has a reply"):
+        make_plan(RunPaths(data_dir, RUN), spec_of(5))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_epoch_is_a_seeded_order_holding_every_sample_once(world):
+    cfg = TrainConfig(batch_size=3, seed=7)
+    epochs = [online_epoch_plan(cfg, 20, epoch, world) for epoch in range(3)]
+    for batches in epochs:
+        assert Counter(i for batch in batches for i in batch) == Counter(range(20))
+        assert all(len(batch) == 3 * world for batch in batches[:-1])
+    assert epochs[0] != epochs[1]  # another order each epoch
+    assert online_epoch_plan(cfg, 20, 1, world) == epochs[1]  # the same after a resume
+    assert online_epoch_plan(TrainConfig(batch_size=3, seed=8), 20, 1, world) != epochs[1]
+
+
+def feed_of(data_dir, redis_conn, samples: int = 10, epochs: int = 2, failed: set[int] = frozenset()) -> Feed:
+    paths = with_replies(data_dir, range(samples))
+    plan = make_plan(paths, spec_of(samples))
+    cfg = TrainConfig(batch_size=4)
+    feed = Feed(RunState(redis_conn, data_dir, RUN), plan, [online_epoch_plan(cfg, samples, e, 1) for e in range(epochs)],
+                rank=0, budget=10**6)
+    feed.failed |= set(failed)
+    return feed
+
+
+def test_what_comes_next_crosses_into_the_next_epoch_and_skips_failed_samples(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, failed={4})
+    order = [[feed.plan.train_ids[i] for i in batch] for batch in feed.plans[0]]
+    rest = [i for batch in order[2:] for i in batch if i != 4]
+    following = [feed.plan.train_ids[i] for i in feed.plans[1][0] if feed.plan.train_ids[i] != 4]
+    assert feed.upcoming(0, 2, 100)[: len(rest) + 2] == rest + following[:2]
+    assert feed.upcoming(1, len(feed.plans[1]), 5) == []  # nothing after the last epoch
+
+
+def test_after_a_checkpoint_the_files_read_go_unless_read_again_soon(data_dir, redis_conn, monkeypatch):
+    import services.trainer.online as online
+
+    feed = feed_of(data_dir, redis_conn)
+    released: list[int] = []
+    monkeypatch.setattr(online, "release", lambda state, sample_id: released.append(sample_id))
+    soon = feed.upcoming(1, 0, 1)[0]  # with no size measured yet, one batch ahead is asked for and kept
+    feed.unreleased = {1, 2, 3, soon}
+    feed.asked = {i: 0.0 for i in feed.unreleased}
+    feed.released_after_checkpoint(1, 0, span=1)
+    assert sorted(released) == sorted({1, 2, 3} - {soon})
+    assert feed.unreleased == set() and set(feed.asked) == {soon}  # a released sample is asked for afresh
