@@ -86,14 +86,17 @@ def place_dataset(stack: Stack, name: str, rows: list[str]) -> str:
     return f"/data/datasets/{name}"
 
 
-def submit(stack: Stack, run: str, dataset: str, *, limit: int | None = None) -> str:
-    """`draftline run --controller URL …` on the host, with DRAFTLINE_API_TOKEN set; its output."""
+def submit(stack: Stack, run: str, dataset: str, *, limit: int | None = None, online: int | None = None) -> str:
+    """`draftline run --controller URL …` on the host, with DRAFTLINE_API_TOKEN set; its output. ``online``: the
+    run trains online within that many bytes of hidden states."""
     config = stack.root / "run-config.json"
     config.write_text(json.dumps(RUN_CONFIG))
     argv = [str(Path(sys.executable).parent / "draftline"), "run", "--controller", stack.controller_url,
             "--dataset", dataset, "--name", run, "--run-config", str(config)]
     if limit is not None:
         argv += ["--limit", str(limit)]
+    if online is not None:
+        argv += ["--online-budget", str(online)]
     env = {"PATH": "/usr/bin:/bin", "DRAFTLINE_API_TOKEN": stack.token, "HOME": str(stack.root)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=stack.root)
     assert done.returncode == 0, done.stderr
@@ -264,6 +267,26 @@ def test_faults_while_a_run_works_lose_nothing(stack: Stack) -> None:
     assert not {name: state for name, state in stack.unhealthy().items() if not state.startswith("exited")}
 
 
+def test_an_online_run_completes_within_a_third_of_its_offline_bytes(stack: Stack) -> None:
+    # "first" trained the same 40 prompts offline: its files are what keeping every state takes.
+    offline = sum(path.stat().st_size for path in RunPaths(stack.data, "first").hidden_dir.rglob("*.safetensors"))
+    budget = offline * 3 // 10  # under a third, and above a batch of 8 files beside the 2 held out
+    out = submit(stack, "online", "/data/datasets/prompts.jsonl", limit=40, online=budget)
+    assert "online: hidden states bounded by" in out and f"({budget:,} bytes)" in out
+    status = wait_done(stack, "online")
+    assert status["state"] == "complete", status
+    paths = RunPaths(stack.data, "online")
+    plan = json.loads(paths.online_plan.read_text())
+    log = [json.loads(line) for line in paths.train_log.read_text().splitlines()]
+    assert sorted(i for record in log for i in record["samples"]) == sorted(plan["train_ids"])  # one epoch, each once
+    left = sorted(paths.hidden_dir.rglob("*.safetensors"))
+    assert sorted(int(p.stem) for p in left) == sorted(plan["validation_ids"])
+    online = status["online"]
+    largest = max(path.stat().st_size for path in RunPaths(stack.data, "first").hidden_dir.rglob("*.safetensors"))
+    assert 0 < online["peak_bytes"] <= budget + largest and online["budget_bytes"] == budget < offline / 3
+    assert online["spool_bytes"] == sum(p.stat().st_size for p in left) and online["released"] >= len(plan["train_ids"])
+
+
 def test_prometheus_scrapes_the_stack_and_every_dashboard_query_runs(stack: Stack) -> None:
     prom = PrometheusApi(stack.prometheus_url)
     targets = prom.wait_for(lambda: (found := prom.targets()) and all(t["health"] == "up" for t in found) and found,
@@ -278,12 +301,15 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_query_runs(stack: Stac
     # The run's last numbers (training, evaluation) reach Prometheus on the exporter's next scrape.
     prom.wait_for(lambda: prom.query(f'{metrics.ACCEPTANCE_LENGTH}{{run="faults"}}'),
                   "the faults run's acceptance length in Prometheus", timeout=60)
+    # The online run may train between two 15 s scrapes; its spool's series stays, so two scrapes come.
+    prom.wait_for(lambda: (found := prom.query(f'count_over_time({metrics.ONLINE_SPOOL_BYTES}{{run="online"}}[5m])'))
+                  and float(found[0]["value"][1]) >= 2, "two scrapes of the online run's spool", timeout=60)
     end = time.time() + 15  # a range query evaluates at start + k steps: one step past the newest sample
     start = end - 1800
     empty = []
     for dash in dashboards.load().values():
         for query in dashboards.queries(dash):
-            expr = dashboards.substitute(query.expr, {"run": "faults", "__rate_interval": RATE_INTERVAL})
+            expr = dashboards.substitute(query.expr, {"run": "faults|online", "__rate_interval": RATE_INTERVAL})
             result = prom.query_range(expr, start, end, step=15)  # raises on a query Prometheus refuses
             if not has_values(result) and not any(metric in expr for metric in NO_GPU_METRICS):
                 empty.append(str(query))
