@@ -51,6 +51,9 @@ ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts hel
 ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
                  ONLINE_EPOCH,
                  ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_PEAK_BYTES)
+# An online run's default budget: this share of the volume's free space (less its reserve), so other runs and the
+# checkpoints keep room.
+DEFAULT_BUDGET_SHARE = 0.25
 # Above this share of its time waiting for files, the trainer is the side starved: extraction is the bottleneck.
 STARVED_FRACTION = 0.5
 

@@ -19,7 +19,7 @@ DEFAULT_SPLIT = "train"  # the split a dataset on the hub names its training row
 # the stage itself. A retrain may change only the last two: the capture fixed the others.
 # ``online`` says how the run keeps its hidden states (services/trainer/online.py).
 SECTIONS = ("generation", "extraction", Stage.TRAIN.value, Stage.EVALUATE.value, "online")
-RETRAIN_SECTIONS = (Stage.TRAIN.value, Stage.EVALUATE.value)
+RETRAIN_SECTIONS = (Stage.TRAIN.value, Stage.EVALUATE.value, "online")
 
 
 class _Frozen(BaseModel):

@@ -21,8 +21,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     retrain.add_argument("--ttt-steps", type=int, help="training-time-test unroll length")
     retrain.add_argument("--draft-vocab-size", type=int)
     retrain.add_argument("--base-checkpoint", help="published drafter to fine-tune (repo id or path)")
+    retrain.add_argument("--online", action="store_true", default=None,
+                         help="train online: the states extracted again from the capture's replies as training asks "
+                              "for them, within --online-budget (README: online runs)")
+    retrain.add_argument("--online-budget", type=int, metavar="BYTES",
+                         help="most bytes of hidden states on the volume at once (default: a quarter of the free space)")
     retrain.add_argument("--run-config", metavar="FILE",
-                         help="a JSON object of train and evaluate sections; the flags above override its values")
+                         help="a JSON object of train, evaluate and online sections; the flags above override its values")
     retrain.add_argument("--controller", metavar="URL",
                          help="ask this controller's API (POST /runs/SOURCE/retrain), sending DRAFTLINE_API_TOKEN, "
                               "instead of the volume and Redis directly")
@@ -42,14 +47,21 @@ def handle(args: argparse.Namespace) -> int:
     train = {**sections.get(Stage.TRAIN, {}), **{k: v for k, v in flags.items() if v is not None}}
     if train:
         sections[Stage.TRAIN] = train
+    online = {**sections.get("online", {}), **({"enabled": True} if args.online or args.online_budget else {}),
+              **({"budget_bytes": args.online_budget} if args.online_budget is not None else {})}
+    if online:
+        sections["online"] = online
     if args.controller:
         return _through_api(args, sections, settings)
     conn = connect(settings.redis_url)
     # Registered now rather than at the controller's next pass, so `draftline status` shows it at once.
     spec, report = retrain_run(settings.data, conn, args.source, args.name, sections, register=reconcile_run)
     changed = ", ".join(f"{part}.{k}={v}" for part in RETRAIN_SECTIONS for k, v in sections.get(part, {}).items())
-    sys.stdout.write(f"run {spec.name}: {report.extracted:,} of {report.expected:,} samples from {args.source}'s "
-                     f"capture (hard links, no bytes copied), {report.failures_kept:,} failures kept; changed "
+    taken = (f"{report.generated:,} replies of {report.expected:,} samples from {args.source}'s capture (hard links; "
+             "the states are extracted again as online training asks for them)" if spec.online.enabled else
+             f"{report.extracted:,} of {report.expected:,} samples from {args.source}'s capture (hard links, no bytes "
+             "copied)")
+    sys.stdout.write(f"run {spec.name}: {taken}, {report.failures_kept:,} failures kept; changed "
                      f"{changed or 'nothing'}; the controller enqueues its training next "
                      f"(draftline status {spec.name})\n")
     return 0

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import redis
 
+from runtime.disk import volume_usage
+from runtime.spool import DEFAULT_BUDGET_SHARE
 from runtime.runstate import RunState, known_runs, read_finished
 from services.controller.runs.submit import submission_lock
 from shared.atomic import atomic_write_json, fsync_dir
@@ -45,9 +47,10 @@ class RetrainRefused(DraftlineError):
     capture fixed."""
 
 
-def linked(paths: RunPaths) -> list[Path]:
-    """The capture's files, shared as links: prompts, held-out prompts, replies, hidden states (and manifests)."""
-    return [paths.prompts, paths.eval_prompts, paths.generated_dir, paths.hidden_dir]
+def linked(paths: RunPaths, online: bool = False) -> list[Path]:
+    """The capture's files, shared as links: prompts, held-out prompts, replies, hidden states (and manifests); an
+    online retrain extracts its states again as it trains, so it links none."""
+    return [paths.prompts, paths.eval_prompts, paths.generated_dir, *(() if online else (paths.hidden_dir,))]
 
 
 def copied(paths: RunPaths) -> list[Path]:
@@ -65,7 +68,7 @@ def retrain_run(data: Path, conn: redis.Redis, source: str, name: str, sections:
     """Lay run ``name`` on the volume: ``source``'s capture with ``sections`` (train, evaluate) over its settings,
     then ``register(data, conn, name)`` (the controller's reconcile) while the name's submission lock is held."""
     data = Path(data)
-    spec = derived_spec(RunSpec.load(data, source), check_run_name(name), sections)
+    spec = derived_spec(RunSpec.load(data, source), check_run_name(name), sections, data)
     # Under the lock the supervisor leaves the new directory to this caller: otherwise its pass could find the
     # run on the volume and not in Redis and reconcile it at the same moment, and this caller's reconcile would
     # be refused as busy.
@@ -85,7 +88,7 @@ def _lay(data: Path, conn: redis.Redis, source: str, spec: RunSpec) -> None:
     building = data / f".retrain-{name}.tmp"  # beside runs/, on the same volume: links and the rename stay there
     shutil.rmtree(building, ignore_errors=True)  # an earlier attempt's debris
     try:
-        for part in linked(source_paths):
+        for part in linked(source_paths, spec.online.enabled):
             link_tree(part, building / part.relative_to(source_paths.root))
         for part in copied(source_paths):
             if part.exists():
@@ -106,8 +109,9 @@ def _lay(data: Path, conn: redis.Redis, source: str, spec: RunSpec) -> None:
     fsync_dir(runs_root(data))
 
 
-def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]]) -> RunSpec:
-    """The source's settings with ``sections`` over its train and evaluate ones, validated as a run's are."""
+def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]], data: Path) -> RunSpec:
+    """The source's settings with ``sections`` over its train, evaluate and online ones, validated as a run's are;
+    an online retrain without a budget gets a quarter of the volume's free space."""
     other = sorted(set(sections) - set(RETRAIN_SECTIONS))
     if other:
         raise RetrainRefused(f"a retrain reuses {source.name}'s capture, so section(s) {', '.join(other)} cannot "
@@ -120,7 +124,12 @@ def derived_spec(source: RunSpec, name: str, sections: dict[str, dict[str, Any]]
     raw = source.model_dump(mode="json")
     raw.update(name=name, created_at=time.time(),
                **{part: {**raw[part], **sections.get(part, {})} for part in RETRAIN_SECTIONS})
-    return RunSpec.model_validate(raw)  # a misspelt or out-of-range setting fails here, named, before any file
+    spec = RunSpec.model_validate(raw)  # a misspelt or out-of-range setting fails here, named, before any file
+    if spec.online.enabled and spec.online.budget_bytes is None:
+        free = volume_usage(data)[0]
+        spec = spec.model_copy(update={"online": spec.online.model_copy(
+            update={"budget_bytes": max(1, int(free * DEFAULT_BUDGET_SHARE))})})
+    return spec
 
 
 def check_capture_finished(state: RunState, paths: RunPaths) -> None:

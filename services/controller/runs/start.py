@@ -17,6 +17,7 @@ from services.controller.runs.datasets import PACKAGED, looks_like_repo_id, pack
 from services.controller.runs.preflight import PreflightReport, run_preflight
 from services.controller.runs.submit import default_run_name, submit_run
 from runtime.disk import BYTES_PER_TOKEN_ESTIMATE, reserve_for, volume_usage
+from runtime.spool import DEFAULT_BUDGET_SHARE
 from shared.errors import DatasetError, DraftlineError
 from shared.layout import check_run_name
 from shared.lifecycle import Stage
@@ -121,10 +122,6 @@ def draft_spec(settings: ControllerSettings, request: RunRequest) -> RunSpec:
         extraction=request.extraction or ExtractionConfig(), train=request.train or TrainConfig(),
         evaluate=request.evaluate or EvalConfig(), online=online_with_budget(settings, request.online),
     )
-
-
-# An online run's default budget: a share of what the volume has free, so other runs and the checkpoints keep room.
-DEFAULT_BUDGET_SHARE = 0.25
 
 
 def online_with_budget(settings: ControllerSettings, online: OnlineConfig | None) -> OnlineConfig:

@@ -78,6 +78,7 @@ class RetrainRequest(BaseModel):
     name: str
     train: dict[str, Any] | None = None
     evaluate: dict[str, Any] | None = None
+    online: dict[str, Any] | None = None  # an online retrain extracts the states again as it trains
 
     @field_validator("name")
     @classmethod
@@ -118,7 +119,7 @@ def create_run(body: SubmitRequest, settings: SettingsDep, conn: ConnDep) -> dic
 @router.post("/{run}/retrain", status_code=201)
 def retrain(run: str, body: RetrainRequest, settings: SettingsDep, conn: ConnDep) -> dict:
     """A new run training on ``run``'s finished capture (services/controller/runs/retrain.py), registered at once."""
-    sections = {part: value for part, value in zip(RETRAIN_SECTIONS, (body.train, body.evaluate)) if value}
+    sections = {part: value for part, value in zip(RETRAIN_SECTIONS, (body.train, body.evaluate, body.online)) if value}
     try:
         spec = retrain_run(settings.data, conn, _known_run(run), body.name, sections, register=reconcile_run).spec
     except RunNotFound as exc:

@@ -105,6 +105,21 @@ def test_a_run_whose_training_failed_is_trained_again_with_smaller_batches(data_
     assert train_job_id("smaller") in queue(TRAIN_QUEUE, redis_conn).job_ids
 
 
+def test_an_online_retrain_links_the_replies_not_the_states_and_goes_to_training(data_dir, redis_conn, captured):
+    spec = retrain_run(data_dir, redis_conn, SOURCE, "again-online",
+                       {"online": {"enabled": True, "budget_bytes": 10**6}}).spec
+    assert spec.online.enabled and spec.online.budget_bytes == 10**6
+    new, old = RunPaths(data_dir, "again-online"), captured.paths
+    assert os.stat(new.generated(0)).st_ino == os.stat(old.generated(0)).st_ino
+    assert not list(new.hidden_dir.rglob("*.safetensors"))  # extracted again as the trainer asks
+    supervise_once(cfg(data_dir), redis_conn)
+    supervise_once(cfg(data_dir), redis_conn)
+    assert RunState(redis_conn, data_dir, "again-online").meta()["state"] == "training"
+    assert train_job_id("again-online") in queue(TRAIN_QUEUE, redis_conn).job_ids
+    unset = retrain_run(data_dir, redis_conn, SOURCE, "budget-unset", {"online": {"enabled": True}}).spec
+    assert unset.online.budget_bytes and unset.online.budget_bytes > 0  # a quarter of the free space, fixed now
+
+
 def test_the_supervisor_leaves_a_run_being_laid_to_its_registration(data_dir, redis_conn, captured):
     # CI once saw the API's registration refused as busy: the supervisor's pass had found the new directory on
     # the volume, not yet in Redis, and was reconciling it at the same moment.
