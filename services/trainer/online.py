@@ -248,12 +248,18 @@ class Feed:
         started = time.monotonic()
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
-                self.state.set_meta(**{ONLINE_HEAD: missing[0]})
+                self.state.set_meta(**{ONLINE_HEAD: missing[0] if self.spool_full() else ""})
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
         if self.leader:
             self.waited_s += time.monotonic() - started
             self._measure(present(self.state, self.plan.validation_ids))
+
+    def let_go(self, sample_id: int) -> None:
+        """Delete a file no step has read (the draft vocabulary's count, beyond what training reads first): it is
+        extracted again when training comes to it."""
+        release(self.state, sample_id)
+        self.asked.pop(sample_id, None)
 
     def released_after_checkpoint(self, epoch: int, index: int, span: int) -> int:
         """Delete the files read since the last checkpoint that no step ahead reads; returns how many."""

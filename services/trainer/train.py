@@ -94,7 +94,7 @@ from services.trainer.online import (
     record_facts,
 )
 from services.trainer.validation import Validation, validation_split
-from services.trainer.vocab import build_mapping, count_tokens, draft_to_target, unused_token
+from services.trainer.vocab import TokenTally, build_mapping, draft_to_target
 from modeling.attention import avoid_cudnn_attention
 from runtime.runstate import RunState
 from runtime.space import SpaceHold, append_line, write_with_space
@@ -332,49 +332,49 @@ def draft_vocab_source(cfg: TrainConfig, data: Path) -> str:
     return VOCAB_FROM_DATA
 
 
-def data_mapping(files: list[Path], config: DrafterConfig, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data_mapping(tally: TokenTally, config: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The most frequent learned tokens over the rows training reads (each file's first ``max_length``)."""
-    return build_mapping(count_tokens(files, config.vocab_size, max_length), config.draft_vocab_size)
+    return build_mapping(tally.counts, config.draft_vocab_size)
 
 
 def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_config: dict, layer_ids: list[int],
-                  embed: torch.Tensor, files: list[Path], max_length: int) -> tuple[TargetTied, str]:
+                  embed: torch.Tensor, tally: TokenTally) -> tuple[TargetTied, str]:
     """A fresh drafter with a draft vocabulary from the training files, or the base checkpoint with its own
     (one from the files if it has none); and where the vocabulary came from."""
     if cfg.method == DFLASH:
-        return build_dflash(cfg, target_config=target_config, layer_ids=layer_ids, embed=embed, files=files,
-                            max_length=max_length), VOCAB_FROM_DATA
+        return build_dflash(cfg, target_config=target_config, layer_ids=layer_ids, embed=embed,
+                            tally=tally), VOCAB_FROM_DATA
     base = check_base_checkpoint(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids)
     if base is None:
         config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
         drafter = Eagle3Drafter(config)
         drafter.load_embedding(embed)
-        drafter.set_vocab_mapping(*data_mapping(files, config, max_length))
+        drafter.set_vocab_mapping(*data_mapping(tally, config))
         return drafter, VOCAB_FROM_DATA
     drafter = load_drafter(base, model_dir, embed=embed)
     warn_on_rope_difference(base, drafter.config, target_config)
     if draft_vocab_source(cfg, data) == VOCAB_FROM_BASE:
         log.info("fine-tuning %s, keeping its draft vocabulary of %d", base, drafter.config.draft_vocab_size)
         return drafter, VOCAB_FROM_BASE
-    drafter.set_vocab_mapping(*data_mapping(files, drafter.config, max_length))
+    drafter.set_vocab_mapping(*data_mapping(tally, drafter.config))
     log.warning("fine-tuning %s: it has no d2t/t2d, so its draft vocabulary of %d is computed from this run's %d "
                 "training files; its lm_head rows are taken to follow that mapping", base,
-                drafter.config.draft_vocab_size, len(files))
+                drafter.config.draft_vocab_size, tally.files)
     return drafter, VOCAB_FROM_DATA
 
 
 def build_dflash(cfg: TrainConfig, *, target_config: dict, layer_ids: list[int], embed: torch.Tensor,
-                 files: list[Path], max_length: int) -> DFlashDrafter:
+                 tally: TokenTally) -> DFlashDrafter:
     """A fresh DFlash drafter of the target's width over the same auxiliary layers as EAGLE-3, its draft
     vocabulary and mask token taken from the training files."""
     base = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
     settings = cfg.dflash
-    mask = settings.mask_token_id if settings.mask_token_id is not None else unused_token(files, base.vocab_size, max_length)
+    mask = settings.mask_token_id if settings.mask_token_id is not None else tally.unused()
     config = DFlashConfig(base, num_layers=settings.layers, block_size=settings.block_size, mask_token_id=mask,
                           causal=settings.causal)
     drafter = DFlashDrafter(config)
     drafter.load_embedding(embed)
-    drafter.set_vocab_mapping(*data_mapping(files, base, max_length))
+    drafter.set_vocab_mapping(*data_mapping(tally, base))
     log.info("DFlash drafter: %d layers, blocks of %d (%s), mask token %d, %d anchors a sample", config.num_layers,
              config.block_size, "causal" if config.causal else "bidirectional", mask, settings.anchors)
     return drafter
@@ -442,7 +442,7 @@ class TrainData:
 
     files: list[Path]  # in dataset order: plans index into it
     held_out: list[Path]  # the validation files (train.validation_files)
-    vocab_files: list[Path]  # what the draft vocabulary is counted from (none on an online resume: the checkpoint has it)
+    tally: TokenTally  # what the draft vocabulary is counted from (nothing on an online resume: the checkpoint has it)
     lengths: list[int]  # tokens of each file training reads; empty online (learned as files land)
     epochs: int
     plans: list[list[list[int]]]
@@ -454,7 +454,7 @@ class TrainData:
 
 
 def offline_data(spec: RunSpec, paths: RunPaths, *, world: int, rank: int, layer_ids: list[int],
-                 hidden_size: int) -> TrainData:
+                 hidden_size: int, vocab_size: int) -> TrainData:
     """Every file of the run, verified before training starts."""
     cfg, max_length = spec.train, spec.train_max_length
     files, held_out = validation_split(list_hidden_files(paths), cfg.validation_files)
@@ -465,12 +465,14 @@ def offline_data(spec: RunSpec, paths: RunPaths, *, world: int, rank: int, layer
     batching = checkpoint_batching(paths, cfg)
     epochs = auto_epochs(cfg.epochs, sum(lengths))
     plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(epochs)]
-    return TrainData(files, held_out, files, lengths, epochs, plans, batching, infos[0].metadata, sum(lengths))
+    return TrainData(files, held_out, TokenTally(vocab_size, max_length, files), lengths, epochs, plans, batching,
+                     infos[0].metadata, sum(lengths))
 
 
 def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world: int, rank: int,
-                layer_ids: list[int], hidden_size: int) -> TrainData:
-    """The online plan, and the files the draft vocabulary is counted from, waited for (services/trainer/online.py)."""
+                layer_ids: list[int], hidden_size: int, vocab_size: int) -> TrainData:
+    """The online plan, its held-out files and, on the first start, the draft vocabulary counted from the first
+    files of the first epoch as they land (services/trainer/online.py)."""
     if state is None:
         raise OnlinePlanError(f"run {spec.name} trains online: its trainer needs the run's Redis state")
     cfg, max_length = spec.train, spec.train_max_length
@@ -478,58 +480,67 @@ def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world
     samples = len(plan.train_ids)
     feed = Feed(state, plan, [online_epoch_plan(cfg, samples, 0, world)], rank, int(spec.online.budget_bytes or 0))
     feed.start()
-    held_out = [paths.hidden(i) for i in plan.validation_ids]
-    facts = plan_facts(paths)
-    resuming = facts is not None and ckpt.latest_checkpoint(paths.checkpoints_dir) is not None
     feed.wait_ready(plan.validation_ids)
-    vocab_ids = [] if resuming else vocabulary_ids(feed, spec, samples)
     feed.plan = OnlinePlan(plan.train_ids, [i for i in plan.validation_ids if i not in feed.failed])
     held_out = [paths.hidden(i) for i in feed.plan.validation_ids]
-    vocab_files = [paths.hidden(i) for i in vocab_ids if i not in feed.failed]
-    infos = verify_files([*vocab_files, *held_out], layer_ids=layer_ids, hidden_size=hidden_size) \
-        if vocab_files or held_out else []
-    if facts is None:
-        if not vocab_files:
-            raise OnlinePlanError(f"run {spec.name}: none of the first {len(vocab_ids)} samples of the first epoch "
-                                  "could be extracted (failures/extract names each)")
-        per_sample = sum(min(i.num_tokens, max_length) for i in infos[: len(vocab_files)]) / len(vocab_files)
-        positions = int(per_sample * samples)
-        meta = infos[0].metadata
-        facts = {"epochs": auto_epochs(cfg.epochs, positions), "positions": positions,
-                 "target_model": meta.get(eagle3.META_MODEL, spec.model),
-                 "target_fingerprint": meta.get(eagle3.META_MODEL_FINGERPRINT, "")}
+    if held_out:
+        verify_files(held_out, layer_ids=layer_ids, hidden_size=hidden_size)  # the run's target and layers
+    facts = plan_facts(paths)
+    tally = TokenTally(vocab_size, max_length)
+    if facts is None or ckpt.latest_checkpoint(paths.checkpoints_dir) is None:
+        counted = count_vocabulary(feed, spec, tally, layer_ids=layer_ids, hidden_size=hidden_size, world=world)
+        if facts is None:
+            per_sample = sum(min(i.num_tokens, max_length) for i in counted) / len(counted)
+            positions = int(per_sample * samples)
+            meta = counted[0].metadata
+            facts = {"epochs": auto_epochs(cfg.epochs, positions), "positions": positions,
+                     "target_model": meta.get(eagle3.META_MODEL, spec.model),
+                     "target_fingerprint": meta.get(eagle3.META_MODEL_FINGERPRINT, "")}
     epochs = int(facts["epochs"])
     feed.plans = [online_epoch_plan(cfg, samples, epoch, world) for epoch in range(epochs)]
     target_meta = {eagle3.META_MODEL: facts["target_model"], eagle3.META_MODEL_FINGERPRINT: facts["target_fingerprint"]}
-    return TrainData([paths.hidden(i) for i in plan.train_ids], held_out, vocab_files, [], epochs, feed.plans, SHUFFLE,
+    return TrainData([paths.hidden(i) for i in plan.train_ids], held_out, tally, [], epochs, feed.plans, SHUFFLE,
                      target_meta, int(facts["positions"]), feed, facts.get("mask_token_id"))
 
 
-def vocabulary_ids(feed: Feed, spec: RunSpec, samples: int) -> list[int]:
-    """The first samples of the first epoch that the draft vocabulary is counted from, waited for: as many as
-    ``online.vocab_files`` asks, or as the budget holds beside the held-out files (every one must be on the volume
-    at once), leaving room for one more."""
-    first = feed.upcoming(0, 0, 1)
-    feed.wait_ready(first)
-    mean = max(feed.mean_bytes, 1.0)
-    room = feed.budget - feed.held_bytes
-    if room < 2 * mean:
-        raise OnlinePlanError(f"online.budget_bytes {feed.budget:,} leaves {max(room, 0):,} bytes beside the "
-                              f"{len(feed.plan.validation_ids)} held-out validation files, under two files of "
-                              f"about {mean:,.0f} bytes: raise the budget or lower train.validation_files")
-    count = min(samples, spec.online.vocab_files, int(room // mean) - 1)
-    if count < min(samples, spec.online.vocab_files):
-        log.info("draft vocabulary from the first %d files of the first epoch: the budget holds no more at once "
-                 "(online.vocab_files %d)", count, spec.online.vocab_files)
-    ids = feed.upcoming(0, 0, count)
-    feed.wait_ready(ids)
-    interval = spec.train.save_every * global_span(spec.train, 1)
-    if room // mean < interval:
+def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids: list[int], hidden_size: int,
+                     world: int) -> list[HiddenFileInfo]:
+    """Count the draft vocabulary over the first ``online.vocab_files`` samples of the first epoch, one file at a
+    time as each lands: a file beyond the first ones training reads is let go once counted (no step has read it;
+    training asks for it again when it comes), so the count needs no more room than the budget; their infos."""
+    span = global_span(spec.train, world)
+    ids = feed.upcoming(0, 0, min(len(feed.plan.train_ids), spec.online.vocab_files))
+    counted: list[HiddenFileInfo] = []
+    for position, sample_id in enumerate(ids):
+        ahead = feed.ahead(span)
+        if feed.leader:
+            feed.ask(ids[position:position + ahead])
+        feed.wait_ready([sample_id])
+        if sample_id in feed.failed:
+            continue
+        path = feed.paths.hidden(sample_id)
+        (info,) = verify_files([path], layer_ids=layer_ids, hidden_size=hidden_size)
+        tally.add(path)
+        counted.append(info)
+        if feed.leader and position >= ahead:
+            feed.let_go(sample_id)
+    if not counted:
+        raise OnlinePlanError(f"run {spec.name}: none of the first {len(ids)} samples of the first epoch could be "
+                              "extracted (failures/extract names each)")
+    interval = spec.train.save_every * span
+    room = (feed.budget - feed.held_bytes) // max(feed.mean_bytes, 1.0)
+    if room < span:
+        raise OnlinePlanError(f"online.budget_bytes {feed.budget:,} holds about {int(room)} files of {feed.mean_bytes:,.0f} "
+                              f"bytes beside the {len(feed.plan.validation_ids)} held-out ones, and a batch reads "
+                              f"{span} at once: raise the budget, or lower train.batch_size or train.validation_files")
+    if room < interval:
         log.warning("online.budget_bytes %d holds about %d files beside the held-out ones, and the %d steps between "
                     "checkpoints read about %d: the trainer checkpoints whenever the spool fills with files it has "
                     "read (raise the budget or lower train.save_every to checkpoint less often)", feed.budget,
-                    int(room // mean), spec.train.save_every, interval)
-    return ids
+                    int(room), spec.train.save_every, interval)
+    log.info("draft vocabulary counted over %d files of the first epoch (online.vocab_files %d)", tally.files,
+             spec.online.vocab_files)
+    return counted
 
 
 def record_online_facts(data_in: TrainData, paths: RunPaths, drafter: TargetTied, rank: int) -> None:
@@ -539,7 +550,7 @@ def record_online_facts(data_in: TrainData, paths: RunPaths, drafter: TargetTied
     facts = {"epochs": data_in.epochs, "positions": data_in.positions,
              "target_model": data_in.target_meta[eagle3.META_MODEL],
              "target_fingerprint": data_in.target_meta[eagle3.META_MODEL_FINGERPRINT],
-             "vocab_files": len(data_in.vocab_files)}
+             "vocab_files": data_in.tally.files}
     if isinstance(drafter, DFlashDrafter):
         facts["mask_token_id"] = drafter.config.mask_token_id
     record_facts(paths, facts)
@@ -553,7 +564,8 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str, state: R
     layer_ids = expected_layer_ids(spec, target_config)
     hidden_size = int(text_config(target_config)["hidden_size"])
     max_length = spec.train_max_length
-    shape = {"world": world, "rank": rank, "layer_ids": layer_ids, "hidden_size": hidden_size}
+    shape = {"world": world, "rank": rank, "layer_ids": layer_ids, "hidden_size": hidden_size,
+             "vocab_size": int(text_config(target_config)["vocab_size"])}
     data_in = (online_data(spec, paths, state, **shape) if spec.online.enabled
                else offline_data(spec, paths, **shape))
     files, held_out, lengths = data_in.files, data_in.held_out, data_in.lengths
@@ -563,8 +575,7 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str, state: R
 
     torch.manual_seed(cfg.seed)
     drafter, draft_vocab = build_drafter(cfg, data=data, model_dir=model_dir, target_config=target_config,
-                                         layer_ids=layer_ids, embed=head.embed, files=data_in.vocab_files,
-                                         max_length=max_length)
+                                         layer_ids=layer_ids, embed=head.embed, tally=data_in.tally)
     record_online_facts(data_in, paths, drafter, rank)
     drafter.store_embedding_as(head.embed.dtype)
     drafter = drafter.to(dev)

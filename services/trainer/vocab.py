@@ -20,16 +20,52 @@ from shared.errors import MaskTokenUnavailable
 log = logging.getLogger(__name__)
 
 
+class TokenTally:
+    """What the draft vocabulary (and DFlash's mask token) is chosen from: how often each target id is learned, and
+    which ids occur at all, over the rows training reads of some files. Files given at construction are read when
+    a figure is first asked for (never, where a base checkpoint brings its own mapping); ``add`` reads one now, so
+    an online trainer can count a file and let it go before the next lands."""
+
+    def __init__(self, vocab_size: int, max_length: int | None = None, files: Iterable[Path] = ()) -> None:
+        self.vocab_size, self.max_length = vocab_size, max_length
+        self.pending = list(files)
+        self.learned = torch.zeros(vocab_size, dtype=torch.long)
+        self.occurring = torch.zeros(vocab_size, dtype=torch.bool)
+        self.files = 0
+
+    def add(self, path: Path) -> None:
+        with safe_open(path, framework="pt") as handle:  # reads only the two small tensors
+            ids = handle.get_slice(eagle3.INPUT_IDS)[: self.max_length]
+            mask = handle.get_slice(eagle3.LOSS_MASK)[: self.max_length].bool()
+        self.learned += torch.bincount(ids[mask], minlength=self.vocab_size)[: self.vocab_size]
+        self.occurring[ids[ids < self.vocab_size]] = True
+        self.files += 1
+
+    def _read_pending(self) -> None:
+        while self.pending:
+            self.add(self.pending.pop(0))
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """How often each target id appears at a loss-masked position: int64 [V]."""
+        self._read_pending()
+        return self.learned
+
+    def unused(self) -> int:
+        """The highest target id that no row holds: a mask token that never is a real token of this data
+        (DFlash's mask slots). MaskTokenUnavailable when every id occurs."""
+        self._read_pending()
+        free = (~self.occurring).nonzero().flatten()
+        if free.numel() == 0:
+            raise MaskTokenUnavailable(f"every one of the {self.vocab_size} target ids occurs in the training files: "
+                                       "set train.dflash.mask_token_id")
+        return int(free[-1])
+
+
 def count_tokens(files: Iterable[Path], vocab_size: int, max_length: int | None = None) -> torch.Tensor:
     """How often each target id appears at a loss-masked position among each file's first ``max_length``
     rows (the ones training reads; all when None): int64 [V]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for path in files:
-        with safe_open(path, framework="pt") as handle:  # reads only the two small tensors
-            ids = handle.get_slice(eagle3.INPUT_IDS)[:max_length]
-            mask = handle.get_slice(eagle3.LOSS_MASK)[:max_length].bool()
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
+    return TokenTally(vocab_size, max_length, files).counts
 
 
 def build_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +90,5 @@ def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def unused_token(files: Iterable[Path], vocab_size: int, max_length: int | None = None) -> int:
-    """The highest target id that no position of the files' first ``max_length`` rows holds: a mask token that
-    never is a real token of this data (DFlash's mask slots). MaskTokenUnavailable when every id occurs."""
-    seen = torch.zeros(vocab_size, dtype=torch.bool)
-    for path in files:
-        with safe_open(path, framework="pt") as handle:
-            ids = handle.get_slice(eagle3.INPUT_IDS)[:max_length]
-        seen[ids[ids < vocab_size]] = True
-    free = (~seen).nonzero().flatten()
-    if free.numel() == 0:
-        raise MaskTokenUnavailable(f"every one of the {vocab_size} target ids occurs in the training files: set "
-                                   "train.dflash.mask_token_id")
-    return int(free[-1])
+    """The highest target id that no position of the files' first ``max_length`` rows holds (``TokenTally.unused``)."""
+    return TokenTally(vocab_size, max_length, files).unused()
