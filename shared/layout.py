@@ -117,6 +117,11 @@ class RunPaths:
         return self.drafter_dir / "online_plan.json"
 
     @property
+    def online_vocabulary(self) -> Path:
+        """An online run's draft-vocabulary tally, counted by rank 0 on its first start, read by the other ranks."""
+        return self.drafter_dir / "online_vocabulary.safetensors"
+
+    @property
     def validation_log(self) -> Path:
         return self.drafter_dir / "validation.jsonl"
 

@@ -44,9 +44,20 @@ def list_hidden_files(paths: RunPaths) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def check_alike(first: HiddenFileInfo, info: HiddenFileInfo) -> None:
+    """``info`` comes from ``first``'s target (model name and fingerprint), and is fp8 where it is: a batch carries
+    scales for all its rows or for none."""
+    for key in (eagle3.META_MODEL, eagle3.META_MODEL_FINGERPRINT):
+        if info.metadata.get(key) != first.metadata.get(key):
+            raise HiddenStateFileError(
+                f"{info.path}: {key} {info.metadata.get(key)!r} differs from {first.metadata.get(key)!r} in {first.path}"
+            )
+    if (info.dtype == eagle3.FP8_DTYPE) != (first.dtype == eagle3.FP8_DTYPE):
+        raise HiddenStateFileError(f"{info.path}: states in {info.dtype}, {first.path} stores {first.dtype}")
+
+
 def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -> list[HiddenFileInfo]:
-    """Verify every file; all must come from the same target (model name and fingerprint), and be fp8 or
-    not alike (a batch carries scales for all its rows or for none)."""
+    """Verify every file; all must be alike (``check_alike``)."""
     if not files:
         raise HiddenStateFileError("no hidden-state files to train on")
     # Hashing every byte is I/O-bound; threads overlap the reads (hashlib releases the GIL). ``map`` keeps
@@ -54,15 +65,8 @@ def verify_files(files: list[Path], *, layer_ids: list[int], hidden_size: int) -
     check = partial(verify_hidden_file, layer_ids=layer_ids, hidden_size=hidden_size)
     with ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
         infos = list(pool.map(check, files))
-    first = infos[0].metadata
     for info in infos[1:]:
-        for key in (eagle3.META_MODEL, eagle3.META_MODEL_FINGERPRINT):
-            if info.metadata.get(key) != first.get(key):
-                raise HiddenStateFileError(
-                    f"{info.path}: {key} {info.metadata.get(key)!r} differs from {first.get(key)!r} in {infos[0].path}"
-                )
-        if (info.dtype == eagle3.FP8_DTYPE) != (infos[0].dtype == eagle3.FP8_DTYPE):
-            raise HiddenStateFileError(f"{info.path}: states in {info.dtype}, {infos[0].path} stores {infos[0].dtype}")
+        check_alike(infos[0], info)
     log.info("verified %d hidden-state files (%d tokens)", len(infos), sum(i.num_tokens for i in infos))
     return infos
 

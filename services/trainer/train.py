@@ -69,12 +69,13 @@ from shared.atomic import atomic_write_text
 from shared.drafter_format import TargetFacts, check_base_fits, check_drafter, mapping_tensors, read_config
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError, HiddenStateFileError, UnsupportedRopeScaling
 from shared.fingerprint import model_fingerprint
-from shared.hidden_file import HiddenFileInfo, read_header
+from shared.hidden_file import HiddenFileInfo, read_header, verify_hidden_file
 from shared.layout import RunPaths, resolve_inside
 from shared.runspec import RunSpec, TrainConfig
 from services.trainer import checkpoint as ckpt
 from services.trainer.batching import BATCHINGS, LENGTH, SHUFFLE, batch_padding, plan_epoch, plan_padding, share
-from services.trainer.data import Batch, HiddenStateDataset, collate, list_hidden_files, loss_tokens_beyond, verify_files
+from services.trainer.data import (Batch, HiddenStateDataset, check_alike, collate, list_hidden_files, loss_tokens_beyond,
+                                   verify_files)
 from modeling.dflash import DFlashConfig, DFlashDrafter, DFlashObjective, default_gamma
 from modeling.export import load_drafter
 from modeling.losses import soft_cross_entropy
@@ -92,6 +93,7 @@ from services.trainer.online import (
     online_epoch_plan,
     plan_facts,
     record_facts,
+    wait_for_facts,
 )
 from services.trainer.validation import Validation, validation_split
 from services.trainer.vocab import TokenTally, build_mapping, draft_to_target
@@ -487,8 +489,14 @@ def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world
         verify_files(held_out, layer_ids=layer_ids, hidden_size=hidden_size)  # the run's target and layers
     facts = plan_facts(paths)
     tally = TokenTally(vocab_size, max_length)
-    if facts is None or ckpt.latest_checkpoint(paths.checkpoints_dir) is None:
+    fresh = facts is None or ckpt.latest_checkpoint(paths.checkpoints_dir) is None
+    if fresh and rank != 0:
+        # Rank 0 counts the files as they land and lets some go; its tally and facts are every rank's.
+        facts = wait_for_facts(paths)
+        tally = TokenTally.load(paths.online_vocabulary, max_length)
+    elif fresh:
         counted = count_vocabulary(feed, spec, tally, layer_ids=layer_ids, hidden_size=hidden_size, world=world)
+        tally.save(paths.online_vocabulary)
         if facts is None:
             per_sample = sum(min(i.num_tokens, max_length) for i in counted) / len(counted)
             positions = int(per_sample * samples)
@@ -519,7 +527,9 @@ def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids:
         if sample_id in feed.failed:
             continue
         path = feed.paths.hidden(sample_id)
-        (info,) = verify_files([path], layer_ids=layer_ids, hidden_size=hidden_size)
+        info = verify_hidden_file(path, layer_ids=layer_ids, hidden_size=hidden_size)
+        if counted:
+            check_alike(counted[0], info)
         tally.add(path)
         counted.append(info)
         if feed.leader and position >= ahead:

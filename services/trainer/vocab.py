@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save
+
+from shared.atomic import atomic_write_bytes
 
 from shared import eagle3
 from shared.errors import MaskTokenUnavailable
@@ -60,6 +63,23 @@ class TokenTally:
             raise MaskTokenUnavailable(f"every one of the {self.vocab_size} target ids occurs in the training files: "
                                        "set train.dflash.mask_token_id")
         return int(free[-1])
+
+
+    def save(self, path: Path) -> None:
+        """The tally as a safetensors file (atomic): what the other ranks of an online run build their draft
+        vocabulary from, so every rank's is the same without every rank reading the files."""
+        self._read_pending()
+        atomic_write_bytes(path, save({"learned": self.learned, "occurring": self.occurring},
+                                      metadata={"files": str(self.files)}))
+
+    @classmethod
+    def load(cls, path: Path, max_length: int | None = None) -> TokenTally:
+        with safe_open(path, framework="pt") as handle:
+            learned, occurring = handle.get_tensor("learned"), handle.get_tensor("occurring")
+            files = int((handle.metadata() or {}).get("files", 0))
+        tally = cls(int(learned.shape[0]), max_length)
+        tally.learned, tally.occurring, tally.files = learned, occurring, files
+        return tally
 
 
 def count_tokens(files: Iterable[Path], vocab_size: int, max_length: int | None = None) -> torch.Tensor:
