@@ -26,6 +26,7 @@ from shared.layout import RunPaths
 from shared.manifest import MANIFEST_NAME, read_manifest
 from tests.support.acceptance import assert_report_matches, expected_report_of_run
 from tests.support.processes import RedisServer
+from tests.support.runs import status_or_none
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +51,7 @@ def write_dataset(path: Path) -> None:
 
 
 def status(stack: LocalStack) -> dict | None:
-    try:
-        response = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=10)
-    except httpx.HTTPError:
-        return None
-    return response.json() if response.status_code == 200 else None
+    return status_or_none(stack, RUN)
 
 
 def respawn_dead(stack: LocalStack) -> None:

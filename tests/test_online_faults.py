@@ -18,6 +18,7 @@ from shared.atomic import temp_files
 from shared.hidden_file import verify_hidden_file
 from shared.layout import RunPaths
 from tests.support.processes import RedisServer
+from tests.support.runs import status_or_none
 from tests.test_pipeline import write_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.online]
@@ -31,11 +32,7 @@ FAULTS = ((0.2, "kill-trainer"), (0.35, "kill-extractor"), (0.5, "redis"), (0.65
 
 
 def status(stack: LocalStack) -> dict | None:
-    try:
-        response = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=10)
-    except httpx.HTTPError:
-        return None
-    return response.json() if response.status_code == 200 else None
+    return status_or_none(stack, RUN)
 
 
 def trained_share(stack: LocalStack) -> float:

@@ -21,3 +21,12 @@ def wait_terminal(stack: LocalStack, run: str, timeout: float) -> dict:
             return status
         time.sleep(1)
     raise AssertionError(f"run {run} did not finish in {timeout:.0f}s: {status}")
+
+
+def status_or_none(stack: LocalStack, run: str) -> dict | None:
+    """The run's status, or None while the controller does not answer (killed, restarting) or knows no such run."""
+    try:
+        response = httpx.get(f"{stack.url('controller')}/runs/{run}", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None
