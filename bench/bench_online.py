@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     env = GPU_ENV if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     config = StackConfig(data=data, model_dir=model_dir, log_dir=data / "logs" / "bench-online",
                          api_token=secrets.token_urlsafe(32), env=env,
-                         replicas={"inference": 1, "generator": 1, "extractor": args.extractors})
+                         replicas={"inference": 1, "generator": 16 if args.device == "cuda" else 1,
+                                   "extractor": args.extractors})
     with LocalStack(config) as stack, ControllerClient(stack.url("controller"), token=config.api_token) as api:
         api.submit(body)
         offline = watched(stack, api, data, offline_name, args.timeout)

