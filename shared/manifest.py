@@ -44,6 +44,10 @@ class ManifestEntry:
     dtype: str
     layer_ids: list[int]
     at: float = 0.0
+    # The file's modification time as the writer of the entry saw it: which version of a sample's file the entry
+    # is for, whatever the clocks of the hosts (an online run extracts a sample again each epoch). None in entries
+    # written before it was recorded.
+    mtime_ns: int | None = None
 
     @classmethod
     def from_info(cls, sample_id: int, info: HiddenFileInfo) -> ManifestEntry:
@@ -123,6 +127,7 @@ def _parse(line: bytes) -> ManifestEntry | None:
             sample_id=int(record["sample_id"]), sha256=str(record["sha256"]), bytes=int(record["bytes"]),
             num_tokens=int(record["num_tokens"]), dtype=str(record["dtype"]),
             layer_ids=[int(x) for x in record["layer_ids"]], at=float(record.get("at", 0.0)),
+            mtime_ns=int(record["mtime_ns"]) if record.get("mtime_ns") is not None else None,
         )
     except (ValueError, KeyError, TypeError):
         return None

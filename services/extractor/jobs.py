@@ -17,6 +17,7 @@ not finished, and a sample that fails is named without costing the others of the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter
@@ -253,7 +254,8 @@ def engine_ids(record: dict, path: Path) -> tuple[list[int], list[int]] | None:
 def _record_manifest(state: RunState, sample_id: int, info: HiddenFileInfo) -> None:
     """Append the verified file to its shard's manifest; a file the manifest cannot name must not stay."""
     try:
-        append_entry(manifest_path(state.paths, sample_id), ManifestEntry.from_info(sample_id, info))
+        entry = dataclasses.replace(ManifestEntry.from_info(sample_id, info), mtime_ns=info.path.stat().st_mtime_ns)
+        append_entry(manifest_path(state.paths, sample_id), entry)
     except OSError:
         info.path.unlink(missing_ok=True)
         raise

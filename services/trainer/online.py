@@ -130,6 +130,12 @@ def load_plan(paths: RunPaths, spec: RunSpec, rank: int) -> OnlinePlan:
         raise OnlinePlanError(f"{paths.online_plan}: unreadable ({exc})") from None
 
 
+def names_version(entry: ManifestEntry, mtime_ns: int) -> bool:
+    """The entry is for the file version of modification time ``mtime_ns`` (by the time its writer recorded; an
+    entry without one, by its wall-clock time: written after the file landed)."""
+    return entry.mtime_ns == mtime_ns if entry.mtime_ns is not None else entry.at * 1e9 >= mtime_ns
+
+
 def global_span(cfg: TrainConfig, world: int) -> int:
     return cfg.global_batch_size if cfg.global_batch_size is not None else cfg.batch_size * world
 
@@ -296,19 +302,19 @@ class Feed:
         return [self.plan.train_ids[i] for i in self.plans[epoch][index]]
 
     def ready(self, sample_id: int) -> bool:
-        """The sample's file is on the volume and its manifest names it as it is (the extractor appends the
-        entry only after verifying the file, and after the file landed)."""
+        """The sample's file is on the volume and its shard's manifest names this version of it: the extractor
+        appends the entry, with the file's modification time, only after verifying the file (``names_version``)."""
         path = self.paths.hidden(sample_id)
         try:
-            mtime = path.stat().st_mtime
+            mtime = path.stat().st_mtime_ns
         except FileNotFoundError:
             return False
         shard = path.parent / MANIFEST_NAME
         entry = self.manifests.get(shard, {}).get(sample_id)
-        if entry is None or entry.at < mtime:
+        if entry is None or not names_version(entry, mtime):
             self.manifests[shard] = read_manifest(shard)
             entry = self.manifests[shard].get(sample_id)
-        if entry is None or entry.at < mtime:
+        if entry is None or not names_version(entry, mtime):
             return False
         try:
             check_quick(path, entry)

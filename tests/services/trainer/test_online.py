@@ -90,3 +90,33 @@ def test_after_a_checkpoint_the_files_read_go_unless_read_again_soon(data_dir, r
     feed.released_after_checkpoint(1, 0, span=1)
     assert sorted(released) == sorted({1, 2, 3} - {soon})
     assert feed.unreleased == set() and set(feed.asked) == {soon}  # a released sample is asked for afresh
+
+
+def test_a_file_is_ready_only_once_its_manifest_names_that_version_of_it(data_dir, redis_conn):
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from shared.manifest import ManifestEntry, append_entry, manifest_path
+
+    feed = feed_of(data_dir, redis_conn)
+    path = feed.paths.hidden(3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from shared import eagle3
+
+    save_file({eagle3.INPUT_IDS: np.zeros(4, dtype=np.int64), eagle3.LOSS_MASK: np.ones(4, dtype=np.uint8),
+               eagle3.LAST_HIDDEN: np.zeros((4, 2), dtype=np.float32)}, str(path),
+              metadata={eagle3.META_LAYER_IDS: "[0]"})
+    assert not feed.ready(3)  # landed, not yet verified and recorded by its extractor
+
+    def record(mtime_ns: int, at: float) -> None:
+        append_entry(manifest_path(feed.paths, 3), ManifestEntry(3, "0" * 64, path.stat().st_size, 4, "F32", [0], at,
+                                                                mtime_ns))
+
+    record(path.stat().st_mtime_ns, at=0.0)  # an extractor whose clock runs far behind the file server's
+    assert feed.ready(3)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # extracted again, next epoch
+    assert not feed.ready(3)  # the entry names the earlier version, however late its clock says it was written
+    record(path.stat().st_mtime_ns, at=0.0)
+    assert feed.ready(3)
