@@ -114,6 +114,17 @@ def watched(stack: LocalStack, api: ControllerClient, data: Path, name: str, tim
             "wall_seconds": round(time.monotonic() - clock.start, 1), "stage_seconds": clock.seconds}
 
 
+def recorded(api: ControllerClient, data: Path, name: str) -> dict[str, Any]:
+    """A finished offline run's figures from the volume: every file it kept, and its time from submission to the
+    record of its end."""
+    paths = RunPaths(data, name)
+    finished = read_json(paths.root / "state.json")
+    sizes = [path.stat().st_size for path in paths.hidden_dir.rglob("*.safetensors")]
+    return {"status": api.run_status(name), "peak_bytes": sum(sizes), "at_peak": {}, "largest_file": max(sizes),
+            "samples": 0, "wall_seconds": round(finished["finished_at"] - read_json(paths.spec)["created_at"], 1),
+            "stage_seconds": None}
+
+
 def paired_by_k(online: dict, offline: dict) -> dict[str, dict[str, Any]]:
     """Per set and k: online − offline acceptance length over the same held-out prompts, with its interval."""
     out: dict[str, dict[str, Any]] = {}
@@ -147,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the online budget as a share of the offline run's hidden-state bytes")
     parser.add_argument("--extractors", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200.0)
+    parser.add_argument("--reuse-offline", action="store_true",
+                        help="take the offline run --data already holds (finished) instead of running it again: its "
+                             "bytes from its files (it keeps them all), its time from its records (submission to "
+                             "finish), no stage times")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -165,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
                          replicas={"inference": 1, "generator": 16 if args.device == "cuda" else 1,
                                    "extractor": args.extractors})
     with LocalStack(config) as stack, ControllerClient(stack.url("controller"), token=config.api_token) as api:
-        api.submit(body)
-        offline = watched(stack, api, data, offline_name, args.timeout)
+        if args.reuse_offline:
+            offline = recorded(api, data, offline_name)
+        else:
+            api.submit(body)
+            offline = watched(stack, api, data, offline_name, args.timeout)
         offline_bytes = offline["status"]["disk"]["run_bytes"]
         budget = max(1, int(offline_bytes * args.budget_share))
         say(f"offline run: {offline_bytes:,} bytes of hidden states; the online twin's budget {budget:,}")

@@ -35,7 +35,7 @@ from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
 from runtime.disk_claims import claim_space
-from runtime.spool import note_peak
+from runtime.spool import note_peak, release
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
@@ -116,10 +116,14 @@ def run_extract(job: ExtractJob, settings: ExtractorSettings, conn: redis.Redis,
 def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, tokenizer,
                 client: HiddenStateSource) -> SampleResult:
     """Settle one sample: done, skipped (already extracted) or failed (named on the volume)."""
-    if state.is_done(Stage.EXTRACT, sample_id):
-        return SampleResult.SKIPPED
-    wait_for_headroom(state.conn, settings.data, state.run)  # a paused run's samples wait here instead of failing
     spec = cached_spec(settings.data, state.run)
+    if state.is_done(Stage.EXTRACT, sample_id):
+        if not spec.online.enabled or state.paths.hidden(sample_id).is_file():
+            return SampleResult.SKIPPED
+        # An online run's file deleted without its done bit cleared (a trainer killed between the two): the bit
+        # is stale, and the trainer that asks for the sample again needs the file.
+        release(state, sample_id)
+    wait_for_headroom(state.conn, settings.data, state.run)  # a paused run's samples wait here instead of failing
 
     def landed(result: HiddenStatesResult, info: HiddenFileInfo) -> None:
         _record_manifest(state, sample_id, info)

@@ -76,6 +76,7 @@ ASK_AGAIN_S = 60.0  # a sample asked for this long ago and still without a file 
 # the earliest samples asked for; a job of several would extract them in id order, and one of its samples held
 # back by the budget could keep the sample the trainer waits for behind it.
 ASK_BATCH = 1
+LOST_CHECK_S = 5.0  # a sample asked for this long ago, still without a file, has its job looked for in Redis
 REFUSED_RECENTLY_S = 2.0  # an extraction the budget refused this recently means the spool is full for real
 MAX_AHEAD = 4096  # samples asked ahead at most, whatever the budget holds
 PLAN_WAIT_S = 300.0  # how long a rank other than 0 waits for rank 0's plan
@@ -231,7 +232,8 @@ class Feed:
         with ``lost``, of those whose job Redis no longer holds (a Redis restarted empty)."""
         now = time.monotonic()
         wanted = [i for i in sample_ids
-                  if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S or (lost and self._job_lost(i)))
+                  if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
+                      or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
                   and not self.paths.hidden(i).is_file() and i not in self.failed]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
@@ -302,8 +304,9 @@ class Feed:
         return [self.plan.train_ids[i] for i in self.plans[epoch][index]]
 
     def ready(self, sample_id: int) -> bool:
-        """The sample's file is on the volume and its shard's manifest names this version of it: the extractor
-        appends the entry, with the file's modification time, only after verifying the file (``names_version``)."""
+        """The sample's file is on the volume, its shard's manifest names this version of it (the extractor appends
+        the entry, with the file's modification time, only after verifying the file: ``names_version``), and the
+        extractor has counted it (its done bit, set last)."""
         path = self.paths.hidden(sample_id)
         try:
             mtime = path.stat().st_mtime_ns
@@ -319,6 +322,9 @@ class Feed:
         try:
             check_quick(path, entry)
         except HiddenStateFileError:
+            return False
+        # Counted too: a file released before its extractor counted it would be counted after it is gone.
+        if not self.state.is_done(Stage.EXTRACT, sample_id):
             return False
         if self.leader and sample_id not in self.sizes:
             self.sizes[sample_id] = entry.bytes
