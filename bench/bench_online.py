@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             api.submit(body)
             offline = watched(stack, api, data, offline_name, args.timeout)
-        offline_bytes = offline["status"]["disk"]["run_bytes"]
+        offline_bytes = offline["peak_bytes"]  # every hidden-state file it kept, all of them there at its end
         budget = max(1, int(offline_bytes * args.budget_share))
         say(f"offline run: {offline_bytes:,} bytes of hidden states; the online twin's budget {budget:,}")
         api.retrain(offline_name, {"name": online_name, "online": {"enabled": True, "budget_bytes": budget}})
