@@ -18,7 +18,9 @@ dropped when its write ends, either way; a worker killed mid-write leaves one th
 extraction overwrites, or that the supervisor drops once the sample is done.
 
 An online run's claim must also fit its byte budget beside the spool's files (``runtime.spool``): refused, it
-waits without pausing anything, its time counted as the extractors' blocked time, until the trainer frees files.
+waits without pausing anything, its time counted as the extractors' blocked time, for ``DEFER_AFTER_S``; then it
+gives its worker back (``BudgetDeferred``), so workers blocked on later samples never keep the one the trainer
+waits for (which the budget lets past) waiting in the queue behind them.
 """
 
 from __future__ import annotations
@@ -34,9 +36,18 @@ import redis
 from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, LAST_RESERVE,
                           _number, _s, format_bytes, set_paused, volume_usage, wait_for_headroom)
 from runtime.spool import ONLINE_BLOCKED_S, ONLINE_HEAD, ONLINE_REFUSED_AT
+from shared.errors import DraftlineError
 from shared.lifecycle import RunKeys
 
-BUDGET_POLL_S = 0.5  # a trainer frees files at each checkpoint: a blocked extraction looks again this often
+BUDGET_POLL_S = 0.5
+# A claim the budget refuses this long gives its worker back (``BudgetDeferred``): the worker then takes the next
+# job, which may hold the sample the trainer waits for, and the trainer asks for this one again later.
+DEFER_AFTER_S = 2.0
+
+
+class BudgetDeferred(DraftlineError):
+    """An online run's budget holds no room for this sample now, and the trainer waits for another one."""
+  # a trainer frees files at each checkpoint: a blocked extraction looks again this often
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +124,9 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
             # the time says so to the trainer, which checkpoints to release what it has read.
             conn.hset(keys.meta, ONLINE_REFUSED_AT, time.time())
             blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since >= DEFER_AFTER_S:
+                conn.hincrbyfloat(keys.meta, ONLINE_BLOCKED_S, round(time.monotonic() - blocked_since, 3))
+                raise BudgetDeferred(f"sample {sample_id}: the online budget of {format_bytes(budget or 0)} is full")
             time.sleep(min(poll_s, BUDGET_POLL_S))
             head = _claim_facts(conn, run)[3]
             continue

@@ -69,6 +69,7 @@ class SampleResult(StrEnum):
     FAILED = "failed"  # settled as Outcome.FAILED
     DROPPED = "dropped"  # settled as Outcome.DROPPED
     SKIPPED = "skipped"  # its output was on the volume already (an earlier, killed attempt): nothing to do again
+    DEFERRED = "deferred"  # an online run's budget is full: left unsettled, for its trainer to ask for again
 
 
 class FailureKind(StrEnum):

@@ -34,7 +34,7 @@ from shared import eagle3
 from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
-from runtime.disk_claims import claim_space
+from runtime.disk_claims import BudgetDeferred, claim_space
 from runtime.spool import note_peak, release
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
@@ -139,6 +139,8 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
         _extract(sample_id, spec, state, tokenizer, str(settings.model_dir), client, landed)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
+    except BudgetDeferred:
+        return SampleResult.DEFERRED  # unsettled: the online trainer asks for it again when it needs it
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training
         if not isinstance(exc, DraftlineError):
             log.exception("run %s: sample %d: unexpected error", state.run, sample_id)

@@ -94,3 +94,19 @@ def test_the_sample_the_trainer_waits_for_passes_a_full_budget(data_dir, redis_c
     state.set_meta(**{spool.ONLINE_HEAD: 5})
     with claim_space(redis_conn, data_dir, RUN, 5, 100, budget=2000, poll_s=0.05) as claimed:
         assert claimed > 0  # the spool is full, and the trainer waits for this one
+
+
+def test_a_claim_the_budget_keeps_refusing_gives_its_worker_back(data_dir, redis_conn):
+    import pytest
+
+    from runtime.disk_claims import DEFER_AFTER_S, BudgetDeferred
+
+    state = online_run(data_dir, redis_conn, budget=2000)
+    write_file(state, 0, 100)
+    write_file(state, 1, 100)
+    started = time.monotonic()
+    with pytest.raises(BudgetDeferred, match="budget"):
+        with claim_space(redis_conn, data_dir, RUN, 6, 100, budget=2000, poll_s=0.05):
+            pass
+    assert DEFER_AFTER_S <= time.monotonic() - started < DEFER_AFTER_S + 2
+    assert redis_conn.hlen(RunKeys(RUN).disk_claims) == 0 and not state.is_done(Stage.EXTRACT, 6)
