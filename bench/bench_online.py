@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "online_minus_offline_acceptance": paired_by_k(reports[online_name], reports[offline_name]),
         "peak_within_budget_plus_one_file_per_extractor":
             online["peak_bytes"] <= budget + args.extractors * online["largest_file"],
+        "online_batch_samples": run["train"]["batch_size"],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.json, json.dumps(figures, indent=2) + "\n")

@@ -8,7 +8,8 @@ alike; what differs is their life:
   for an online run the claim is granted only while the spool's bytes (``hidden_bytes`` in the run's meta, which
   each landed file adds to) plus every claim being written plus this one fit the budget. The one sample the
   trainer is waiting for (``ONLINE_HEAD``) is always granted as far as the disk allows, so a spool filled with
-  files the trainer needs later can never keep it waiting for good: the spool peaks at the budget plus that file.
+  files the trainer needs later can never keep it waiting for good: the spool peaks at the budget plus the missing
+  files of the batch it waits for (a batch must be on the volume whole).
 - **release**: once every optimizer step that read a file is in a checkpoint, the trainer deletes it
   (``release``): the file goes, then its done bit and its bytes and tokens leave the run's counts in one atomic
   step, so the feeder of the next epoch (the trainer itself) extracts it again from the stored reply.

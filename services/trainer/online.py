@@ -21,7 +21,8 @@ Flow, on rank 0:
   shard manifest names it, written after the file: ``ready``) or a failure record (skipped, named in the log,
   in every epoch after). While the spool is full and holds no file the trainer has read, the sample it waits for
   is the run's ``online_head``: its extraction is granted past the budget, so a spool filled with later samples
-  cannot keep the trainer waiting for an earlier one (the spool then holds the budget plus that one file).
+  cannot keep the trainer waiting for an earlier one (the spool then holds the budget plus the missing files of that
+  batch, one at a time as each becomes the one waited for).
 - **release**: after each checkpoint, the files read since the one before are deleted (``runtime.spool.release``)
   unless the next samples asked for include them again (the next epoch's early samples). A trainer waiting while
   the spool is full of files it has read checkpoints at once and releases them first: the budget never deadlocks
