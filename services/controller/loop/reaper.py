@@ -77,7 +77,9 @@ def requeue_stuck_dequeued(q: Queue, now: float, *, stuck_after_s: float) -> int
     conn = q.connection
     started = {entry.job_id for entry in started_entries(q)}
     requeued = 0
-    for job_id in q.intermediate_queue.get_job_ids():
+    taken = q.intermediate_queue.get_job_ids()
+    forget_first_seen(q, set(taken) - started)
+    for job_id in taken:
         if job_id in started:
             continue
         key = FIRST_SEEN_KEY.format(queue=q.name, job=job_id)
@@ -97,6 +99,17 @@ def requeue_stuck_dequeued(q: Queue, now: float, *, stuck_after_s: float) -> int
         requeued += int(requeue_lost(job, q, cause=f"taken off {q.name} by a worker that died before starting it "
                                                  f"(not started after {now - first_seen:.0f}s)"))
     return requeued
+
+
+def forget_first_seen(q: Queue, waiting: set[str]) -> None:
+    """Drop the first-seen marks of jobs that left ``q``'s intermediate list (started, or requeued): a job seen
+    there for a moment on its way to a worker must not leave a key behind for an hour."""
+    conn = q.connection
+    prefix = FIRST_SEEN_KEY.format(queue=q.name, job="")
+    for key in conn.scan_iter(match=prefix + "*", count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        if name[len(prefix):] not in waiting:
+            conn.delete(name)
 
 
 def started_entries(q: Queue) -> list[StartedEntry]:
