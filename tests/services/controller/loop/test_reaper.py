@@ -233,3 +233,13 @@ def test_a_job_its_dying_worker_took_off_the_queue_but_never_started_is_requeued
     assert again.get_status() == JobStatus.QUEUED and again.meta[REQUEUES_META] == 1
     assert started.id in q.started_job_registry.get_job_ids(cleanup=False)
     assert not redis_conn.exists(key)
+
+
+def test_a_job_that_left_the_intermediate_list_leaves_no_first_seen_mark(redis_conn):
+    q = queue(EXTRACT_QUEUE, redis_conn)
+    redis_conn.rpush(q.intermediate_queue_key, "extract_waiting_00000001")
+    left = reaper.FIRST_SEEN_KEY.format(queue=q.name, job="extract_started_00000002")
+    redis_conn.set(left, time.time(), ex=3600)  # seen there once, on its way to a worker that started it
+    reaper.requeue_stuck_dequeued(q, time.time(), stuck_after_s=3600)
+    assert not redis_conn.exists(left)
+    assert redis_conn.exists(reaper.FIRST_SEEN_KEY.format(queue=q.name, job="extract_waiting_00000001"))
