@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.runstate import RunState
+from runtime.space import write_with_space
 from runtime.sample_queue import enqueue_extract
 from rq.job import Job
 
@@ -118,7 +119,7 @@ def load_plan(paths: RunPaths, spec: RunSpec, rank: int) -> OnlinePlan:
         if rank == 0:
             plan = make_plan(paths, spec)
             paths.online_plan.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(paths.online_plan, plan.to_json())
+            write_with_space(lambda: atomic_write_json(paths.online_plan, plan.to_json()), "the online plan", paths.data)
             log.info("run %s: online plan: %d samples to train, %d held out for validation", spec.name,
                      len(plan.train_ids), len(plan.validation_ids))
             return plan
@@ -401,7 +402,7 @@ def plan_facts(paths: RunPaths) -> dict | None:
 def record_facts(paths: RunPaths, facts: dict) -> None:
     raw = read_json(paths.online_plan)
     raw[FACTS] = facts
-    atomic_write_json(paths.online_plan, raw)
+    write_with_space(lambda: atomic_write_json(paths.online_plan, raw), "the online plan's facts", paths.data)
 
 
 def wait_for_facts(paths: RunPaths) -> dict:

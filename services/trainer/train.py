@@ -496,7 +496,8 @@ def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world
         tally = TokenTally.load(paths.online_vocabulary, max_length)
     elif fresh:
         counted = count_vocabulary(feed, spec, tally, layer_ids=layer_ids, hidden_size=hidden_size, world=world)
-        tally.save(paths.online_vocabulary)
+        # Like every trainer write, a full volume makes it wait for space, not fail.
+        write_with_space(lambda: tally.save(paths.online_vocabulary), "the online vocabulary's tally", paths.data)
         if facts is None:
             per_sample = sum(min(i.num_tokens, max_length) for i in counted) / len(counted)
             positions = int(per_sample * samples)
