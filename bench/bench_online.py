@@ -206,11 +206,13 @@ def main(argv: list[str] | None = None) -> None:
         "offline_stage_seconds": offline["stage_seconds"], "online_stage_seconds": online["stage_seconds"],
         "online_train_wait_fraction": spool["train_wait_fraction"],
         "online_extract_blocked_s": spool["extract_blocked_s"], "online_released_files": spool["released"],
+        "online_evicted_files": spool["evicted"],
         "acceptance": {name: {s: one["methods"][DRAFTER]["curve"] for s, one in report["sets"].items()}
                        for name, report in reports.items()},
         "online_minus_offline_acceptance": paired_by_k(reports[online_name], reports[offline_name]),
         "peak_within_budget_plus_one_file_per_extractor":
             online["peak_bytes"] <= budget + args.extractors * online["largest_file"],
+        "peak_within_budget_plus_one_file": online["peak_bytes"] <= budget + online["largest_file"],
         "online_batch_samples": run["train"]["batch_size"],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@ alike; what differs is their life:
 - **landing**: an extraction claims its file's bytes before it asks for the states (``runtime.disk_claims``);
   for an online run the claim is granted only while the spool's bytes (``hidden_bytes`` in the run's meta, which
   each landed file adds to) plus every claim being written plus this one fit the budget. The one sample the
-  trainer is waiting for (``ONLINE_HEAD``) is always granted as far as the disk allows, so a spool filled with
-  files the trainer needs later can never keep it waiting for good: the spool peaks at the budget plus the missing
-  files of the batch it waits for (a batch must be on the volume whole).
+  trainer is waiting for (``ONLINE_HEAD``) is granted as far as the disk allows, so a spool filled with files
+  the trainer needs later can never keep it waiting for good. The trainer names it only once the spool is within
+  its budget with room for the largest file, deleting files of later samples it has not read to make that room
+  (``evict``: they are extracted again when training comes to them): the spool peaks at the budget plus one file,
+  as long as a global batch's files fit the budget.
 - **release**: once every optimizer step that read a file is in a checkpoint, the trainer deletes it
   (``release``): the file goes, then its done bit and its bytes and tokens leave the run's counts in one atomic
   step, so the feeder of the next epoch (the trainer itself) extracts it again from the stored reply.
@@ -48,24 +50,26 @@ ONLINE_EPOCH = "online_epoch"  # the epoch the trainer is in
 ONLINE_EPOCH_TRAINED = "online_epoch_trained"  # samples trained so far in that epoch
 ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
 ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
+ONLINE_EVICTED = "online_evicted"  # files of later samples deleted unread to make room for the one waited for
 ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
 ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
                  ONLINE_EPOCH,
-                 ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_PEAK_BYTES)
+                 ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_EVICTED, ONLINE_PEAK_BYTES)
 # An online run's default budget: this share of the volume's free space (less its reserve), so other runs and the
 # checkpoints keep room.
 DEFAULT_BUDGET_SHARE = 0.25
 # Above this share of its time waiting for files, the trainer is the side starved: extraction is the bottleneck.
 STARVED_FRACTION = 0.5
 
-# KEYS: the extract stage's done bitmap, the run's meta. ARGV: sample id, bytes, tokens. Clears the done bit and,
-# only when it was set, takes the file's bytes and tokens off the counts; returns the bit as it was.
+# KEYS: the extract stage's done bitmap, the run's meta. ARGV: sample id, bytes, tokens, the meta's field that counts
+# the deletion. Clears the done bit and, only when it was set, takes the file's bytes and tokens off the counts and
+# counts it; returns the bit as it was.
 _RELEASE = """
 local was = redis.call('SETBIT', KEYS[1], ARGV[1], 0)
 if was == 1 then
   redis.call('HINCRBYFLOAT', KEYS[2], 'hidden_bytes', '-' .. ARGV[2])
   redis.call('HINCRBYFLOAT', KEYS[2], 'hidden_tokens', '-' .. ARGV[3])
-  redis.call('HINCRBY', KEYS[2], 'online_released', 1)
+  redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
 end
 return was
 """
@@ -86,9 +90,9 @@ def file_counts(path) -> tuple[int, int]:
     return path.stat().st_size, int(ids["shape"][0])
 
 
-def release(state: RunState, sample_id: int) -> int:
-    """Delete sample ``sample_id``'s file and take it off the run's counts; returns the bytes freed (0 when it
-    was gone already)."""
+def release(state: RunState, sample_id: int, *, counter: str = ONLINE_RELEASED) -> int:
+    """Delete sample ``sample_id``'s file, take it off the run's counts and count it in ``counter`` (released
+    after its checkpoint, or ``ONLINE_EVICTED``); returns the bytes freed (0 when it was gone already)."""
     path = state.paths.hidden(sample_id)
     try:
         nbytes, tokens = file_counts(path)
@@ -96,7 +100,8 @@ def release(state: RunState, sample_id: int) -> int:
         nbytes, tokens = 0, 0
     path.unlink(missing_ok=True)
     keys = state.keys
-    state.conn.eval(_RELEASE, 2, keys.outcome(Stage.EXTRACT, Outcome.DONE), keys.meta, sample_id, nbytes, tokens)
+    state.conn.eval(_RELEASE, 2, keys.outcome(Stage.EXTRACT, Outcome.DONE), keys.meta, sample_id, nbytes, tokens,
+                    counter)
     return nbytes
 
 
@@ -157,6 +162,7 @@ class OnlineStatus:
     epoch_trained: int
     epoch_samples: int
     released: int
+    evicted: int  # files of later samples deleted unread, to make room for the one waited for
     train_wait_fraction: float | None  # of the trainer's running time, waiting for files
     extract_blocked_s: float  # summed over extractors
     bottleneck: str  # "extraction" (the trainer starves), "training" (extraction waits on the budget), "unknown"
@@ -177,8 +183,9 @@ def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineS
         bottleneck = "training"
     epoch = meta.get(ONLINE_EPOCH)
     head = meta.get(ONLINE_HEAD)
-    return OnlineStatus(budget, int(head) if head not in (None, "") else None, int(_number(meta, HIDDEN_BYTES)), state.counts(Stage.EXTRACT).done,
-                        int(_number(meta, ONLINE_PEAK_BYTES)), int(epoch) if epoch not in (None, "") else None,
-                        int(_number(meta, ONLINE_EPOCH_TRAINED)), int(_number(meta, ONLINE_EPOCH_SAMPLES)),
-                        int(_number(meta, ONLINE_RELEASED)), None if fraction is None else round(fraction, 4),
-                        round(blocked, 3), bottleneck)
+    return OnlineStatus(
+        budget, int(head) if head not in (None, "") else None, int(_number(meta, HIDDEN_BYTES)),
+        state.counts(Stage.EXTRACT).done, int(_number(meta, ONLINE_PEAK_BYTES)),
+        int(epoch) if epoch not in (None, "") else None, int(_number(meta, ONLINE_EPOCH_TRAINED)),
+        int(_number(meta, ONLINE_EPOCH_SAMPLES)), int(_number(meta, ONLINE_RELEASED)), int(_number(meta, ONLINE_EVICTED)),
+        None if fraction is None else round(fraction, 4), round(blocked, 3), bottleneck)

@@ -1,6 +1,7 @@
 """Chaos: a 300-sample run survives SIGKILLed workers, a killed inference server and a Redis restart
 without persistence — every expected id ends verified exactly once, with no temp files, and the
-counters agree with the volume.
+counters agree with the volume. An online run beside it trains through the same faults and a SIGKILLed
+trainer: each sample trained once per epoch, only its held-out files left, its spool's counts the volume's.
 
 Bounded in time and in the number of faults; loopback only; the Redis server is the test's own.
 """
@@ -11,6 +12,7 @@ import json
 import random
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,9 @@ FAULTS = 14
 CHAOS_SECONDS = 150
 FINISH_SECONDS = 420
 WORKERS = ("generator", "extractor")
+ONLINE_RUN = "chaos-online"  # submitted first: it trains (extracting as it goes) while the big run generates
+ONLINE_ROWS = 48
+ONLINE_EPOCHS = 2
 # The faults must land while the sample stages run: on their own they finish in about 15 s here, before
 # half the planned faults. One request in flight per generator, each waiting 400 ms for a batch to fill,
 # keeps generation (and the extraction that follows each reply) going long enough for all 14.
@@ -50,8 +55,8 @@ def write_dataset(path: Path) -> None:
     path.write_text("\n".join(good[i % len(good)] for i in range(ROWS)) + "\n")
 
 
-def status(stack: LocalStack) -> dict | None:
-    return status_or_none(stack, RUN)
+def status(stack: LocalStack, run: str = RUN) -> dict | None:
+    return status_or_none(stack, run)
 
 
 def respawn_dead(stack: LocalStack) -> None:
@@ -63,8 +68,10 @@ def respawn_dead(stack: LocalStack) -> None:
 
 def fault_plan(rng: random.Random) -> list[str]:
     """Every kind of fault at least once (Redis exactly once, mid-run), the rest worker kills."""
-    plan = ["kill-generator", "kill-extractor", "inference", "kill-generator", "kill-extractor", "inference"]
-    plan += [rng.choice(["kill-generator", "kill-extractor", "inference"]) for _ in range(FAULTS - len(plan) - 1)]
+    plan = ["kill-generator", "kill-extractor", "inference", "kill-trainer", "kill-generator", "kill-extractor",
+            "inference", "kill-trainer"]
+    plan += [rng.choice(["kill-generator", "kill-extractor", "inference", "kill-trainer"])
+             for _ in range(FAULTS - len(plan) - 1)]
     rng.shuffle(plan)
     plan.insert(len(plan) // 3, "redis")
     return plan
@@ -95,8 +102,9 @@ def inject_faults(stack: LocalStack, redis_server: RedisServer, rng: random.Rand
         if time.monotonic() > deadline:
             break
         time.sleep(rng.uniform(1.5, 4.0))
-        current = status(stack)
-        if current is not None and current["state"] not in ("queued", "generating", "extracting"):
+        current, online = status(stack), status(stack, ONLINE_RUN)
+        if current is not None and current["state"] not in ("queued", "generating", "extracting") \
+                and online is not None and online["state"] not in ("queued", "generating", "extracting", "training"):
             break
         inject(stack, redis_server, rng, fault)
         done.append(fault)
@@ -118,6 +126,16 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
     rng = random.Random(20261129)
     try:
         with LocalStack(config) as stack:
+            online = {
+                "dataset": str(dataset), "name": ONLINE_RUN, "limit": ONLINE_ROWS,
+                "generation": {"max_tokens": 12, "min_completion_tokens": 2},
+                "train": {"epochs": ONLINE_EPOCHS, "batch_size": 4, "ttt_steps": 2, "draft_vocab_size": 128,
+                          "max_length": 96, "save_every": 3, "validation_files": 2},
+                "evaluate": {"holdout": HOLDOUT, **DECODING, **HOLDOUT_ONLY},
+                "online": {"enabled": True, "budget_bytes": 300_000, "vocab_files": 6},
+            }
+            response = httpx.post(f"{stack.url('controller')}/runs", json=online, timeout=60)
+            assert response.status_code == 201, response.text
             body = {
                 "dataset": str(dataset), "name": RUN,
                 "generation": {"max_tokens": 12, "min_completion_tokens": 0},
@@ -132,13 +150,16 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
             while time.monotonic() < deadline:
                 respawn_dead(stack)
                 final = status(stack)
-                finished = finished_path(RunPaths(data, RUN)).exists()  # the supervisor's final sweep is done
-                if final and final["state"] in ("complete", "complete_with_failures", "failed") and finished:
+                online_final = status(stack, ONLINE_RUN)
+                # the supervisor's final sweep of each is done
+                finished = all(finished_path(RunPaths(data, run)).exists() for run in (RUN, ONLINE_RUN))
+                if final and online_final and finished and all(
+                        one["state"] in ("complete", "complete_with_failures", "failed") for one in (final, online_final)):
                     break
                 time.sleep(1)
             conn = redis.Redis.from_url(redis_server.url)
             counts = {stage: RunState(conn, data, RUN).counts(stage) for stage in ("generate", "extract")}
-        yield {"status": final, "faults": faults, "data": data, "counts": counts, "logs": root / "logs",
+        yield {"status": final, "online": online_final, "faults": faults, "data": data, "counts": counts, "logs": root / "logs",
                "model_dir": tiny_model_dir}
     finally:
         redis_server.stop()
@@ -147,7 +168,7 @@ def chaos_run(tmp_path_factory, tiny_model_dir):
 def test_faults_were_injected(chaos_run):
     faults = chaos_run["faults"]
     assert len(faults) >= 8, faults
-    assert {"kill-generator", "kill-extractor", "inference", "redis"} <= set(faults), faults
+    assert {"kill-generator", "kill-extractor", "inference", "kill-trainer", "redis"} <= set(faults), faults
 
 
 def test_run_completes_despite_the_faults(chaos_run):
@@ -182,3 +203,23 @@ def test_no_temp_files_and_counters_agree_with_the_volume(chaos_run):
     report = json.loads(paths.eval_report.read_text())
     assert_report_matches(report, expected_report_of_run(chaos_run["model_dir"], paths.export_dir, paths.eval_prompts,
                                                          **DECODING))
+
+
+def test_the_online_run_beside_it_trains_each_sample_once_per_epoch_through_the_faults(chaos_run):
+    online = chaos_run["online"]
+    assert online is not None and online["state"] == "complete", (online, chaos_run["logs"])
+    paths = RunPaths(chaos_run["data"], ONLINE_RUN)
+    plan = json.loads(paths.online_plan.read_text())
+    assert len(plan["train_ids"]) + len(plan["validation_ids"]) == ONLINE_ROWS - HOLDOUT
+    log = [json.loads(line) for line in paths.train_log.read_text().splitlines()]
+    assert [record["step"] for record in log] == list(range(1, len(log) + 1))  # a resumed log holds each step once
+    for epoch in range(ONLINE_EPOCHS):
+        trained = Counter(i for record in log if record["epoch"] == epoch for i in record["samples"])
+        assert trained == Counter(plan["train_ids"]), epoch
+    left = sorted(paths.hidden_dir.rglob("*.safetensors"))
+    assert sorted(int(p.stem) for p in left) == sorted(plan["validation_ids"])
+    for path in left:
+        verify_hidden_file(path)
+    assert temp_files(paths.root) == []
+    assert online["online"]["spool_files"] == len(left)
+    assert online["online"]["spool_bytes"] == sum(p.stat().st_size for p in left)

@@ -191,3 +191,71 @@ def test_a_volume_another_process_fills_during_training_holds_the_trainer_and_th
         steps = [json.loads(line)["step"] for line in paths.train_log.read_text().splitlines()]
         assert steps == list(range(1, final["stages"]["train"]["total"] + 1))  # each step once, no torn line
         assert temp_files(paths.root) == []
+
+
+ONLINE_RUN = "fullonline"
+ONLINE_EPOCHS = 3
+
+
+@pytest.mark.online
+def test_an_online_run_through_a_volume_another_process_fills_waits_and_completes(tmp_path, redis_server,
+                                                                                 tiny_model_dir):
+    """An online run trains while its extractions refill the spool; a neighbour takes the volume's space: the run
+    waits with the reason named (extraction paused, or the trainer's writes held) and fails nothing; once the
+    neighbour's file goes, it completes with every sample trained once per epoch, no partial file, only the
+    held-out files left and the spool's counts equal to the volume."""
+    conn = redis.Redis.from_url(redis_server.url)
+    conn.flushall()
+    dataset = write_dataset(tmp_path / "prompts.jsonl")
+    with mounted_tmpfs(tmp_path / "volume", GROWN_BYTES) as volume:
+        config = stack_config(tmp_path, volume.path, tiny_model_dir, redis_server.url)
+        paths, neighbour = RunPaths(volume.path, ONLINE_RUN), volume.path / "neighbour.bin"
+        with LocalStack(config) as stack:
+            body = {
+                "dataset": str(dataset), "name": ONLINE_RUN,
+                "generation": {"max_tokens": 16, "min_completion_tokens": 2},
+                "train": {"epochs": ONLINE_EPOCHS, "batch_size": 4, "lr": 2e-3, "ttt_steps": 2,
+                          "draft_vocab_size": 128, "max_length": 128, "save_every": 4, "validation_files": 2},
+                "evaluate": {"holdout": HOLDOUT, "max_new_tokens": 8, "draft_steps": 2, "sets": ["holdout"],
+                             "curve_max_steps": 2},
+                "online": {"enabled": True, "budget_bytes": 600_000, "vocab_files": 8},
+            }
+            response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=120)
+            assert response.status_code == 201, response.text
+
+            def status() -> dict:
+                stack.check_alive()
+                return httpx.get(f"{stack.url('controller')}/runs/{ONLINE_RUN}", timeout=30).json()
+
+            deadline = time.monotonic() + 300
+            while (shown := status())["stages"]["train"]["done"] < 2:
+                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, shown
+                time.sleep(0.1)
+            fill_volume(neighbour)
+            while not ((shown := status())["disk"]["paused"] or shown["disk"]["held"]):
+                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, f"nothing waited: {shown}"
+                time.sleep(0.2)
+            waiting = shown["disk"]
+            assert str(volume.path) in (waiting["reason"] or "") + json.dumps(waiting["held"]), waiting
+            assert set(waiting["holds"]) & {"extract", "train"} and shown["paused"], waiting
+            time.sleep(2)
+            assert (held := status())["state"] == "training" and held["stages"]["extract"]["failed"] == 0, held
+
+            neighbour.unlink()  # the neighbour's file goes; nobody touches the run
+            deadline = time.monotonic() + 300
+            while (final := status())["state"] not in TERMINAL:
+                assert time.monotonic() < deadline, final
+                time.sleep(0.5)
+
+        assert final["state"] == "complete", final
+        assert final["disk"]["held"] == {} and final["disk"]["paused"] is False
+        plan = json.loads(paths.online_plan.read_text())
+        log = [json.loads(line) for line in paths.train_log.read_text().splitlines()]
+        assert [record["step"] for record in log] == list(range(1, len(log) + 1))  # each step once, no torn line
+        for epoch in range(ONLINE_EPOCHS):
+            assert sorted(i for r in log if r["epoch"] == epoch for i in r["samples"]) == sorted(plan["train_ids"])
+        left = landed_files(paths)
+        assert sorted(int(p.stem) for p in left) == sorted(plan["validation_ids"])
+        assert temp_files(paths.root) == []
+        assert final["online"]["spool_files"] == len(left)
+        assert final["online"]["spool_bytes"] == sum(p.stat().st_size for p in left)

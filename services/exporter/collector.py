@@ -29,7 +29,7 @@ from rq.worker import WorkerStatus
 from shared import metrics
 from runtime.gpu import GpuReader, GpuReading
 from runtime.disk import disk_status
-from runtime.spool import ONLINE_BLOCKED_S, ONLINE_RELEASED, ONLINE_TRAIN_S, ONLINE_WAIT_S, online_status
+from runtime.spool import ONLINE_BLOCKED_S, ONLINE_EVICTED, ONLINE_RELEASED, ONLINE_TRAIN_S, ONLINE_WAIT_S, online_status
 from shared.jobs import (
     QUEUES,
     evaluate_job_id,
@@ -153,9 +153,10 @@ def _sample_stage(
     expected = int(_number(meta, "expected") or 0)
     counts = state.counts(stage)
     remaining = max(expected - counts.settled, 0)
-    # An online run deletes its files after their checkpoints and clears their done bits: its extractions count
-    # with the deleted ones added back, so the counter still only grows (every epoch's extractions).
-    released = int(_number(meta, ONLINE_RELEASED) or 0) if stage == Stage.EXTRACT else 0
+    # An online run deletes its files (after their checkpoints, or unread to make room) and clears their done bits:
+    # its extractions count with the deleted ones added back, so the counter still only grows (every epoch's).
+    released = (int(_number(meta, ONLINE_RELEASED) or 0) + int(_number(meta, ONLINE_EVICTED) or 0)
+                if stage == Stage.EXTRACT else 0)
     families.counter(metrics.STAGE_DONE, "Samples verified and finished by the stage.", RUN_STAGE).add_metric(
         labels, counts.done + released
     )

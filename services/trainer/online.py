@@ -20,9 +20,11 @@ Flow, on rank 0:
 - **wait**: before a step every rank waits until each sample of the global batch has a verified file (its
   shard manifest names it, written after the file: ``ready``) or a failure record (skipped, named in the log,
   in every epoch after). While the spool is full and holds no file the trainer has read, the sample it waits for
-  is the run's ``online_head``: its extraction is granted past the budget, so a spool filled with later samples
-  cannot keep the trainer waiting for an earlier one (the spool then holds the budget plus the missing files of that
-  batch, one at a time as each becomes the one waited for).
+  becomes the run's ``online_head``, whose extraction is granted past the budget, so a spool filled with later
+  samples cannot keep the trainer waiting for an earlier one. Before naming it, rank 0 deletes files of later
+  samples that no step has read, the farthest ahead first, until the largest file seen fits beside the rest
+  (``make_room``; they are asked for again once the batch is whole): the spool then peaks at the budget plus one
+  file, as long as a global batch's files fit the budget.
 - **release**: after each checkpoint, the files read since the one before are deleted (``runtime.spool.release``)
   unless the next samples asked for include them again (the next epoch's early samples). A trainer waiting while
   the spool is full of files it has read checkpoints at once and releases them first: the budget never deadlocks
@@ -56,9 +58,11 @@ from runtime.spool import (
     ONLINE_TRAIN_S,
     ONLINE_WAIT_S,
     add_seconds,
+    ONLINE_EVICTED,
     present,
     release,
     resync,
+    spool_bytes,
 )
 from services.trainer.batching import epoch_order, fixed_batches
 from services.trainer.validation import validation_split
@@ -161,10 +165,13 @@ class Feed:
     asked: dict[int, float] = field(default_factory=dict)  # sample id -> when it was last asked for
     unreleased: set[int] = field(default_factory=set)  # read since the last checkpoint
     failed: set[int] = field(default_factory=set)  # failed extraction: skipped in every epoch
+    evicted: set[int] = field(default_factory=set)  # let go unread for the batch waited for: not asked till it is whole
+    batch_too_big: bool = False  # warned that a batch's files exceed the budget
     manifests: dict[Path, dict[int, ManifestEntry]] = field(default_factory=dict)
     batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (epoch, index) -> sample ids trained
     sizes: dict[int, int] = field(default_factory=dict)  # bytes of each sample's file, as last seen ready
     mean_bytes: float = 0.0  # a file's measured mean size
+    largest: int = 0  # the largest file measured
     held_bytes: int = 0  # the held-out validation files' bytes, kept beside the spool's others
     last_ask: float = 0.0
     waited_s: float = 0.0  # waiting not yet added to the run's meta
@@ -225,6 +232,7 @@ class Feed:
 
     def _measure(self, found: dict[int, tuple[int, int]]) -> None:
         self.sizes.update({i: b for i, (b, _) in found.items()})
+        self.largest = max([self.largest, *(b for b, _ in found.values())])
         if self.sizes:
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
@@ -236,7 +244,7 @@ class Feed:
         wanted = [i for i in sample_ids
                   if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
                       or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
-                  and not self.paths.hidden(i).is_file() and i not in self.failed]
+                  and not self.paths.hidden(i).is_file() and i not in self.failed and i not in self.evicted]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)
@@ -258,9 +266,13 @@ class Feed:
         started = time.monotonic()
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
-                self.state.set_meta(**{ONLINE_HEAD: missing[0] if self.spool_full() else ""})
+                full = self.spool_full()
+                if full:
+                    self.make_room(set(sample_ids), 0, 0)
+                self.state.set_meta(**{ONLINE_HEAD: missing[0] if full else ""})
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
+        self.evicted.clear()
         if self.leader:
             self.waited_s += time.monotonic() - started
             self._measure(present(self.state, self.plan.validation_ids))
@@ -283,6 +295,32 @@ class Feed:
         # Those kept are read again soon (the next epoch's first samples): that read counts them again.
         self.unreleased = set()
         return len(gone)
+
+    def make_room(self, keep: set[int], epoch: int, index: int) -> None:
+        """Before the sample waited for may pass the budget: delete files of later samples that no step has read
+        (not in ``keep``, the batch waited for), the farthest ahead first, until the largest file seen fits beside
+        the rest within the budget, so that sample passes it by one file at most. When only ``keep``'s files are
+        left and they exceed the budget, the batch passes it anyway (said once)."""
+        room = self.budget - spool_bytes(self.state.conn, self.state.run)
+        let_go = []
+        # Each sample by when training next reads it (its first place ahead; the next epoch reads it again later).
+        for sample_id in reversed(list(dict.fromkeys(self.upcoming(epoch, index, MAX_AHEAD)))):
+            if room >= self.largest:
+                break
+            if sample_id in keep or sample_id in self.unreleased or not self.ready(sample_id):
+                continue  # a file not yet counted by its extractor is not the trainer's to delete
+            room += release(self.state, sample_id, counter=ONLINE_EVICTED)
+            self.asked.pop(sample_id, None)
+            self.evicted.add(sample_id)
+            let_go.append(sample_id)
+        if let_go:
+            log.info("run %s: deleted %d unread files of later samples (%s) to make room for epoch %d's batch %d",
+                     self.state.run, len(let_go), let_go, epoch, index)
+        if room < 0 and not self.batch_too_big:
+            self.batch_too_big = True
+            log.warning("run %s: the files of epoch %d's batch %d and the held-out ones exceed online.budget_bytes %d: "
+                        "the batch passes the budget (raise it, or lower train.batch_size)", self.state.run, epoch,
+                        index, self.budget)
 
     def spool_full(self) -> bool:
         """Another file of the mean size would not fit the budget, or an extraction was refused by it lately."""
@@ -330,6 +368,7 @@ class Feed:
             return False
         if self.leader and sample_id not in self.sizes:
             self.sizes[sample_id] = entry.bytes
+            self.largest = max(self.largest, entry.bytes)
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         return True
 
@@ -361,10 +400,14 @@ class Feed:
                 full = self.spool_full()
                 if full and self.unreleased:
                     relieve()  # files already read go first; only a spool full of files ahead lets one past
-                self.state.set_meta(**{ONLINE_HEAD: missing[0] if full and not self.unreleased else ""})
+                head = full and not self.unreleased
+                if head:
+                    self.make_room(set(ids), epoch, index)
+                self.state.set_meta(**{ONLINE_HEAD: missing[0] if head else ""})
                 self.ask_ahead(epoch, index, span)
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
+        self.evicted.clear()  # the batch is whole: what made room for it is asked for again as training nears it
         waited = time.monotonic() - started
         if self.leader:
             self.waited_s += waited

@@ -515,8 +515,9 @@ def online_data(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world
 def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids: list[int], hidden_size: int,
                      world: int) -> list[HiddenFileInfo]:
     """Count the draft vocabulary over the first ``online.vocab_files`` samples of the first epoch, one file at a
-    time as each lands: a file beyond the first ones training reads is let go once counted (no step has read it;
-    training asks for it again when it comes), so the count needs no more room than the budget; their infos."""
+    time as each lands: the first ones training reads stay (as many as the budget holds less one file, the one being
+    counted), and a file beyond them is let go once counted (no step has read it; training asks for it again when it
+    comes), so the count needs no more room than the budget; their infos."""
     span = global_span(spec.train, world)
     ids = feed.upcoming(0, 0, min(len(feed.plan.train_ids), spec.online.vocab_files))
     counted: list[HiddenFileInfo] = []
@@ -533,7 +534,7 @@ def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids:
             check_alike(counted[0], info)
         tally.add(path)
         counted.append(info)
-        if feed.leader and position >= ahead:
+        if feed.leader and position >= ahead - 1:
             feed.let_go(sample_id)
     if not counted:
         raise OnlinePlanError(f"run {spec.name}: none of the first {len(ids)} samples of the first epoch could be "

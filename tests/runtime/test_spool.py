@@ -48,6 +48,9 @@ def test_a_released_file_leaves_the_volume_and_the_counts_once(data_dir, redis_c
     meta = state.meta()
     assert float(meta[disk.HIDDEN_BYTES]) == sizes[0] + sizes[2] and float(meta[disk.HIDDEN_TOKENS]) == 10 + 30
     assert meta[spool.ONLINE_RELEASED] == "1"
+    assert spool.release(state, 2, counter=spool.ONLINE_EVICTED) == sizes[2]  # let go unread: counted apart
+    meta = state.meta()
+    assert meta[spool.ONLINE_RELEASED] == "1" and meta[spool.ONLINE_EVICTED] == "1" and done_ids(state) == [0]
 
 
 def test_a_resync_makes_the_counts_those_of_the_files_on_the_volume(data_dir, redis_conn):

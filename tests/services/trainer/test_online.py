@@ -10,6 +10,7 @@ import pytest
 from runtime.runstate import RunState
 from services.trainer.online import Feed, OnlinePlanError, load_plan, make_plan, online_epoch_plan
 from shared.atomic import atomic_write_json
+from shared.jobs import extract_job_id
 from shared.layout import RunPaths
 from shared.lifecycle import Stage
 from shared.runspec import OnlineConfig, RunSpec, TrainConfig
@@ -122,3 +123,54 @@ def test_a_file_is_ready_only_once_its_manifest_names_that_version_of_it(data_di
     assert not feed.ready(3)  # the entry names the earlier version, however late its clock says it was written
     record(path.stat().st_mtime_ns, at=0.0)
     assert feed.ready(3)
+
+
+def land_ready(feed: Feed, sample_id: int, tokens: int) -> int:
+    """A verified, recorded and counted file of ``tokens`` tokens for ``sample_id``, as an extractor leaves it."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from runtime.disk import landed_counts
+    from shared import eagle3
+    from shared.manifest import ManifestEntry, append_entry, manifest_path
+
+    path = feed.paths.hidden(sample_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({eagle3.INPUT_IDS: np.zeros(tokens, dtype=np.int64), eagle3.LOSS_MASK: np.ones(tokens, dtype=np.uint8),
+               eagle3.LAST_HIDDEN: np.zeros((tokens, 2), dtype=np.float32)}, str(path),
+              metadata={eagle3.META_LAYER_IDS: "[0]"})
+    size = path.stat().st_size
+    append_entry(manifest_path(feed.paths, sample_id), ManifestEntry(sample_id, "0" * 64, size, tokens, "F32", [0],
+                                                                     0.0, path.stat().st_mtime_ns))
+    feed.state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(size, tokens))
+    return size
+
+
+def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data_dir, redis_conn, caplog):
+    from runtime import spool
+
+    feed = feed_of(data_dir, redis_conn, samples=12)
+    ahead = feed.upcoming(0, 1, 8)  # the next two batches, landed before the first batch's files
+    sizes = {i: land_ready(feed, i, 20) for i in ahead}
+    batch = feed.upcoming(0, 0, 4)
+    sizes[batch[0]] = land_ready(feed, batch[0], 20)  # one file of the batch waited for is there, three are not
+    feed.unreleased = {ahead[0]}  # read by a step (not in a checkpoint yet): never the trainer's to delete unread
+    largest = max(sizes.values())
+    feed.largest = largest  # as measured from the files training has waited for so far
+    feed.budget = sum(sizes.values()) - 2 * largest  # full, and then some
+    feed.make_room(set(batch), 0, 1)
+    room = feed.budget - spool.spool_bytes(redis_conn, RUN)
+    assert largest <= room < 2 * largest  # just enough for one more file: the head passes the budget by one at most
+    gone = [i for i in ahead if not feed.paths.hidden(i).exists()]
+    assert gone == ahead[-3:]  # the farthest ahead went first, as many as make room for one more file
+    assert feed.paths.hidden(batch[0]).exists() and feed.paths.hidden(ahead[0]).exists()
+    assert feed.evicted == set(gone) and spool.online_status(feed.state, feed.state.meta(), feed.budget).evicted == 3
+    feed.ask(gone)  # not asked for again while the batch they made room for is incomplete
+    assert not any(redis_conn.exists(f"rq:job:{extract_job_id(RUN, i)}") for i in gone)
+
+    feed.budget = sizes[batch[0]] // 2  # the batch's own files exceed the budget: nothing of it goes, said once
+    with caplog.at_level("WARNING"):
+        feed.make_room(set(batch), 0, 0)
+        feed.make_room(set(batch), 0, 0)
+    assert feed.paths.hidden(batch[0]).exists()
+    assert sum("exceed online.budget_bytes" in r.message for r in caplog.records) == 1
