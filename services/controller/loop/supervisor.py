@@ -128,6 +128,10 @@ def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> 
         backfill_extract(settings, state)
         advance(state, state.meta())
     else:
+        if RunPhase.of(meta.get("state")) == RunPhase.TRAINING and cached_spec(settings.data, run).online.enabled:
+            # An online run extracts while it trains: a claim the full volume refused pauses the run, and this
+            # check lifts the pause once the space is back.
+            supervise_disk(settings, state)
         finish(state, meta)
 
 

@@ -114,3 +114,18 @@ def test_supervise_forever_stops_when_asked(data_dir, redis_conn, tmp_path):
         stop.set()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def test_an_online_run_that_trains_has_its_disk_pause_lifted_once_the_space_is_back(data_dir, redis_conn, tmp_path):
+    from runtime.disk import paused_reason, set_paused
+    from shared.lifecycle import RunPhase
+    from shared.runspec import OnlineConfig
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name="onl", model="m", evaluate=EvalConfig(holdout=1),
+                                             online=OnlineConfig(enabled=True, budget_bytes=1 << 20)))
+    RunState(redis_conn, data_dir, "onl").set_phase(RunPhase.TRAINING, train_enqueued_at=1.0)
+    # A claim the full volume refused while the trainer asked for states; the volume has room again now.
+    set_paused(redis_conn, "onl", "sample 3 needs 4.0 KiB: free space", need=4096)
+    supervise_once(ControllerSettings(data=data_dir), redis_conn)
+    assert paused_reason(redis_conn, "onl") is None  # its extractions go on
