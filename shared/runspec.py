@@ -88,7 +88,7 @@ class TrainConfig(_Frozen):
     # usually wants a smaller lr, so the default stays 5e-4; the README gives the chat recipe at batch 16.
     epochs: int | None = Field(
         None, ge=1, description="Passes over the data. Unset: as many as train about "
-                                "AUTO_EPOCH_POSITIONS positions in all (services.trainer.train.auto_epochs), at least "
+                                "AUTO_EPOCH_POSITIONS positions in all (services.trainer.train_data.auto_epochs), at least "
                                 "MIN_AUTO_EPOCHS (2) and at most MAX_AUTO_EPOCHS, so the number scales with the data.")
     batch_size: int = Field(4, ge=1, description="Samples per batch per training process (when max_tokens and "
                                                  "global_batch_size are unset).")

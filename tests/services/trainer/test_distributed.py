@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from modeling.export import export_drafter
 from services.trainer.launch import run_torchrun
 from services.trainer.batching import BATCHINGS, SHUFFLE, plan_epoch, share
-from services.trainer.train import epoch_plan, resume, train_drafter, trained_from_checkpoint
+from services.trainer.train import resume, train_drafter, trained_from_checkpoint
+from services.trainer.train_data import epoch_plan
 from shared import eagle3
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec, TrainConfig

@@ -231,7 +231,7 @@ def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run
 
 
 def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
-    from services.trainer.train import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, MIN_AUTO_EPOCHS, auto_epochs
+    from services.trainer.train_data import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, MIN_AUTO_EPOCHS, auto_epochs
 
     assert auto_epochs(3, 10) == 3 and auto_epochs(1, 10**9) == 1  # a set value wins, whatever the data
     assert auto_epochs(None, 1_186_981) == 6  # the 5,000-prompt SmolLM2 run the default was measured on
@@ -246,10 +246,10 @@ def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
 
 
 def test_a_run_with_epochs_unset_trains_the_passes_its_data_calls_for(make_run, tiny_model_dir, tiny_samples, monkeypatch):
-    from services.trainer import train as train_module
+    from services.trainer import train_data
 
     positions = sum(int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples)
-    monkeypatch.setattr(train_module, "AUTO_EPOCH_POSITIONS", 3 * positions - 1)  # three passes' worth
+    monkeypatch.setattr(train_data, "AUTO_EPOCH_POSITIONS", 3 * positions - 1)  # three passes' worth
     paths = make_run(train={"epochs": None, "save_every": 1000})
     assert RunSpec.load(paths.data, paths.run).train.epochs is None
     s = prepared(paths, tiny_model_dir)
