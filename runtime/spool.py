@@ -8,7 +8,10 @@ alike; what differs is their life:
   for an online run the claim is granted only while the spool's bytes (``hidden_bytes`` in the run's meta, which
   each landed file adds to) plus every claim being written plus this one fit the budget. The one sample the
   trainer is waiting for (``ONLINE_HEAD``) is granted as far as the disk allows, so a spool filled with files
-  the trainer needs later can never keep it waiting for good. The trainer names it only once the spool is within
+  the trainer needs later can never keep it waiting for good. Before that, the trainer keeps room for the files
+  its batch still misses (``ONLINE_RESERVE``, at the mean size): a claim of a later sample must leave that room
+  free, so files asked for ahead cannot take the place of those the next step reads (a worker that deferred one of
+  them sends it to the back of the queue). The trainer names the head only once the spool is within
   its budget with room for the largest file, deleting files of later samples it has not read to make that room
   (``evict``: they are extracted again when training comes to them): the spool peaks at the budget plus one file,
   as long as a global batch's files fit the budget.
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # Fields of the run's meta hash (online runs only).
 ONLINE_HEAD = "online_head"  # the sample the trainer waits for now; "" while it waits for none
+ONLINE_BATCH = "online_batch"  # the samples of the batch the trainer waits for that have no file yet, comma-separated
+ONLINE_RESERVE = "online_reserve"  # bytes the budget keeps for them: claims of other samples must leave them free
 ONLINE_STARTED_AT = "online_started_at"  # the trainer's first start (wall clock)
 ONLINE_WAIT_S = "online_wait_s"  # seconds the trainer has waited for files, all sessions
 ONLINE_TRAIN_S = "online_train_s"  # seconds the trainer has been running, all sessions (waits included)
@@ -52,7 +57,7 @@ ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
 ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
 ONLINE_EVICTED = "online_evicted"  # files of later samples deleted unread to make room for the one waited for
 ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
-ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
+ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_BATCH, ONLINE_RESERVE, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
                  ONLINE_EPOCH,
                  ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_EVICTED, ONLINE_PEAK_BYTES)
 # An online run's default budget: this share of the volume's free space (less its reserve), so other runs and the

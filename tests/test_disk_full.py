@@ -47,9 +47,25 @@ def stack_config(tmp_path: Path, volume: Path, model_dir: Path, redis_url: str) 
     return StackConfig(data=volume, model_dir=model_dir, log_dir=tmp_path / "logs", redis_url=redis_url, env=env)
 
 
-def status_of(stack: LocalStack) -> dict:
+def status_of(stack: LocalStack, run: str = RUN) -> dict:
     stack.check_alive()
-    return httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=30).json()
+    return httpx.get(f"{stack.url('controller')}/runs/{run}", timeout=30).json()
+
+
+def fill_once_training(stack: LocalStack, run: str, neighbour: Path, deadline: float) -> None:
+    """Once the run's trainer has taken two steps, another process's file takes the volume's free space."""
+    while (shown := status_of(stack, run))["stages"]["train"]["done"] < 2:
+        assert shown["state"] not in TERMINAL and time.monotonic() < deadline, shown
+        time.sleep(0.1)
+    fill_volume(neighbour)
+
+
+def wait_settled(stack: LocalStack, run: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while (final := status_of(stack, run))["state"] not in TERMINAL:
+        assert time.monotonic() < deadline, final
+        time.sleep(0.5)
+    return final
 
 
 def server_ran_out_of_space(stack: LocalStack) -> bool:
@@ -161,14 +177,10 @@ def test_a_volume_another_process_fills_during_training_holds_the_trainer_and_th
             assert response.status_code == 201, response.text
 
             def status() -> dict:
-                stack.check_alive()
-                return httpx.get(f"{stack.url('controller')}/runs/{TRAINING_RUN}", timeout=30).json()
+                return status_of(stack, TRAINING_RUN)
 
             deadline = time.monotonic() + 300
-            while (shown := status())["stages"]["train"]["done"] < 2:
-                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, shown
-                time.sleep(0.1)
-            fill_volume(neighbour)
+            fill_once_training(stack, TRAINING_RUN, neighbour, deadline)
             while not (shown := status())["disk"]["held"]:
                 assert shown["state"] not in TERMINAL and time.monotonic() < deadline, f"nothing waited: {shown}"
                 time.sleep(0.2)
@@ -181,10 +193,7 @@ def test_a_volume_another_process_fills_during_training_holds_the_trainer_and_th
             assert status()["state"] == "training"
 
             neighbour.unlink()  # the neighbour's file goes; nobody touches the run
-            deadline = time.monotonic() + 300
-            while (final := status())["state"] not in TERMINAL:
-                assert time.monotonic() < deadline, final
-                time.sleep(0.5)
+            final = wait_settled(stack, TRAINING_RUN, 300)
 
         assert final["state"] == "complete", final
         assert final["disk"]["held"] == {} and final["drafter"]["export_path"]
@@ -224,14 +233,10 @@ def test_an_online_run_through_a_volume_another_process_fills_waits_and_complete
             assert response.status_code == 201, response.text
 
             def status() -> dict:
-                stack.check_alive()
-                return httpx.get(f"{stack.url('controller')}/runs/{ONLINE_RUN}", timeout=30).json()
+                return status_of(stack, ONLINE_RUN)
 
             deadline = time.monotonic() + 300
-            while (shown := status())["stages"]["train"]["done"] < 2:
-                assert shown["state"] not in TERMINAL and time.monotonic() < deadline, shown
-                time.sleep(0.1)
-            fill_volume(neighbour)
+            fill_once_training(stack, ONLINE_RUN, neighbour, deadline)
             while not ((shown := status())["disk"]["paused"] or shown["disk"]["held"]):
                 assert shown["state"] not in TERMINAL and time.monotonic() < deadline, f"nothing waited: {shown}"
                 time.sleep(0.2)
@@ -242,10 +247,7 @@ def test_an_online_run_through_a_volume_another_process_fills_waits_and_complete
             assert (held := status())["state"] == "training" and held["stages"]["extract"]["failed"] == 0, held
 
             neighbour.unlink()  # the neighbour's file goes; nobody touches the run
-            deadline = time.monotonic() + 300
-            while (final := status())["state"] not in TERMINAL:
-                assert time.monotonic() < deadline, final
-                time.sleep(0.5)
+            final = wait_settled(stack, ONLINE_RUN, 300)
 
         assert final["state"] == "complete", final
         assert final["disk"]["held"] == {} and final["disk"]["paused"] is False

@@ -9,7 +9,6 @@ held-out files stay."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -21,10 +20,10 @@ from runtime.runstate import finished_path
 from services.cli.stack import LocalStack, StackConfig
 from shared.atomic import temp_files
 from shared.layout import RunPaths
-from tests.support.netns import NamespacesUnavailable, host_beside_this_machine, kill_group, wait_for_line
+from tests.support.netns import kill_group, wait_for_line
 from tests.support.processes import free_port
 from tests.test_pipeline import write_dataset
-from tests.test_worker_host_down import TOKEN, serve, start_redis
+from tests.test_worker_host_down import TOKEN, host_beside_with_redis, serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.online, pytest.mark.multinode]
 
@@ -50,13 +49,7 @@ def two_node_run(tmp_path_factory, tiny_model_dir):
     logs.mkdir()
     write_dataset(dataset, rows=40)
     with ExitStack() as cleanup:
-        try:
-            here, there = cleanup.enter_context(host_beside_this_machine(f"dlon{os.getpid() % 10000}",
-                                                                         150 + os.getpid() % 50))
-        except NamespacesUnavailable as exc:  # the reason is the failure: these tests never skip
-            pytest.fail(f"cannot make a namespaced host here: {exc}")
-        redis_proc, redis_url = start_redis(here, root)
-        cleanup.callback(kill_group, redis_proc)
+        here, there, redis_url = host_beside_with_redis(cleanup, root, "dlon", 150)
         node = {"DRAFTLINE_DEVICE": "cpu", "DRAFTLINE_TRAIN_PROCS": "1", "DRAFTLINE_TRAIN_TIMEOUT_S": TIMEOUT_S}
         joiner_env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
                       "DRAFTLINE_TRAIN_NODE": "join", "DRAFTLINE_TRAIN_NODE_ADDR": there.addr,

@@ -78,6 +78,19 @@ def start_redis(here: Host, root: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://:{PASSWORD}@{here.addr}:{port}/0"
 
 
+def host_beside_with_redis(cleanup: ExitStack, root: Path, tag: str, subnet: int) -> tuple[Host, Host, str]:
+    """This machine and a namespaced host beside it (``tag`` and ``subnet`` made unique by the process id), with
+    Redis on this machine's address; all undone by ``cleanup``."""
+    try:
+        here, there = cleanup.enter_context(host_beside_this_machine(f"{tag}{os.getpid() % 10000}",
+                                                                     subnet + os.getpid() % 50))
+    except NamespacesUnavailable as exc:  # the reason is the failure: these tests never skip
+        pytest.fail(f"cannot make a namespaced host here: {exc}")
+    redis_proc, redis_url = start_redis(here, root)
+    cleanup.callback(kill_group, redis_proc)
+    return here, there, redis_url
+
+
 def wait_for(predicate, what: str, timeout_s: float, stack: LocalStack, poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,13 +123,7 @@ def host_down_run(tmp_path_factory, tiny_model_dir):
     dataset = root / "prompts.jsonl"
     write_dataset(dataset)
     with ExitStack() as cleanup:
-        try:
-            here, there = cleanup.enter_context(host_beside_this_machine(f"dlhd{os.getpid() % 10000}",
-                                                                         200 + os.getpid() % 50))
-        except NamespacesUnavailable as exc:  # the reason is the failure: these tests never skip
-            pytest.fail(f"cannot make a namespaced host here: {exc}")
-        redis_proc, redis_url = start_redis(here, root)
-        cleanup.callback(kill_group, redis_proc)
+        here, there, redis_url = host_beside_with_redis(cleanup, root, "dlhd", 200)
         config = StackConfig(data=data, model_dir=tiny_model_dir, log_dir=logs, redis_url=redis_url,
                              replicas={"generator": 0, "extractor": 0}, host=here.addr, api_token=TOKEN,
                              env={"DRAFTLINE_DATASET_ROOTS": str(root), **PACE})

@@ -19,7 +19,10 @@ Flow, on rank 0:
   doubled (``runtime.sample_queue``'s deterministic job ids).
 - **wait**: before a step every rank waits until each sample of the global batch has a verified file (its
   shard manifest names it, written after the file: ``ready``) or a failure record (skipped, named in the log,
-  in every epoch after). While the spool is full and holds no file the trainer has read, the sample it waits for
+  in every epoch after). Rank 0 keeps room in the budget for the files the batch still misses, and for the next
+  batch's once this one is whole (``keep_room``): extractions of later samples must leave it free, so a job
+  deferred to the back of the queue cannot lose its place to files asked for after it. While the spool is full and
+  holds no file the trainer has read, the sample it waits for
   becomes the run's ``online_head``, whose extraction is granted past the budget, so a spool filled with later
   samples cannot keep the trainer waiting for an earlier one. Before naming it, rank 0 deletes files of later
   samples that no step has read, the farthest ahead first, until the largest file seen fits beside the rest
@@ -49,11 +52,13 @@ from rq.job import Job
 
 from runtime.disk import HIDDEN_BYTES, _s
 from runtime.spool import (
+    ONLINE_BATCH,
     ONLINE_EPOCH,
     ONLINE_EPOCH_SAMPLES,
     ONLINE_EPOCH_TRAINED,
     ONLINE_HEAD,
     ONLINE_REFUSED_AT,
+    ONLINE_RESERVE,
     ONLINE_STARTED_AT,
     ONLINE_TRAIN_S,
     ONLINE_WAIT_S,
@@ -85,6 +90,7 @@ ASK_BATCH = 1
 LOST_CHECK_S = 5.0  # a sample asked for this long ago, still without a file, has its job looked for in Redis
 REFUSED_RECENTLY_S = 2.0  # an extraction the budget refused this recently means the spool is full for real
 MAX_AHEAD = 4096  # samples asked ahead at most, whatever the budget holds
+KEEP_AGAIN_S = 5.0  # the room kept for a batch is written again this often (a Redis restarted empty lost it)
 PLAN_WAIT_S = 300.0  # how long a rank other than 0 waits for rank 0's plan
 
 
@@ -167,6 +173,9 @@ class Feed:
     failed: set[int] = field(default_factory=set)  # failed extraction: skipped in every epoch
     evicted: set[int] = field(default_factory=set)  # let go unread for the batch waited for: not asked till it is whole
     batch_too_big: bool = False  # warned that a batch's files exceed the budget
+    kept_for: list[int] | None = None  # the samples the budget keeps room for (``keep_room``), as last set
+    kept_at: float = 0.0
+    unready_since: dict[int, float] = field(default_factory=dict)  # a file waited for, on the volume but not ready
     manifests: dict[Path, dict[int, ManifestEntry]] = field(default_factory=dict)
     batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (epoch, index) -> sample ids trained
     sizes: dict[int, int] = field(default_factory=dict)  # bytes of each sample's file, as last seen ready
@@ -213,7 +222,8 @@ class Feed:
         self._measure(resync(self.state, [*self.plan.train_ids, *self.plan.validation_ids]))
         meta = self.state.meta()
         self.state.set_meta(**({} if ONLINE_STARTED_AT in meta else {ONLINE_STARTED_AT: time.time()}),
-                            **{ONLINE_EPOCH_SAMPLES: len(self.plan.train_ids), ONLINE_HEAD: ""})
+                            **{ONLINE_EPOCH_SAMPLES: len(self.plan.train_ids), ONLINE_HEAD: "", ONLINE_BATCH: "",
+                               ONLINE_RESERVE: 0})
 
     def settle(self, epoch: int, index: int, span: int) -> None:
         """Once the session knows where it resumes: release every file no step ahead reads (read before the
@@ -251,6 +261,23 @@ class Feed:
             for sample_id in chunk:
                 self.asked[sample_id] = now
 
+    def clear_orphans(self, missing: list[int]) -> None:
+        """Delete the file of a sample waited for that has stayed unready for ``LOST_CHECK_S`` with no extraction
+        job left in Redis (its extractor lost Redis, or was killed, between the file's rename and its manifest
+        entry): nothing will make it ready, and while it is there it is not asked for again."""
+        now = time.monotonic()
+        for sample_id in missing:
+            if not self.paths.hidden(sample_id).is_file():
+                self.unready_since.pop(sample_id, None)
+                continue
+            since = self.unready_since.setdefault(sample_id, now)
+            if now - since >= LOST_CHECK_S and self._job_lost(sample_id):
+                release(self.state, sample_id)
+                self.asked.pop(sample_id, None)
+                self.unready_since.pop(sample_id, None)
+                log.warning("run %s: sample %d's file has no manifest entry naming it and no extraction holds it: "
+                            "deleted, to be extracted again", self.state.run, sample_id)
+
     def _job_lost(self, sample_id: int) -> bool:
         job_id = extract_job_id(self.state.run, sample_id)
         return not Job.exists(job_id, connection=self.state.conn)
@@ -266,14 +293,17 @@ class Feed:
         started = time.monotonic()
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
+                self.keep_room(missing)
                 full = self.spool_full()
                 if full:
                     self.make_room(set(sample_ids), 0, 0)
                 self.state.set_meta(**{ONLINE_HEAD: missing[0] if full else ""})
+                self.clear_orphans(missing)
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
         self.evicted.clear()
         if self.leader:
+            self.keep_room([])
             self.waited_s += time.monotonic() - started
             self._measure(present(self.state, self.plan.validation_ids))
 
@@ -295,6 +325,15 @@ class Feed:
         # Those kept are read again soon (the next epoch's first samples): that read counts them again.
         self.unreleased = set()
         return len(gone)
+
+    def keep_room(self, missing: list[int]) -> None:
+        """Keep room in the budget for ``missing`` (the samples of the batch read next that have no file yet), at the
+        mean size measured: claims of other samples must leave it free (``runtime.disk_claims``)."""
+        if missing == self.kept_for and time.monotonic() - self.kept_at < KEEP_AGAIN_S:
+            return
+        self.kept_for, self.kept_at = list(missing), time.monotonic()
+        self.state.set_meta(**{ONLINE_BATCH: ",".join(str(i) for i in missing),
+                               ONLINE_RESERVE: int(len(missing) * self.mean_bytes)})
 
     def make_room(self, keep: set[int], epoch: int, index: int) -> None:
         """Before the sample waited for may pass the budget: delete files of later samples that no step has read
@@ -397,6 +436,7 @@ class Feed:
             if not missing:
                 break
             if self.leader:
+                self.keep_room(missing)
                 full = self.spool_full()
                 if full and self.unreleased:
                     relieve()  # files already read go first; only a spool full of files ahead lets one past
@@ -405,6 +445,7 @@ class Feed:
                     self.make_room(set(ids), epoch, index)
                 self.state.set_meta(**{ONLINE_HEAD: missing[0] if head else ""})
                 self.ask_ahead(epoch, index, span)
+                self.clear_orphans(missing)
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
         self.evicted.clear()  # the batch is whole: what made room for it is asked for again as training nears it
@@ -413,6 +454,8 @@ class Feed:
             self.waited_s += waited
             if waited > POLL_S:
                 self.state.set_meta(**{ONLINE_HEAD: ""})
+            # The next step's files get the room as soon as this one's are in: they are the next to be read.
+            self.keep_room([i for i in self.upcoming(epoch, index + 1, span) if not self.ready(i)])
         batch = [i for i in self.plans[epoch][index] if self.plan.train_ids[i] not in self.failed]
         if not batch:
             raise GlobalBatchFailed(f"every sample of epoch {epoch}'s batch {index} ({ids}) failed extraction")

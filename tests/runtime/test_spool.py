@@ -113,3 +113,23 @@ def test_a_claim_the_budget_keeps_refusing_gives_its_worker_back(data_dir, redis
             pass
     assert DEFER_AFTER_S <= time.monotonic() - started < DEFER_AFTER_S + 2
     assert redis_conn.hlen(RunKeys(RUN).disk_claims) == 0 and not state.is_done(Stage.EXTRACT, 6)
+
+
+def test_a_later_sample_leaves_the_room_kept_for_the_batch_the_trainer_waits_for(data_dir, redis_conn):
+    import pytest
+
+    from runtime.disk_claims import BudgetDeferred
+
+    state = online_run(data_dir, redis_conn, budget=3000)
+    write_file(state, 0, 100)  # about 900 bytes a file: two more fit the budget
+    state.set_meta(**{spool.ONLINE_BATCH: "4,5", spool.ONLINE_RESERVE: 1800})  # the next step's two missing files
+    with pytest.raises(BudgetDeferred):  # a sample asked for ahead would take their room
+        with claim_space(redis_conn, data_dir, RUN, 7, 100, budget=3000, poll_s=0.05):
+            pass
+    # Not a full budget: the trainer has nothing to release for it, and is not told so.
+    assert spool.ONLINE_REFUSED_AT not in state.meta() and float(state.meta()[spool.ONLINE_BLOCKED_S]) >= 2
+    with claim_space(redis_conn, data_dir, RUN, 5, 100, budget=3000, poll_s=0.05) as claimed:
+        assert claimed > 0  # one of the batch's: the room is its own
+    state.set_meta(**{spool.ONLINE_BATCH: "", spool.ONLINE_RESERVE: 0})  # the batch is in: later samples go on
+    with claim_space(redis_conn, data_dir, RUN, 7, 100, budget=3000, poll_s=0.05) as claimed:
+        assert claimed > 0

@@ -174,3 +174,41 @@ def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data
         feed.make_room(set(batch), 0, 0)
     assert feed.paths.hidden(batch[0]).exists()
     assert sum("exceed online.budget_bytes" in r.message for r in caplog.records) == 1
+
+
+def test_the_budget_keeps_room_for_the_files_the_next_step_misses(data_dir, redis_conn):
+    from runtime import spool
+
+    feed = feed_of(data_dir, redis_conn)
+    feed.mean_bytes = 1000.0
+    feed.keep_room([3, 8])
+    meta = feed.state.meta()
+    assert meta[spool.ONLINE_BATCH] == "3,8" and int(meta[spool.ONLINE_RESERVE]) == 2000
+    feed.keep_room([])  # all in: nothing kept
+    meta = feed.state.meta()
+    assert meta[spool.ONLINE_BATCH] == "" and int(meta[spool.ONLINE_RESERVE]) == 0
+
+
+def test_a_file_no_manifest_entry_names_and_no_job_holds_goes_and_is_asked_for_again(data_dir, redis_conn):
+    import os
+    import time
+
+    from runtime.sample_queue import enqueue_extract
+    from services.trainer.online import LOST_CHECK_S
+
+    feed = feed_of(data_dir, redis_conn)
+    land_ready(feed, 3, 20)
+    land_ready(feed, 5, 20)
+    for sample_id in (3, 5):  # rewritten by an extraction whose worker then lost Redis: the entry names the old file
+        path = feed.paths.hidden(sample_id)
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert not feed.ready(3) and not feed.ready(5)
+    enqueue_extract(redis_conn, RUN, [5], batch=1)  # an extraction of 5 is queued: its job will set the file right
+    feed.clear_orphans([3, 5])
+    assert feed.paths.hidden(3).exists()  # not yet: its extractor may be about to record it
+    feed.unready_since = {i: time.monotonic() - LOST_CHECK_S for i in (3, 5)}
+    feed.clear_orphans([3, 5])
+    assert not feed.paths.hidden(3).exists() and not feed.state.is_done(Stage.EXTRACT, 3)
+    assert feed.paths.hidden(5).exists()
+    feed.ask([3])
+    assert redis_conn.exists(f"rq:job:{extract_job_id(RUN, 3)}")
