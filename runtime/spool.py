@@ -50,6 +50,7 @@ ONLINE_STARTED_AT = "online_started_at"  # the trainer's first start (wall clock
 ONLINE_WAIT_S = "online_wait_s"  # seconds the trainer has waited for files, all sessions
 ONLINE_TRAIN_S = "online_train_s"  # seconds the trainer has been running, all sessions (waits included)
 ONLINE_BLOCKED_S = "online_blocked_s"  # seconds extractions waited for the budget, summed over extractors
+ONLINE_EXTRACT_S = "online_extract_s"  # seconds extractions took once granted (states, file, verification), summed
 ONLINE_REFUSED_AT = "online_refused_at"  # when the budget last refused an extraction's claim (wall clock)
 ONLINE_EPOCH = "online_epoch"  # the epoch the trainer is in
 ONLINE_EPOCH_TRAINED = "online_epoch_trained"  # samples trained so far in that epoch
@@ -57,7 +58,8 @@ ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
 ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
 ONLINE_EVICTED = "online_evicted"  # files of later samples deleted unread to make room for the one waited for
 ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
-ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_BATCH, ONLINE_RESERVE, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_REFUSED_AT,
+ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_BATCH, ONLINE_RESERVE, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_EXTRACT_S,
+                 ONLINE_REFUSED_AT,
                  ONLINE_EPOCH,
                  ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_EVICTED, ONLINE_PEAK_BYTES)
 # An online run's default budget: this share of the volume's free space (less its reserve), so other runs and the
@@ -170,6 +172,7 @@ class OnlineStatus:
     evicted: int  # files of later samples deleted unread, to make room for the one waited for
     train_wait_fraction: float | None  # of the trainer's running time, waiting for files
     extract_blocked_s: float  # summed over extractors
+    extract_blocked_fraction: float | None  # of the extractions' time (blocked + extracting), blocked on the budget
     bottleneck: str  # "extraction" (the trainer starves), "training" (extraction waits on the budget), "unknown"
 
     def to_dict(self) -> dict:
@@ -179,7 +182,8 @@ class OnlineStatus:
 def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineStatus:
     wait, running = _number(meta, ONLINE_WAIT_S), _number(meta, ONLINE_TRAIN_S)
     fraction = wait / running if running > 0 else None
-    blocked = _number(meta, ONLINE_BLOCKED_S)
+    blocked, working = _number(meta, ONLINE_BLOCKED_S), _number(meta, ONLINE_EXTRACT_S)
+    blocked_fraction = round(blocked / (blocked + working), 4) if blocked + working > 0 else None
     if fraction is None:
         bottleneck = "unknown"
     elif fraction >= STARVED_FRACTION:
@@ -193,4 +197,4 @@ def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineS
         state.counts(Stage.EXTRACT).done, int(_number(meta, ONLINE_PEAK_BYTES)),
         int(epoch) if epoch not in (None, "") else None, int(_number(meta, ONLINE_EPOCH_TRAINED)),
         int(_number(meta, ONLINE_EPOCH_SAMPLES)), int(_number(meta, ONLINE_RELEASED)), int(_number(meta, ONLINE_EVICTED)),
-        None if fraction is None else round(fraction, 4), round(blocked, 3), bottleneck)
+        None if fraction is None else round(fraction, 4), round(blocked, 3), blocked_fraction, bottleneck)

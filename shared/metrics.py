@@ -49,6 +49,7 @@ ONLINE_BUDGET_BYTES = "draftline_online_budget_bytes"
 ONLINE_TRAIN_WAIT_SECONDS = "draftline_online_train_wait_seconds_total"  # the trainer waiting for files
 ONLINE_TRAIN_SECONDS = "draftline_online_train_seconds_total"  # the trainer running, its waits included
 ONLINE_EXTRACT_BLOCKED_SECONDS = "draftline_online_extract_blocked_seconds_total"  # extractions waiting on the budget
+ONLINE_EXTRACT_SECONDS = "draftline_online_extract_seconds_total"  # extractions working, once the budget granted them
 ONLINE_EPOCH_TRAINED = "draftline_online_epoch_trained_samples"  # samples trained in the current epoch
 
 # ---- queues and workers: labels queue[, state] ----------------------------------------------------

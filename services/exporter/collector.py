@@ -29,7 +29,7 @@ from rq.worker import WorkerStatus
 from shared import metrics
 from runtime.gpu import GpuReader, GpuReading
 from runtime.disk import disk_status
-from runtime.spool import ONLINE_BLOCKED_S, ONLINE_EVICTED, ONLINE_RELEASED, ONLINE_TRAIN_S, ONLINE_WAIT_S, online_status
+from runtime.spool import ONLINE_BLOCKED_S, ONLINE_EVICTED, ONLINE_EXTRACT_S, ONLINE_RELEASED, ONLINE_TRAIN_S, ONLINE_WAIT_S, online_status
 from shared.jobs import (
     QUEUES,
     evaluate_job_id,
@@ -299,6 +299,8 @@ def _run_online(families: Families, state: RunState, meta: dict[str, str]) -> No
         (metrics.ONLINE_TRAIN_WAIT_SECONDS, ONLINE_WAIT_S, "Seconds the online trainer has waited for files."),
         (metrics.ONLINE_EXTRACT_BLOCKED_SECONDS, ONLINE_BLOCKED_S,
          "Seconds extractions have waited for the online run's budget, summed over extractors."),
+        (metrics.ONLINE_EXTRACT_SECONDS, ONLINE_EXTRACT_S,
+         "Seconds the online run's extractions took once the budget granted them, summed over extractors."),
     ):
         families.counter(metric, doc, ["run"]).add_metric(run, _number(meta, field) or 0)
 

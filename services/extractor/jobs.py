@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from functools import lru_cache
@@ -35,7 +36,7 @@ from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
 from runtime.disk import landed_counts, wait_for_headroom
 from runtime.disk_claims import BudgetDeferred, claim_space
-from runtime.spool import note_peak, release
+from runtime.spool import ONLINE_EXTRACT_S, add_seconds, note_peak, release
 from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
@@ -168,12 +169,15 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
     # hold them instead).
     budget = spec.online.budget_bytes if spec.online.enabled else None
     with claim_space(state.conn, state.paths.data, state.run, sample_id, len(input_ids), budget=budget):
+        granted = time.monotonic()
         result = client.extract(
             input_ids=input_ids, loss_mask=loss_mask, path=state.paths.hidden_relative(sample_id),
             layer_ids=spec.extraction.layer_ids, metadata={"run": state.run, "sample_id": str(sample_id)},
             storage=spec.extraction.storage, on_retry=lambda: state.note_retry(Stage.EXTRACT),
         )
         landed(result, _verified(state, spec, sample_id, input_ids, result))
+        if budget is not None:  # beside the time blocked on the budget: the share of it the extractors wait
+            add_seconds(state.conn, state.run, ONLINE_EXTRACT_S, time.monotonic() - granted)
 
 
 def _verified(state: RunState, spec: RunSpec, sample_id: int, input_ids: list[int],

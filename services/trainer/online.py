@@ -171,7 +171,7 @@ class Feed:
     asked: dict[int, float] = field(default_factory=dict)  # sample id -> when it was last asked for
     unreleased: set[int] = field(default_factory=set)  # read since the last checkpoint
     failed: set[int] = field(default_factory=set)  # failed extraction: skipped in every epoch
-    evicted: set[int] = field(default_factory=set)  # let go unread for the batch waited for: not asked till it is whole
+    evicted: set[int] = field(default_factory=set)  # let go unread for a batch waited for: not asked ahead till it is whole
     batch_too_big: bool = False  # warned that a batch's files exceed the budget
     kept_for: list[int] | None = None  # the samples the budget keeps room for (``keep_room``), as last set
     kept_at: float = 0.0
@@ -247,14 +247,16 @@ class Feed:
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
 
-    def ask(self, sample_ids: list[int], *, lost: bool = False) -> None:
+    def ask(self, sample_ids: list[int], *, lost: bool = False, ahead: bool = False) -> None:
         """Queue the extraction of those of ``sample_ids`` without a file that were not asked for lately, and,
-        with ``lost``, of those whose job Redis no longer holds (a Redis restarted empty)."""
+        with ``lost``, of those whose job Redis no longer holds (a Redis restarted empty); ``ahead`` (samples
+        asked for before they are waited for) leaves out those deleted unread to make room (``make_room``)."""
         now = time.monotonic()
         wanted = [i for i in sample_ids
                   if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
                       or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
-                  and not self.paths.hidden(i).is_file() and i not in self.failed and i not in self.evicted]
+                  and not self.paths.hidden(i).is_file() and i not in self.failed
+                  and not (ahead and i in self.evicted)]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)
@@ -286,7 +288,7 @@ class Feed:
         """Ask for what the budget holds from here on (at most once a second: it looks at every file ahead)."""
         if self.leader and time.monotonic() - self.last_ask >= 1.0:
             self.last_ask = time.monotonic()
-            self.ask(self.upcoming(epoch, index, self.ahead(span)))
+            self.ask(self.upcoming(epoch, index, self.ahead(span)), ahead=True)
 
     def wait_ready(self, sample_ids: list[int]) -> None:
         """Wait until each of ``sample_ids`` has its file or failed (the held-out files, the vocabulary's)."""
@@ -301,7 +303,6 @@ class Feed:
                 self.clear_orphans(missing)
                 self.ask(missing, lost=True)
             time.sleep(POLL_S)
-        self.evicted.clear()
         if self.leader:
             self.keep_room([])
             self.waited_s += time.monotonic() - started
@@ -337,14 +338,15 @@ class Feed:
 
     def make_room(self, keep: set[int], epoch: int, index: int) -> None:
         """Before the sample waited for may pass the budget: delete files of later samples that no step has read
-        (not in ``keep``, the batch waited for), the farthest ahead first, until the largest file seen fits beside
-        the rest within the budget, so that sample passes it by one file at most. When only ``keep``'s files are
-        left and they exceed the budget, the batch passes it anyway (said once)."""
+        (not in ``keep``, the batch waited for), the farthest ahead first, until the spool is within its budget
+        (another sample that passed it before may have left it over), so that sample passes it by one file at
+        most. When only ``keep``'s files are left and they exceed the budget, the batch passes it anyway (said
+        once)."""
         room = self.budget - spool_bytes(self.state.conn, self.state.run)
         let_go = []
         # Each sample by when training next reads it (its first place ahead; the next epoch reads it again later).
         for sample_id in reversed(list(dict.fromkeys(self.upcoming(epoch, index, MAX_AHEAD)))):
-            if room >= self.largest:
+            if room >= 0:
                 break
             if sample_id in keep or sample_id in self.unreleased or not self.ready(sample_id):
                 continue  # a file not yet counted by its extractor is not the trainer's to delete

@@ -144,7 +144,7 @@ def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids:
     for position, sample_id in enumerate(ids):
         ahead = feed.ahead(span)
         if feed.leader:
-            feed.ask(ids[position:position + ahead])
+            feed.ask(ids[position:position + ahead], ahead=True)
         feed.wait_ready([sample_id])
         if sample_id in feed.failed:
             continue
@@ -156,6 +156,7 @@ def count_vocabulary(feed: Feed, spec: RunSpec, tally: TokenTally, *, layer_ids:
         counted.append(info)
         if feed.leader and position >= ahead - 1:
             feed.let_go(sample_id)
+    feed.evicted.clear()  # training asks for them again as it comes to them
     if not counted:
         raise OnlinePlanError(f"run {spec.name}: none of the first {len(ids)} samples of the first epoch could be "
                               "extracted (failures/extract names each)")

@@ -343,10 +343,12 @@ def online_text(online: dict) -> str:
     waits = ("" if fraction is None else f"; the trainer waited {100 * fraction:.0f}% of its time for files")
     head = f"; waiting for sample {online['waiting_for']}" if online.get("waiting_for") is not None else ""
     evicted = f", {online['evicted']:,} unread to make room" if online.get("evicted") else ""
+    share = online.get("extract_blocked_fraction")
+    blocked = "" if share is None else f"{100 * share:.0f}% of their time, "
     return (f"  online    spool {format_bytes(online['spool_bytes'])} of its {format_bytes(online['budget_bytes'])} "
             f"budget ({online['spool_files']:,} files, peak {format_bytes(online['peak_bytes'])}, "
             f"{online['released']:,} deleted after their checkpoints{evicted}); {epoch}{waits}, extractions blocked "
-            f"{online['extract_blocked_s']:,.0f}s on the budget ({BOTTLENECK[online['bottleneck']]}){head}")
+            f"{blocked}{online['extract_blocked_s']:,.0f}s on the budget ({BOTTLENECK[online['bottleneck']]}){head}")
 
 
 def format_status(status: dict) -> str:

@@ -72,7 +72,7 @@ def all_metric_names() -> dict[str, str]:
 def test_metric_names_follow_prometheus_conventions() -> None:
     counters = {metrics.STAGE_DONE, metrics.STAGE_RETRIED, metrics.INFERENCE_REQUESTS, metrics.INFERENCE_GENERATED_TOKENS,
                 metrics.INFERENCE_HIDDEN_STATE_BYTES, metrics.ONLINE_TRAIN_SECONDS, metrics.ONLINE_TRAIN_WAIT_SECONDS,
-                metrics.ONLINE_EXTRACT_BLOCKED_SECONDS}
+                metrics.ONLINE_EXTRACT_BLOCKED_SECONDS, metrics.ONLINE_EXTRACT_SECONDS}
     for name in exported():
         assert name.endswith("_total") == (name in counters), f"{name}: _total is for counters only"
     for name, kind in all_metric_names().items():
