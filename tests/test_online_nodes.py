@@ -23,7 +23,7 @@ from shared.layout import RunPaths
 from tests.support.netns import kill_group, wait_for_line
 from tests.support.processes import free_port
 from tests.test_pipeline import write_dataset
-from tests.test_worker_host_down import TOKEN, host_beside_with_redis, serve
+from tests.test_worker_host_down import TOKEN, host_beside_with_redis, serve, status
 
 pytestmark = [pytest.mark.slow, pytest.mark.online, pytest.mark.multinode]
 
@@ -31,15 +31,6 @@ RUN = "online-nodes"
 EPOCHS = 2
 TIMEOUT_S = "120"  # the rendezvous join and collective timeout both nodes run with
 FINISH_S = 420
-
-
-def status_of(stack: LocalStack) -> dict | None:
-    try:
-        response = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=10,
-                             headers={"Authorization": f"Bearer {TOKEN}"})
-    except httpx.HTTPError:
-        return None
-    return response.json() if response.status_code == 200 else None
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +68,7 @@ def two_node_run(tmp_path_factory, tiny_model_dir):
             assert response.status_code == 201, response.text
             paths = RunPaths(data, RUN)
             deadline = time.monotonic() + FINISH_S
-            while not ((final := status_of(stack)) and final["state"] in ("complete", "complete_with_failures", "failed")
+            while not ((final := status(stack, RUN)) and final["state"] in ("complete", "complete_with_failures", "failed")
                        and finished_path(paths).exists()):
                 assert time.monotonic() < deadline, f"not settled in {FINISH_S}s: {final}"
                 stack.check_alive()
@@ -87,9 +78,9 @@ def two_node_run(tmp_path_factory, tiny_model_dir):
 
 
 def test_an_online_run_trains_on_two_hosts_each_sample_once_per_epoch(two_node_run):
-    status, paths = two_node_run["status"], RunPaths(two_node_run["data"], RUN)
-    assert status["state"] in ("complete", "complete_with_failures"), (status, two_node_run["logs"])
-    assert status["stages"]["extract"]["failed"] == 0  # the failures are the dataset's bad rows (write_dataset)
+    final, paths = two_node_run["status"], RunPaths(two_node_run["data"], RUN)
+    assert final["state"] in ("complete", "complete_with_failures"), (final, two_node_run["logs"])
+    assert final["stages"]["extract"]["failed"] == 0  # the failures are the dataset's bad rows (write_dataset)
     joined = two_node_run["joiner_log"]
     assert f"run {RUN}: joining training {RUN}-" in joined and "finished on this node" in joined, joined[-3000:]
     checkpoints = sorted(paths.checkpoints_dir.glob("step_*"))
@@ -102,4 +93,4 @@ def test_an_online_run_trains_on_two_hosts_each_sample_once_per_epoch(two_node_r
         assert trained == Counter(plan["train_ids"]), epoch
     left = sorted(int(p.stem) for p in paths.hidden_dir.rglob("*.safetensors"))
     assert left == sorted(plan["validation_ids"]) and temp_files(paths.root) == []
-    assert status["online"]["spool_files"] == len(left)
+    assert final["online"]["spool_files"] == len(left)

@@ -53,9 +53,9 @@ def write_dataset(path: Path) -> None:
     path.write_text("\n".join(good[i % len(good)] for i in range(ROWS)) + "\n")
 
 
-def status(stack: LocalStack) -> dict | None:
+def status(stack: LocalStack, run: str = RUN) -> dict | None:
     try:
-        response = httpx.get(f"{stack.url('controller')}/runs/{RUN}", timeout=10,
+        response = httpx.get(f"{stack.url('controller')}/runs/{run}", timeout=10,
                              headers={"Authorization": f"Bearer {TOKEN}"})
     except httpx.HTTPError:
         return None
