@@ -19,9 +19,9 @@ extraction overwrites, or that the supervisor drops once the sample is done.
 
 An online run's claim must also fit its byte budget beside the spool's files (``runtime.spool``) and, for a sample
 outside the batch the trainer waits for, beside the room the trainer keeps for that batch's missing files
-(``ONLINE_RESERVE``): refused, it waits without pausing anything, its time counted as the extractors' blocked time, for ``DEFER_AFTER_S``; then it
-gives its worker back (``BudgetDeferred``), so workers blocked on later samples never keep the one the trainer
-waits for (which the budget lets past) waiting in the queue behind them.
+(``ONLINE_RESERVE``): refused, it waits without pausing anything, its time counted as the extractors' blocked
+time, for ``DEFER_AFTER_S``; then it (``BudgetDeferred``), so workers blocked on later samples never keep the one the trainer waits for (which the
+budget lets past) waiting in the queue behind them.
 """
 
 from __future__ import annotations

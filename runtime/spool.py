@@ -11,10 +11,10 @@ alike; what differs is their life:
   the trainer needs later can never keep it waiting for good. Before that, the trainer keeps room for the files
   its batch still misses (``ONLINE_RESERVE``, at the mean size): a claim of a later sample must leave that room
   free, so files asked for ahead cannot take the place of those the next step reads (a worker that deferred one of
-  them sends it to the back of the queue). The trainer names the head only once the spool is within
-  its budget with room for the largest file, deleting files of later samples it has not read to make that room
-  (``evict``: they are extracted again when training comes to them): the spool peaks at the budget plus one file,
-  as long as a global batch's files fit the budget.
+  them sends it to the back of the queue). The trainer names the head only once the spool is within its
+  budget, deleting files of later samples it has not read to bring it back there (``make_room`` in
+  ``services.trainer.online``: they are extracted again when training comes to them): the spool peaks at the budget
+  plus one file, as long as a global batch's files fit the budget.
 - **release**: once every optimizer step that read a file is in a checkpoint, the trainer deletes it
   (``release``): the file goes, then its done bit and its bytes and tokens leave the run's counts in one atomic
   step, so the feeder of the next epoch (the trainer itself) extracts it again from the stored reply.

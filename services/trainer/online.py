@@ -25,7 +25,7 @@ Flow, on rank 0:
   holds no file the trainer has read, the sample it waits for
   becomes the run's ``online_head``, whose extraction is granted past the budget, so a spool filled with later
   samples cannot keep the trainer waiting for an earlier one. Before naming it, rank 0 deletes files of later
-  samples that no step has read, the farthest ahead first, until the largest file seen fits beside the rest
+  samples that no step has read, the farthest ahead first, until the spool is within its budget again
   (``make_room``; they are asked for again once the batch is whole): the spool then peaks at the budget plus one
   file, as long as a global batch's files fit the budget.
 - **release**: after each checkpoint, the files read since the one before are deleted (``runtime.spool.release``)
@@ -56,6 +56,7 @@ from runtime.spool import (
     ONLINE_EPOCH,
     ONLINE_EPOCH_SAMPLES,
     ONLINE_EPOCH_TRAINED,
+    ONLINE_EVICTED,
     ONLINE_HEAD,
     ONLINE_REFUSED_AT,
     ONLINE_RESERVE,
@@ -63,7 +64,6 @@ from runtime.spool import (
     ONLINE_TRAIN_S,
     ONLINE_WAIT_S,
     add_seconds,
-    ONLINE_EVICTED,
     present,
     release,
     resync,
@@ -180,7 +180,6 @@ class Feed:
     batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (epoch, index) -> sample ids trained
     sizes: dict[int, int] = field(default_factory=dict)  # bytes of each sample's file, as last seen ready
     mean_bytes: float = 0.0  # a file's measured mean size
-    largest: int = 0  # the largest file measured
     held_bytes: int = 0  # the held-out validation files' bytes, kept beside the spool's others
     last_ask: float = 0.0
     waited_s: float = 0.0  # waiting not yet added to the run's meta
@@ -242,7 +241,6 @@ class Feed:
 
     def _measure(self, found: dict[int, tuple[int, int]]) -> None:
         self.sizes.update({i: b for i, (b, _) in found.items()})
-        self.largest = max([self.largest, *(b for b, _ in found.values())])
         if self.sizes:
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
@@ -295,13 +293,7 @@ class Feed:
         started = time.monotonic()
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
-                self.keep_room(missing)
-                full = self.spool_full()
-                if full:
-                    self.make_room(set(sample_ids), 0, 0)
-                self.state.set_meta(**{ONLINE_HEAD: missing[0] if full else ""})
-                self.clear_orphans(missing)
-                self.ask(missing, lost=True)
+                self.tend(missing, set(sample_ids), 0, 0)
             time.sleep(POLL_S)
         if self.leader:
             self.keep_room([])
@@ -327,6 +319,23 @@ class Feed:
         self.unreleased = set()
         return len(gone)
 
+    def tend(self, missing: list[int], keep: set[int], epoch: int, index: int,
+             relieve: Callable[[], None] = lambda: None) -> None:
+        """One look, on rank 0, while it waits for ``missing`` (of ``keep``, the samples waited for at ``epoch``'s
+        batch ``index``): room kept for them; with the spool full, ``relieve`` (a checkpoint that releases what was
+        read) first, else later unread files deleted to bring it within budget and the first missing named the
+        one that may pass it; files no job will make ready cleared; and the missing asked for."""
+        self.keep_room(missing)
+        full = self.spool_full()
+        if full and self.unreleased:
+            relieve()  # files already read go first; only a spool full of files ahead lets one past
+        head = full and not self.unreleased
+        if head:
+            self.make_room(keep, epoch, index)
+        self.state.set_meta(**{ONLINE_HEAD: missing[0] if head else ""})
+        self.clear_orphans(missing)
+        self.ask(missing, lost=True)
+
     def keep_room(self, missing: list[int]) -> None:
         """Keep room in the budget for ``missing`` (the samples of the batch read next that have no file yet), at the
         mean size measured: claims of other samples must leave it free (``runtime.disk_claims``)."""
@@ -343,6 +352,8 @@ class Feed:
         most. When only ``keep``'s files are left and they exceed the budget, the batch passes it anyway (said
         once)."""
         room = self.budget - spool_bytes(self.state.conn, self.state.run)
+        if room >= 0:
+            return
         let_go = []
         # Each sample by when training next reads it (its first place ahead; the next epoch reads it again later).
         for sample_id in reversed(list(dict.fromkeys(self.upcoming(epoch, index, MAX_AHEAD)))):
@@ -409,7 +420,6 @@ class Feed:
             return False
         if self.leader and sample_id not in self.sizes:
             self.sizes[sample_id] = entry.bytes
-            self.largest = max(self.largest, entry.bytes)
             self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
         return True
 
@@ -438,17 +448,8 @@ class Feed:
             if not missing:
                 break
             if self.leader:
-                self.keep_room(missing)
-                full = self.spool_full()
-                if full and self.unreleased:
-                    relieve()  # files already read go first; only a spool full of files ahead lets one past
-                head = full and not self.unreleased
-                if head:
-                    self.make_room(set(ids), epoch, index)
-                self.state.set_meta(**{ONLINE_HEAD: missing[0] if head else ""})
+                self.tend(missing, set(ids), epoch, index, relieve)
                 self.ask_ahead(epoch, index, span)
-                self.clear_orphans(missing)
-                self.ask(missing, lost=True)
             time.sleep(POLL_S)
         self.evicted.clear()  # the batch is whole: what made room for it is asked for again as training nears it
         waited = time.monotonic() - started

@@ -156,7 +156,6 @@ def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data
     sizes[batch[0]] = land_ready(feed, batch[0], 20)  # one file of the batch waited for is there, three are not
     feed.unreleased = {ahead[0]}  # read by a step (not in a checkpoint yet): never the trainer's to delete unread
     largest = max(sizes.values())
-    feed.largest = largest  # as measured from the files training has waited for so far
     feed.budget = sum(sizes.values()) - 2 * largest  # full, and then some
     feed.make_room(set(batch), 0, 1)
     room = feed.budget - spool.spool_bytes(redis_conn, RUN)
