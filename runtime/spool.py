@@ -15,14 +15,16 @@ alike; what differs is their life:
   budget, deleting files of later samples it has not read to bring it back there (``make_room`` in
   ``services.trainer.online``: they are extracted again when training comes to them): the spool peaks at the budget
   plus one file, as long as a global batch's files fit the budget.
-- **release**: once every optimizer step that read a file is in a checkpoint, the trainer deletes it
-  (``release``): the file goes, then its done bit and its bytes and tokens leave the run's counts in one atomic
-  step, so the feeder of the next epoch (the trainer itself) extracts it again from the stored reply.
+- **release**: once the optimizer step that read a file is done, the trainer deletes it (``release``) unless the
+  samples it asks for next include it again: the file goes, then its done bit and its bytes and tokens leave the
+  run's counts in one atomic step, so the feeder of the next epoch (the trainer itself) extracts it again from the
+  stored reply, and so does a resume for the steps after its checkpoint.
 - **resync**: a trainer that starts (or resumes) makes the counts equal to the files on the volume first, so a
   process killed between a deletion and its count leaves nothing behind.
 
 The trainer's waits and the extractors' blocked time are kept in the run's meta, as cumulative seconds, for
-status and Prometheus to turn into fractions (``online_status``).
+status and Prometheus to turn into fractions (``online_status``), beside the trainer's window: how many files,
+steps and bytes it has asked for ahead, and whether the budget or the measured rates bound it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import redis
 
@@ -55,13 +58,27 @@ ONLINE_REFUSED_AT = "online_refused_at"  # when the budget last refused an extra
 ONLINE_EPOCH = "online_epoch"  # the epoch the trainer is in
 ONLINE_EPOCH_TRAINED = "online_epoch_trained"  # samples trained so far in that epoch
 ONLINE_EPOCH_SAMPLES = "online_epoch_samples"  # samples an epoch trains
-ONLINE_RELEASED = "online_released"  # files deleted after their checkpoint, all epochs
+ONLINE_RELEASED = "online_released"  # files deleted after the step that read them, all epochs
 ONLINE_EVICTED = "online_evicted"  # files of later samples deleted unread to make room for the one waited for
 ONLINE_PEAK_BYTES = "online_peak_bytes"  # the most bytes the spool's counts held at once
-ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_BATCH, ONLINE_RESERVE, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S, ONLINE_BLOCKED_S, ONLINE_EXTRACT_S,
-                 ONLINE_REFUSED_AT,
-                 ONLINE_EPOCH,
-                 ONLINE_EPOCH_TRAINED, ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_EVICTED, ONLINE_PEAK_BYTES)
+ONLINE_LANDED = "online_landed"  # files extractions have landed, all epochs (the trainer's measure of their rate)
+ONLINE_WINDOW_FILES = "online_window_files"  # samples the trainer has asked for ahead, the batch it reads next first
+ONLINE_WINDOW_STEPS = "online_window_steps"  # the global batches they reach into
+ONLINE_WINDOW_BYTES = "online_window_bytes"  # their files' estimated bytes
+ONLINE_WINDOW_LIMIT = "online_window_limit"  # what bounds the window (WindowLimit)
+ONLINE_FIELDS = (ONLINE_HEAD, ONLINE_BATCH, ONLINE_RESERVE, ONLINE_STARTED_AT, ONLINE_WAIT_S, ONLINE_TRAIN_S,
+                 ONLINE_BLOCKED_S, ONLINE_EXTRACT_S, ONLINE_REFUSED_AT, ONLINE_EPOCH, ONLINE_EPOCH_TRAINED,
+                 ONLINE_EPOCH_SAMPLES, ONLINE_RELEASED, ONLINE_EVICTED, ONLINE_PEAK_BYTES, ONLINE_LANDED,
+                 ONLINE_WINDOW_FILES, ONLINE_WINDOW_STEPS, ONLINE_WINDOW_BYTES, ONLINE_WINDOW_LIMIT)
+
+
+class WindowLimit(StrEnum):
+    """What bounds the samples an online trainer asks for ahead."""
+
+    BUDGET = "budget"  # the byte budget holds no more beside the held-out files
+    RATES = "rates"  # the measured extraction rate and step time need no more steps ahead
+    END = "end"  # training ends within it
+    UNMEASURED = "unmeasured"  # no file size known yet: one batch at a time
 # An online run's default budget: this share of the volume's free space (less its reserve), so other runs and the
 # checkpoints keep room.
 DEFAULT_BUDGET_SHARE = 0.25
@@ -144,11 +161,12 @@ def spool_bytes(conn: redis.Redis, run: str) -> int:
 
 
 def note_peak(conn: redis.Redis, run: str) -> None:
-    """Raise the recorded peak of the spool's counts to what they hold now."""
+    """A file landed: count it, and raise the recorded peak of the spool's counts to what they hold now."""
     conn.eval("local now = tonumber(redis.call('HGET', KEYS[1], 'hidden_bytes') or '0') "
               "local peak = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') "
+              "redis.call('HINCRBY', KEYS[1], ARGV[2], 1) "
               "if now > peak then redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', now)) end return 0",
-              1, RunKeys(run).meta, ONLINE_PEAK_BYTES)
+              1, RunKeys(run).meta, ONLINE_PEAK_BYTES, ONLINE_LANDED)
 
 
 def add_seconds(conn: redis.Redis, run: str, field: str, seconds: float) -> None:
@@ -168,8 +186,12 @@ class OnlineStatus:
     epoch: int | None
     epoch_trained: int
     epoch_samples: int
-    released: int
+    released: int  # files deleted after the step that read them
     evicted: int  # files of later samples deleted unread, to make room for the one waited for
+    window_files: int  # samples asked for ahead (the batch read next first)
+    window_steps: int  # the global batches they reach into
+    window_bytes: int  # their files' estimated bytes
+    window_limit: str | None  # what bounds the window (WindowLimit); None before the trainer set one
     train_wait_fraction: float | None  # of the trainer's running time, waiting for files
     extract_blocked_s: float  # summed over extractors
     extract_blocked_fraction: float | None  # of the extractions' time (blocked + extracting), blocked on the budget
@@ -197,4 +219,6 @@ def online_status(state: RunState, meta: dict[str, str], budget: int) -> OnlineS
         state.counts(Stage.EXTRACT).done, int(_number(meta, ONLINE_PEAK_BYTES)),
         int(epoch) if epoch not in (None, "") else None, int(_number(meta, ONLINE_EPOCH_TRAINED)),
         int(_number(meta, ONLINE_EPOCH_SAMPLES)), int(_number(meta, ONLINE_RELEASED)), int(_number(meta, ONLINE_EVICTED)),
+        int(_number(meta, ONLINE_WINDOW_FILES)), int(_number(meta, ONLINE_WINDOW_STEPS)),
+        int(_number(meta, ONLINE_WINDOW_BYTES)), meta.get(ONLINE_WINDOW_LIMIT) or None,
         None if fraction is None else round(fraction, 4), round(blocked, 3), blocked_fraction, bottleneck)

@@ -88,7 +88,7 @@ class TrainConfig(_Frozen):
     # usually wants a smaller lr, so the default stays 5e-4; the README gives the chat recipe at batch 16.
     epochs: int | None = Field(
         None, ge=1, description="Passes over the data. Unset: as many as train about "
-                                "AUTO_EPOCH_POSITIONS positions in all (services.trainer.train_data.auto_epochs), at least "
+                                "AUTO_EPOCH_POSITIONS positions in all (services.trainer.sources.auto_epochs), at least "
                                 "MIN_AUTO_EPOCHS (2) and at most MAX_AUTO_EPOCHS, so the number scales with the data.")
     batch_size: int = Field(4, ge=1, description="Samples per batch per training process (when max_tokens and "
                                                  "global_batch_size are unset).")
@@ -113,7 +113,11 @@ class TrainConfig(_Frozen):
     group_by_length: bool = Field(True, description="Batch samples of similar length together so batches pad little.")
     draft_vocab_size: int = Field(32000, ge=2, description="Capped at the target vocabulary size.")
     seed: int = 0
-    save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps.")
+    save_every: int = Field(200, ge=1, description="Checkpoint every N optimizer steps (and at the end, and where a "
+                                                  "stop is asked for: the worker's first SIGTERM).")
+    save_every_s: float | None = Field(
+        None, gt=0, description="Also checkpoint when this many seconds have passed since the last checkpoint "
+                                "(unset: steps alone): a run whose steps take long loses at most this much to a crash.")
     validation_files: int = Field(
         0, ge=0, description="Hidden-state files held out of training (picked by a hash of their sample id); at "
                              "every checkpoint and at the end the drafter's acceptance curve over their assistant "
@@ -142,15 +146,16 @@ class OnlineConfig(_Frozen):
     """Train while extracting, the run's hidden states bounded by a byte budget (services/trainer/online.py)."""
 
     enabled: bool = Field(False, description="Online: training starts once generation has settled and asks for each "
-                          "sample's states in its own order, at most budget_bytes ahead; a file is deleted once every "
-                          "step that read it is in a checkpoint, and each epoch extracts the samples again from the "
-                          "stored replies. Offline (false): every file is kept until training ends, and a retrain "
-                          "reuses them.")
+                          "sample's states in its own order, at most budget_bytes ahead; a file is deleted once the "
+                          "step that read it is done, and each epoch (and a resume, for the steps after its "
+                          "checkpoint) extracts the samples again from the stored replies. Offline (false): every "
+                          "file is kept until training ends, and a retrain reuses them.")
     budget_bytes: int | None = Field(None, ge=1, description="Most bytes the run's hidden-state files hold at once "
                                      "(the held-out validation files included); unset: a quarter of the volume's free "
                                      "space less its reserve, fixed and shown at submission.")
-    vocab_files: int = Field(256, ge=1, description="Files the draft vocabulary is counted from: the first this many "
-                             "of the first epoch's seeded order (offline counts every file).")
+    vocab_files: int = Field(256, ge=1, description="Not read: the draft vocabulary is counted from every training "
+                             "sample's reply when the plan is made, as offline counts every file. Kept so runs "
+                             "submitted with it still load.")
 
 
 EvalSetName = Literal["holdout", "holdout_turn2", "humaneval"]  # evaluation/evalsets.py loads each
@@ -230,14 +235,6 @@ class RunSpec(_Frozen):
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
     online: OnlineConfig = OnlineConfig()
-
-    @model_validator(mode="after")
-    def _online_batches_by_count(self) -> RunSpec:
-        # An online trainer cuts its batches before the files exist, so it cannot size them by their lengths.
-        if self.online.enabled and self.train.max_tokens is not None:
-            raise ValueError("online.enabled: batches are train.batch_size (or global_batch_size) samples; "
-                             "train.max_tokens sizes them by lengths, which an online run learns only as files land")
-        return self
 
     @model_validator(mode="after")
     def _second_turns_are_the_targets(self) -> RunSpec:

@@ -86,7 +86,8 @@ def online_run(tmp_path_factory, redis_server, tiny_model_dir):
         response = httpx.post(f"{stack.url('controller')}/runs", json=body, timeout=60)
         assert response.status_code == 201, response.text
         status = wait_terminal(stack, RUN, timeout=420.0)
-    return {"status": status, "data": data, "spec": response.json(), "sampler": sampler.stop()}
+    return {"status": status, "data": data, "spec": response.json(), "sampler": sampler.stop(),
+            "trainer_log": (root / "logs" / "trainer-0.log").read_text()}
 
 
 def train_log(data: Path) -> list[dict]:
@@ -134,3 +135,26 @@ def test_only_the_held_out_files_stay_and_the_counts_equal_the_volume(online_run
     assert 0 < online["peak_bytes"] <= online["budget_bytes"] + online_run["sampler"].largest
     assert online["epoch"] == EPOCHS - 1 and online["epoch_trained"] == len(plan["train_ids"])
     assert 0 <= online["train_wait_fraction"] <= 1 and online["bottleneck"] in ("extraction", "training")
+
+
+def test_the_plan_knew_each_files_length_before_it_was_extracted(online_run):
+    from shared.manifest import read_manifest
+
+    paths = RunPaths(online_run["data"], RUN)
+    plan = json.loads(paths.online_plan.read_text())
+    landed = {}
+    for manifest in paths.hidden_dir.rglob("manifest.jsonl"):
+        landed.update({i: entry.num_tokens for i, entry in read_manifest(manifest).items()})
+    assert {i: landed[i] for i in plan["train_ids"]} == dict(zip(plan["train_ids"], plan["tokens"]))
+
+
+def test_files_go_after_their_step_so_checkpoints_keep_their_cadence_and_nothing_is_deleted_unread(online_run):
+    import re
+
+    log = train_log(online_run["data"])
+    saved = [int(step) for step in re.findall(r"step (\d+): checkpoint", online_run["trainer_log"])]
+    total = log[-1]["step"]
+    assert saved == [step for step in range(1, total + 1) if step % 3 == 0 or step == total]  # save_every 3 alone
+    online = online_run["status"]["online"]
+    assert online["evicted"] == 0
+    assert online["window_limit"] in ("budget", "rates", "end") and online["window_files"] >= 0

@@ -15,6 +15,10 @@ when torchrun ends, and torchrun for SIGTERM when the job ends, so no rank outli
 Each rank logs to stderr (which torchrun passes up to the job) and to ``DIR/rank<N>.log``; a rank that
 fails also writes ``DIR/failure_rank<N>.json``, so the job can name the first failure and show that
 rank's own last lines rather than those of the ranks torchrun stopped after it.
+
+A stop asked of the job (the worker's first SIGTERM) reaches the ranks as ``DIR/stop``, which each looks for at
+every step: they agree on it at the step's all-reduce, rank 0 checkpoints there, rank 0 writes
+``DIR/stopped.json``, and every rank exits 0; the job then yields (``train.TrainingStopped``).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from services.trainer.progress import progress_reporter
-from services.trainer.train import pick_device, train_drafter
+from services.trainer.session import pick_device
+from services.trainer.train import TrainingStopped, train_drafter
 from shared.atomic import atomic_write_json
 from shared.errors import SettingsError, error_class
 from runtime.process import die_with_parent
@@ -47,6 +53,8 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "rank{rank}.log"
 FAILURE_FILE = "failure_rank{rank}.json"
+STOP_FILE = "stop"  # the job asks the ranks to stop at their next step boundary (launch.request_rank_stop)
+STOPPED_FILE = "stopped.json"  # rank 0: training stopped at a step boundary, its checkpoint there
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="services.trainer.distributed", description="One rank of a DDP training run.")
     parser.add_argument("run", help="the run to train")
@@ -77,7 +85,7 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) -> None:
+def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int, work_dir: Path) -> None:
     device = rank_device(settings.device, local_rank)
     # The timeout bounds every collective: a rank whose peer's node is gone fails by name instead of hanging.
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
@@ -89,8 +97,17 @@ def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) 
         progress = progress_reporter(RunState(conn, settings.data, run)) if rank == 0 else None
         # Rank 0 writes the checkpoints; its peers wait for it at the next collective, within the train timeout.
         hold = StageHold(conn, run, Stage.TRAIN) if rank == 0 else None
-        result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device), progress=progress,
-                               space_hold=hold, state=RunState(conn, settings.data, run))
+        stop = partial(stop_asked, work_dir)
+        try:
+            result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=str(device),
+                                   progress=progress, space_hold=hold, state=RunState(conn, settings.data, run),
+                                   stop=stop, trust_remote_code=settings.trust_remote_code)
+        except TrainingStopped as exc:  # every rank stopped after the same step (the flag rides on its all-reduce)
+            dist.barrier()  # rank 0's checkpoint is written
+            if rank == 0:
+                atomic_write_json(work_dir / STOPPED_FILE, {"message": str(exc), "time": time.time()})
+            log.info("rank %d stopped: %s", rank, exc)
+            return
         # Every rank tears down together, after rank 0 has written the last checkpoint: a gloo rank that destroyed
         # its process group while its peer was still busy aborted at exit ("terminate called without an active
         # exception"), and the peer's torchrun then waited out its exit barrier for the node that never came.
@@ -98,6 +115,11 @@ def train_rank(run: str, settings: TrainerSettings, rank: int, local_rank: int) 
         log.info("rank %d done at step %d", rank, result.steps)
     finally:
         dist.destroy_process_group()
+
+
+def stop_asked(work_dir: Path) -> bool:
+    """The job (or a joining node's process) asked the ranks to stop: its stop file is in the ranks' folder."""
+    return (work_dir / STOP_FILE).exists()
 
 
 def write_failure(work_dir: Path, rank: int, exc: BaseException) -> None:
@@ -112,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(TrainerSettings)
         configure_rank_logging(settings.log_level, rank, args.work_dir)
-        train_rank(args.run, settings, rank, local_rank)
+        train_rank(args.run, settings, rank, local_rank, args.work_dir)
     except Exception as exc:  # the rank's outer loop: name the failure for the job, then exit non-zero
         log.exception("rank %d failed", rank)
         write_failure(args.work_dir, rank, exc)

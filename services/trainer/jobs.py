@@ -31,6 +31,7 @@ from runtime.queues import connect
 from runtime.disk import StageHold, release_stages
 from runtime.remote_code import load_from_target
 from runtime.sample_queue import enqueue_evaluate
+from runtime.shutdown import JobYielded
 from runtime.space import write_with_space
 from shared.runspec import RunSpec
 from runtime.runstate import RunState
@@ -52,14 +53,9 @@ from services.trainer.lock import TrainingInProgress, exclusive_training
 from services.trainer.progress import progress_reporter
 from services.trainer.validation import validation_split
 from modeling.target_head import read_target_config
-from services.trainer.train import (
-    TrainResult,
-    check_base_checkpoint,
-    expected_layer_ids,
-    pick_device,
-    train_drafter,
-    trained_from_checkpoint,
-)
+from services.trainer.drafter_init import check_base_checkpoint, expected_layer_ids
+from services.trainer.session import TrainResult, pick_device, trained_from_checkpoint
+from services.trainer.train import train_drafter
 from evaluation.vllm_launch import parse_command
 
 log = logging.getLogger(__name__)
@@ -101,8 +97,8 @@ def train(payload: dict) -> dict:
         with exclusive_training(paths):
             result = _train_and_export(spec, settings, state, paths)
         learned = learned_tokens(spec, paths)
-    except TrainingInProgress:
-        raise  # the run's state belongs to the trainer holding the lock
+    except (TrainingInProgress, JobYielded):
+        raise  # the run's state belongs to the trainer holding the lock; a stopped one resumes from its checkpoint
     except Exception as exc:  # every way out of here but success leaves the run's train stage named failed
         state.set_stage(Stage.TRAIN, StageState.FAILED, train_error=f"{error_class(exc)}: {exc}")
         raise
@@ -150,7 +146,8 @@ def _train_and_export(spec: RunSpec, settings: TrainerSettings, state: RunState,
         result = trained_from_checkpoint(spec, data=settings.data, model_dir=settings.model_dir)
     else:
         result = train_drafter(spec, data=settings.data, model_dir=settings.model_dir, device=settings.device,
-                               progress=progress_reporter(state), space_hold=hold, state=state)
+                               progress=progress_reporter(state), space_hold=hold, state=state,
+                               trust_remote_code=settings.trust_remote_code)
     write_with_space(lambda: export_trained(result.drafter, paths.export_dir, target_model=result.target_model,
                                             target_fingerprint=result.target_fingerprint,
                                             dtype=export_dtype(settings.model_dir)),

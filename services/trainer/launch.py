@@ -28,7 +28,8 @@ from pathlib import Path
 import redis
 import torch
 
-from services.trainer.distributed import FAILURE_FILE, LOG_FILE
+from runtime import shutdown
+from services.trainer.distributed import FAILURE_FILE, LOG_FILE, STOP_FILE, STOPPED_FILE
 from services.trainer.rendezvous import (
     POLL_S,
     Rendezvous,
@@ -40,7 +41,8 @@ from services.trainer.rendezvous import (
     torchrun_args,
     withdraw,
 )
-from services.trainer.train import pick_device
+from services.trainer.session import pick_device
+from services.trainer.train import TrainingStopped
 from shared.atomic import read_json
 from shared.errors import DraftlineError, SettingsError, error_class
 from runtime.process import die_with_parent, libc_prctl
@@ -97,9 +99,11 @@ def run_torchrun(run: str, procs: int, settings: TrainerSettings, rendezvous: Re
     work_dir = rank_dir(settings.data, rendezvous)
     work_dir.mkdir(parents=True, exist_ok=True)
     node = torchrun_args(rendezvous, host=host, timeout_s=settings.train_timeout_s, local_addr=settings.train_node_addr)
-    _torchrun(torchrun_command(run, procs, work_dir, node), settings, work_dir, None)
-    if host:  # every node has finished: nothing is left to name
-        shutil.rmtree(work_dir, ignore_errors=True)
+    try:
+        _torchrun(torchrun_command(run, procs, work_dir, node), settings, work_dir, None)
+    finally:
+        if host:  # every node has finished, and a failure has been named: nothing is left to read
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def train_across_nodes(run: str, procs: int, settings: TrainerSettings, conn: redis.Redis) -> None:
@@ -137,17 +141,22 @@ def join_trainings(settings: TrainerSettings, conn: redis.Redis, *, stop: Callab
             check_reachable(rendezvous, settings.train_timeout_s)
             run_torchrun(rendezvous.run, procs, settings, rendezvous, host=False)
             log.info("run %s: training %s finished on this node", rendezvous.run, rendezvous.id)
+        except TrainingStopped as exc:
+            log.info("run %s: training %s stopped at a step boundary: %s", rendezvous.run, rendezvous.id, exc)
         except DraftlineError as exc:
             log.error("run %s: training %s failed on this node: %s: %s", rendezvous.run, rendezvous.id,
                       error_class(exc), exc)
 
 
 def _torchrun(command: list[str], settings: TrainerSettings, work_dir: Path, ranks: list[int] | None) -> None:
+    """Run torchrun to its end; a stop asked of this process meanwhile reaches the ranks as their stop file, and a
+    training they stopped at a step boundary raises ``TrainingStopped`` here."""
     log.info("training in processes: %s", shlex.join(command))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     libc_prctl()  # resolved here, so the forked child only makes the call (preexec_fn must take no locks)
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                          env=child_env(settings), preexec_fn=partial(die_with_parent, signal.SIGTERM)) as proc:  # noqa: PLW1509 (see above)
+    with shutdown.forwarded(partial(request_rank_stop, work_dir)), \
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                             env=child_env(settings), preexec_fn=partial(die_with_parent, signal.SIGTERM)) as proc:  # noqa: PLW1509 (see above)
         assert proc.stdout is not None
         for line in proc.stdout:
             tail.append(line.rstrip("\n"))
@@ -155,6 +164,14 @@ def _torchrun(command: list[str], settings: TrainerSettings, work_dir: Path, ran
         code = proc.wait()
     if code != 0:
         raise failure(work_dir, ranks, code, list(tail))
+    stopped = work_dir / STOPPED_FILE
+    if stopped.is_file():
+        raise TrainingStopped(read_json(stopped)["message"])
+
+
+def request_rank_stop(work_dir: Path) -> None:
+    """Ask the ranks to stop at their next step boundary: each looks for this file at every step."""
+    (work_dir / STOP_FILE).touch()
 
 
 def last_lines(path: Path, count: int = TAIL_LINES) -> list[str]:

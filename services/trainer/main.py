@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import signal
+
+from runtime import shutdown
 from shared.jobs import TRAIN_QUEUE
 from runtime.queues import connect
 from shared.settings import TrainerSettings, configure_logging, load_settings
@@ -20,6 +23,10 @@ def main() -> None:
         from services.trainer.launch import join_trainings
 
         configure_logging(settings.log_level)
-        join_trainings(settings, connect(settings.redis_url))
+        # The first SIGTERM stops the training it has joined at the next step boundary (every node's ranks agree
+        # on it), then this node; a second one ends it at once.
+        signal.signal(signal.SIGTERM, lambda signum, frame: (signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                                                             shutdown.request()))
+        join_trainings(settings, connect(settings.redis_url), stop=shutdown.requested)
         return
     run_worker([TRAIN_QUEUE], settings, role="trainer", preload=preload)

@@ -1,37 +1,35 @@
-"""Online training: the trainer asks for each sample's hidden states in its own order, within the run's byte
-budget, trains on them as they land, and deletes them once a checkpoint holds every step that read them.
+"""Online training's feed: the trainer asks for each sample's hidden states in its own order, within the run's byte
+budget, waits for each step's files, and deletes each file once the step that read it is done.
 
-The plan (``online_plan.json``, written once by rank 0 when training first starts, read by every rank and every
-resume) fixes the samples: those with a reply when generation settled, less the ``train.validation_files`` held
-out (picked by the same hash of the sample id as offline, and kept on the volume for the run's life).
-
-Order: each epoch is a seeded permutation of the training samples (``batching.epoch_order``, the run's seed and the
-epoch), cut into global batches of ``global_batch_size`` or ``batch_size`` x processes. The whole epoch is the
-shuffle window: the states are made again for every epoch, so extraction follows the order instead of the order
-following what happens to be on disk. A checkpoint's position (epoch, batch) therefore continues the same order
-after a resume, on any number of processes when ``global_batch_size`` is set.
+The plan (``online_plan.py``) fixes the samples and their lengths; each epoch's global batches are planned from
+those lengths as offline (``sources.epoch_plan``: by length within a seeded shuffle window, the batch order
+shuffled). The states are made again for every epoch, so extraction follows the trainer's order. A checkpoint's
+position (epoch, batch) continues the same order after a resume, on any number of processes when
+``global_batch_size`` is set.
 
 Flow, on rank 0:
 
-- **ask**: the samples from the current position on, as many as the budget holds at the files' measured mean size
-  (one global batch before any is measured), are queued for extraction in order; one asked less than
-  ``ASK_AGAIN_S`` ago is not asked again, so a job lost with Redis is asked for again, and a queued one is not
-  doubled (``runtime.sample_queue``'s deterministic job ids).
-- **wait**: before a step every rank waits until each sample of the global batch has a verified file (its
-  shard manifest names it, written after the file: ``ready``) or a failure record (skipped, named in the log,
-  in every epoch after). Rank 0 keeps room in the budget for the files the batch still misses, and for the next
-  batch's once this one is whole (``keep_room``): extractions of later samples must leave it free, so a job
-  deferred to the back of the queue cannot lose its place to files asked for after it. While the spool is full and
-  holds no file the trainer has read, the sample it waits for
-  becomes the run's ``online_head``, whose extraction is granted past the budget, so a spool filled with later
-  samples cannot keep the trainer waiting for an earlier one. Before naming it, rank 0 deletes files of later
-  samples that no step has read, the farthest ahead first, until the spool is within its budget again
-  (``make_room``; they are asked for again once the batch is whole): the spool then peaks at the budget plus one
-  file, as long as a global batch's files fit the budget.
-- **release**: after each checkpoint, the files read since the one before are deleted (``runtime.spool.release``)
-  unless the next samples asked for include them again (the next epoch's early samples). A trainer waiting while
-  the spool is full of files it has read checkpoints at once and releases them first: the budget never deadlocks
-  training, but a budget that holds fewer files than ``save_every`` steps read makes checkpoints that often.
+- **window**: the samples of the next global batches in training order, as many as the budget holds beside the
+  held-out files at their estimated sizes (each sample's tokens, known from the plan, times the bytes a token
+  takes, fitted to the files landed so far: ``SizeModel``), and no more steps ahead than the measured rates call
+  for: extraction's throughput (files landed per second while it had work) against the trainer's step time, with
+  a margin of two. A file of a later sample is asked for only once every earlier one fits beside it, so it never
+  takes an earlier one's room. Status shows the window (``ONLINE_WINDOW_*``).
+- **ask**: the window's samples without a file are queued for extraction in training order, one job each (jobs
+  are taken in the order they are queued); one asked less than ``ASK_AGAIN_S`` ago is not asked again, so a job
+  lost with Redis is asked for again, and a queued one is not doubled (``runtime.sample_queue``'s deterministic
+  job ids).
+- **wait**: before a step every rank waits until each sample of the global batch has a verified file (its shard
+  manifest names it, written after the file: ``ready``) or a failure record (skipped, named in the log, in every
+  epoch after). While it waits, rank 0 keeps room in the budget for the files the batch still misses
+  (``keep_room``); with the spool full, it deletes files of later samples no step has read, the farthest ahead
+  first, until the spool is within its budget (``make_room``, counted as ``evicted``: a fallback where the size
+  estimate fell short, not the steady state), and names the sample it waits for the run's ``online_head``, whose
+  extraction may pass the budget, so the spool peaks at the budget plus one file.
+- **release**: once a step is done (every rank has read its share), the files it read are deleted unless the
+  window still holds them (the next epoch's early samples). No file waits for a checkpoint: a resume asks again
+  for the samples of the steps after its checkpoint, whose replies are on the volume, and extraction is
+  deterministic.
 
 Every step's samples go into ``train_log.jsonl`` (``samples``, global ids), so each epoch's multiset is on the
 volume, and a resume's log, cut back to its checkpoint, still holds each sample once per epoch.
@@ -40,17 +38,17 @@ volume, and a resume's log, cut back to its checkpoint, still holds each sample 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.runstate import RunState
-from runtime.space import write_with_space
-from runtime.sample_queue import enqueue_extract
 from rq.job import Job
 
-from runtime.disk import HIDDEN_BYTES, _s
+from runtime.disk import BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, _number, _s
+from runtime.runstate import RunState
+from runtime.sample_queue import enqueue_extract
 from runtime.spool import (
     ONLINE_BATCH,
     ONLINE_EPOCH,
@@ -58,26 +56,28 @@ from runtime.spool import (
     ONLINE_EPOCH_TRAINED,
     ONLINE_EVICTED,
     ONLINE_HEAD,
+    ONLINE_LANDED,
     ONLINE_REFUSED_AT,
     ONLINE_RESERVE,
     ONLINE_STARTED_AT,
     ONLINE_TRAIN_S,
     ONLINE_WAIT_S,
+    ONLINE_WINDOW_BYTES,
+    ONLINE_WINDOW_FILES,
+    ONLINE_WINDOW_LIMIT,
+    ONLINE_WINDOW_STEPS,
+    WindowLimit,
     add_seconds,
     present,
     release,
     resync,
     spool_bytes,
 )
-from services.trainer.batching import epoch_order, fixed_batches
-from services.trainer.validation import validation_split
-from shared.atomic import atomic_write_json, read_json
+from services.trainer.online_plan import OnlinePlan, OnlinePlanError
 from shared.errors import DraftlineError, HiddenStateFileError
 from shared.jobs import extract_job_id
-from shared.layout import RunPaths
 from shared.lifecycle import Stage
 from shared.manifest import MANIFEST_NAME, ManifestEntry, check_quick, read_manifest
-from shared.runspec import RunSpec, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,56 +91,18 @@ LOST_CHECK_S = 5.0  # a sample asked for this long ago, still without a file, ha
 REFUSED_RECENTLY_S = 2.0  # an extraction the budget refused this recently means the spool is full for real
 MAX_AHEAD = 4096  # samples asked ahead at most, whatever the budget holds
 KEEP_AGAIN_S = 5.0  # the room kept for a batch is written again this often (a Redis restarted empty lost it)
-PLAN_WAIT_S = 300.0  # how long a rank other than 0 waits for rank 0's plan
-
-
-class OnlinePlanError(DraftlineError):
-    """The online run has no samples to train on, or its plan on the volume cannot be read."""
+RATE_MARGIN = 2.0  # the window holds this many times the steps that extracting a batch takes at the measured rates
+MIN_STEPS_AHEAD = 2  # and at least this many steps beyond that
+SMOOTHING = 0.2  # weight of the newest measurement in the step time's and extraction rate's moving averages
+REPORT_EVERY_S = 1.0
 
 
 class GlobalBatchFailed(DraftlineError):
     """Every sample of a global batch failed extraction: the step has nothing to train on."""
 
 
-@dataclass(frozen=True)
-class OnlinePlan:
-    train_ids: list[int]
-    validation_ids: list[int]
-
-    def to_json(self) -> dict:
-        return {"train_ids": self.train_ids, "validation_ids": self.validation_ids}
-
-
-def make_plan(paths: RunPaths, spec: RunSpec) -> OnlinePlan:
-    """The samples whose reply is on the volume (generation has settled), less those held out for validation."""
-    with_reply = [(i, paths.generated(i)) for i in range(spec.train_ids)
-                  if paths.generated(i).is_file() and not paths.failure(Stage.EXTRACT, i).is_file()]
-    if not with_reply:
-        raise OnlinePlanError(f"run {spec.name}: no sample has a reply to extract and train on")
-    trained, held = validation_split(with_reply, spec.train.validation_files)
-    ids = {path: i for i, path in with_reply}
-    return OnlinePlan(sorted(ids[p] for p in trained), sorted(ids[p] for p in held))
-
-
-def load_plan(paths: RunPaths, spec: RunSpec, rank: int) -> OnlinePlan:
-    """Rank 0 reads the plan, or makes and writes it on the first start; the other ranks wait for it."""
-    deadline = time.monotonic() + PLAN_WAIT_S
-    while not paths.online_plan.is_file():
-        if rank == 0:
-            plan = make_plan(paths, spec)
-            paths.online_plan.parent.mkdir(parents=True, exist_ok=True)
-            write_with_space(lambda: atomic_write_json(paths.online_plan, plan.to_json()), "the online plan", paths.data)
-            log.info("run %s: online plan: %d samples to train, %d held out for validation", spec.name,
-                     len(plan.train_ids), len(plan.validation_ids))
-            return plan
-        if time.monotonic() > deadline:
-            raise OnlinePlanError(f"{paths.online_plan}: rank 0 wrote no plan within {PLAN_WAIT_S:.0f}s")
-        time.sleep(POLL_S)
-    try:
-        raw = read_json(paths.online_plan)
-        return OnlinePlan([int(i) for i in raw["train_ids"]], [int(i) for i in raw["validation_ids"]])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OnlinePlanError(f"{paths.online_plan}: unreadable ({exc})") from None
+class OnlineBudgetTooSmall(OnlinePlanError):
+    """The budget cannot hold the held-out files and one global batch's files at once."""
 
 
 def names_version(entry: ManifestEntry, mtime_ns: int) -> bool:
@@ -149,13 +111,94 @@ def names_version(entry: ManifestEntry, mtime_ns: int) -> bool:
     return entry.mtime_ns == mtime_ns if entry.mtime_ns is not None else entry.at * 1e9 >= mtime_ns
 
 
-def global_span(cfg: TrainConfig, world: int) -> int:
-    return cfg.global_batch_size if cfg.global_batch_size is not None else cfg.batch_size * world
+@dataclass
+class SizeModel:
+    """A hidden-state file's bytes from its tokens, ``overhead + per_token x tokens`` fitted (least squares) to the
+    files landed so far: the states grow with the tokens, the header and scales by a little. Before any file, the
+    bytes per token the run recorded at submission, with no overhead."""
+
+    count: int = 0
+    tokens: float = 0.0
+    nbytes: float = 0.0
+    tokens_sq: float = 0.0
+    tokens_bytes: float = 0.0
+    prior_per_token: float = 0.0
+    seen: set[int] = field(default_factory=set)
+
+    def add(self, sample_id: int, tokens: int, nbytes: int) -> None:
+        if sample_id in self.seen:
+            return
+        self.seen.add(sample_id)
+        self.count += 1
+        self.tokens += tokens
+        self.nbytes += nbytes
+        self.tokens_sq += tokens * tokens
+        self.tokens_bytes += tokens * nbytes
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(overhead, per_token)``; None while nothing is known."""
+        if self.count == 0:
+            return (0.0, self.prior_per_token) if self.prior_per_token > 0 else None
+        spread = self.count * self.tokens_sq - self.tokens * self.tokens
+        if self.count > 1 and spread > 0:
+            per_token = (self.count * self.tokens_bytes - self.tokens * self.nbytes) / spread
+            overhead = (self.nbytes - per_token * self.tokens) / self.count
+            if per_token > 0 and overhead >= 0:
+                return overhead, per_token
+        return 0.0, self.nbytes / max(self.tokens, 1.0)
+
+    def estimate(self, tokens: int) -> float | None:
+        fitted = self.fit()
+        return None if fitted is None else fitted[0] + fitted[1] * tokens
+
+    @property
+    def mean_bytes(self) -> float:
+        return self.nbytes / self.count if self.count else 0.0
 
 
-def online_epoch_plan(cfg: TrainConfig, samples: int, epoch: int, world: int) -> list[list[int]]:
-    """The epoch's global batches, as indices into the plan's training ids: a seeded shuffle, cut in order."""
-    return fixed_batches(epoch_order(samples, cfg.seed, epoch), global_span(cfg, world))
+@dataclass
+class Rates:
+    """The trainer's step time and extraction's throughput, as moving averages of what each step measured."""
+
+    step_s: float | None = None  # a step's time without waiting for files
+    landed_per_s: float | None = None  # files landed per second while extraction had work waiting
+    last_landed: int | None = None
+    last_at: float | None = None
+
+    def note_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else (1 - SMOOTHING) * self.step_s + SMOOTHING * seconds
+
+    def note_landed(self, landed: int, busy: bool, now: float) -> None:
+        """``landed``: the run's files landed so far; ``busy``: extraction had work waiting through the interval
+        (otherwise the interval says how fast the trainer asked, not how fast extraction can go)."""
+        if busy and self.last_landed is not None and self.last_at is not None and now - self.last_at > 0:
+            rate = (landed - self.last_landed) / (now - self.last_at)
+            self.landed_per_s = rate if self.landed_per_s is None else (1 - SMOOTHING) * self.landed_per_s + SMOOTHING * rate
+        self.last_landed, self.last_at = landed, now
+
+    def steps_ahead(self, span: int) -> int | None:
+        """Steps of files the window needs ahead so the trainer never waits; None where the rates are not measured
+        or extraction is the slower side (then only the budget bounds the window)."""
+        if self.step_s is None or not self.landed_per_s:
+            return None
+        batch_s = span / self.landed_per_s  # extracting one global batch's files
+        if batch_s >= self.step_s:
+            return None
+        return math.ceil(RATE_MARGIN * batch_s / self.step_s) + MIN_STEPS_AHEAD
+
+
+@dataclass(frozen=True)
+class Window:
+    """The samples asked for ahead, in training order, and what bounds them."""
+
+    ids: list[int]
+    steps: int  # global batches it reaches into (the one waited for first)
+    nbytes: int  # their files' estimated bytes
+    limit: str  # WindowLimit
+
+    @property
+    def members(self) -> set[int]:
+        return set(self.ids)
 
 
 @dataclass
@@ -167,26 +210,31 @@ class Feed:
     plans: list[list[list[int]]]  # each epoch's global batches, indices into plan.train_ids
     rank: int
     budget: int
+    span: int  # samples of a global batch (global_batch_size, or batch_size x processes)
     extract_batch: int = ASK_BATCH
     asked: dict[int, float] = field(default_factory=dict)  # sample id -> when it was last asked for
-    unreleased: set[int] = field(default_factory=set)  # read since the last checkpoint
     failed: set[int] = field(default_factory=set)  # failed extraction: skipped in every epoch
     evicted: set[int] = field(default_factory=set)  # let go unread for a batch waited for: not asked ahead till it is whole
+    loading: set[int] = field(default_factory=set)  # files a loader reads now: never evicted
     batch_too_big: bool = False  # warned that a batch's files exceed the budget
     kept_for: list[int] | None = None  # the samples the budget keeps room for (``keep_room``), as last set
     kept_at: float = 0.0
     unready_since: dict[int, float] = field(default_factory=dict)  # a file waited for, on the volume but not ready
     manifests: dict[Path, dict[int, ManifestEntry]] = field(default_factory=dict)
-    batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (epoch, index) -> sample ids trained
-    sizes: dict[int, int] = field(default_factory=dict)  # bytes of each sample's file, as last seen ready
-    mean_bytes: float = 0.0  # a file's measured mean size
+    sizes: SizeModel = field(default_factory=SizeModel)
+    rates: Rates = field(default_factory=Rates)
+    window: Window = field(default_factory=lambda: Window([], 0, 0, WindowLimit.UNMEASURED))
     held_bytes: int = 0  # the held-out validation files' bytes, kept beside the spool's others
-    last_ask: float = 0.0
     waited_s: float = 0.0  # waiting not yet added to the run's meta
     last_report: float = field(default_factory=time.monotonic)
+    step_started: float | None = None  # when the step being trained stopped waiting for its files
+    tokens: dict[int, int] = field(init=False)  # each training sample's file length, from the plan
+
+    def __post_init__(self) -> None:
+        self.tokens = dict(zip(self.plan.train_ids, self.plan.tokens))
 
     @property
-    def paths(self) -> RunPaths:
+    def paths(self):
         return self.state.paths
 
     @property
@@ -195,55 +243,116 @@ class Feed:
 
     # ---- where the trainer stands and what comes next ----------------------------------------
 
+    def steps_from(self, epoch: int, index: int) -> Iterator[tuple[int, int]]:
+        """Every (epoch, batch) from batch ``index`` of ``epoch`` on, in training order."""
+        for e in range(epoch, len(self.plans)):
+            for i in range(index if e == epoch else 0, len(self.plans[e])):
+                yield e, i
+
+    def following(self, epoch: int, index: int) -> tuple[int, int]:
+        return (epoch, index + 1) if index + 1 < len(self.plans[epoch]) else (epoch + 1, 0)
+
+    def batch_ids(self, epoch: int, index: int) -> list[int]:
+        return [self.plan.train_ids[i] for i in self.plans[epoch][index]]
+
     def upcoming(self, epoch: int, index: int, limit: int) -> list[int]:
         """The next ``limit`` sample ids the trainer reads from batch ``index`` of ``epoch`` on, in order."""
         ids: list[int] = []
-        for e in range(epoch, len(self.plans)):
-            for batch in self.plans[e][index if e == epoch else 0:]:
-                ids += [self.plan.train_ids[i] for i in batch if self.plan.train_ids[i] not in self.failed]
-                if len(ids) >= limit:
-                    return ids[:limit]
+        for e, i in self.steps_from(epoch, index):
+            ids += [s for s in self.batch_ids(e, i) if s not in self.failed]
+            if len(ids) >= limit:
+                return ids[:limit]
         return ids
 
-    def ahead(self, span: int) -> int:
-        """How many samples to ask for ahead: what the budget holds beside the held-out files, at the mean size
-        measured so far (one global batch before anything is measured), never fewer than one global batch."""
-        if self.mean_bytes <= 0:
-            return span
-        return max(span, min(MAX_AHEAD, int((self.budget - self.held_bytes) // self.mean_bytes)))
+    def estimate(self, sample_id: int) -> float:
+        """A sample's file's bytes, measured where it landed before, else estimated from its tokens."""
+        known = self.sizes.estimate(self.tokens.get(sample_id, 0))
+        return known if known is not None else 0.0
+
+    def plan_window(self, epoch: int, index: int) -> Window:
+        """The window from batch ``index`` of ``epoch`` on (see the module doc): whole batches' samples while they
+        fit the budget beside the held-out files, the batch waited for always, and no more steps than the rates
+        call for."""
+        room = self.budget - self.held_bytes
+        wanted = self.rates.steps_ahead(self.span)
+        if self.sizes.fit() is None:  # nothing measured or estimated: one batch at a time
+            room, wanted = 0, 1
+        ids: list[int] = []
+        chosen: set[int] = set()
+        nbytes, steps, limit = 0.0, 0, WindowLimit.END
+        for e, i in self.steps_from(epoch, index):
+            if len(ids) >= MAX_AHEAD:
+                limit = WindowLimit.BUDGET
+                break
+            if wanted is not None and steps >= wanted:
+                limit = WindowLimit.RATES if self.sizes.fit() is not None else WindowLimit.UNMEASURED
+                break
+            fresh = [s for s in self.batch_ids(e, i) if s not in self.failed and s not in chosen]
+            extra = sum(self.estimate(s) for s in fresh)
+            if steps > 0 and nbytes + extra > room:
+                # The part of this batch that fits: the extractors start on it while the trainer reads the rest.
+                for sample_id in fresh:
+                    if nbytes + self.estimate(sample_id) > room:
+                        break
+                    nbytes += self.estimate(sample_id)
+                    ids.append(sample_id)
+                limit = WindowLimit.BUDGET
+                break
+            ids += fresh
+            chosen.update(fresh)
+            nbytes += extra
+            steps += 1
+        return Window(ids, steps, int(nbytes), limit)
 
     # ---- on rank 0: asking, releasing, reporting ----------------------------------------------
 
     def start(self) -> None:
-        """On (re)starting: the spool's counts made equal to the files on the volume."""
+        """On (re)starting: the spool's counts made equal to the files on the volume, and the size model primed."""
         if not self.leader:
             return
         self._measure(resync(self.state, [*self.plan.train_ids, *self.plan.validation_ids]))
         meta = self.state.meta()
+        self.sizes.prior_per_token = _number(meta, BYTES_PER_TOKEN_ESTIMATE)
         self.state.set_meta(**({} if ONLINE_STARTED_AT in meta else {ONLINE_STARTED_AT: time.time()}),
                             **{ONLINE_EPOCH_SAMPLES: len(self.plan.train_ids), ONLINE_HEAD: "", ONLINE_BATCH: "",
                                ONLINE_RESERVE: 0})
 
-    def settle(self, epoch: int, index: int, span: int) -> None:
-        """Once the session knows where it resumes: release every file no step ahead reads (read before the
-        checkpoint it resumes from, by the session that was killed), and ask for what comes next."""
+    def _measure(self, found: dict[int, tuple[int, int]]) -> None:
+        for sample_id, (nbytes, tokens) in found.items():
+            self.sizes.add(sample_id, tokens, nbytes)
+        self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
+
+    def settle(self, epoch: int, index: int) -> None:
+        """Once the session knows where it resumes: release every file outside the window (read by the session
+        that was killed, or asked for by it far ahead), and ask for the window."""
         if not self.leader:
             return
-        keep = set(self.upcoming(epoch, index, self.ahead(span))) | set(self.plan.validation_ids)
+        self.check_budget()
+        self.window = self.plan_window(epoch, index)
+        keep = self.window.members | set(self.plan.validation_ids)
         gone = [i for i in present(self.state, self.plan.train_ids) if i not in keep]
         for sample_id in gone:
             release(self.state, sample_id)
             self.asked.pop(sample_id, None)
         if gone:
-            log.info("run %s: released %d files read before the checkpoint at epoch %d, batch %d", self.state.run,
+            log.info("run %s: released %d files outside the window at epoch %d, batch %d", self.state.run,
                      len(gone), epoch, index)
-        self.ask_ahead(epoch, index, span)
+        self._ask_window()
 
-    def _measure(self, found: dict[int, tuple[int, int]]) -> None:
-        self.sizes.update({i: b for i, (b, _) in found.items()})
-        if self.sizes:
-            self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
-        self.held_bytes = sum(b for i, (b, _) in found.items() if i in self.plan.validation_ids)
+    def check_budget(self) -> None:
+        """The budget must hold the held-out files beside the largest global batch's files, at the sizes estimated:
+        a smaller one could never train that batch, so it fails now, by name, with the budget that would do."""
+        if self.sizes.fit() is None:
+            return
+        largest = max((sum(self.estimate(s) for s in self.batch_ids(e, i))
+                       for e in range(len(self.plans)) for i in range(len(self.plans[e]))), default=0.0)
+        need = int(self.held_bytes + largest)
+        if need > self.budget:
+            raise OnlineBudgetTooSmall(
+                f"online.budget_bytes {self.budget:,} cannot hold the {len(self.plan.validation_ids)} held-out files "
+                f"({self.held_bytes:,} bytes) beside the largest global batch's files (about {int(largest):,} bytes at "
+                f"the sizes measured): at least {need:,} bytes are needed, and a few batches more keep the trainer "
+                "from waiting; raise it, or lower train.batch_size, train.max_tokens or train.validation_files")
 
     def ask(self, sample_ids: list[int], *, lost: bool = False, ahead: bool = False) -> None:
         """Queue the extraction of those of ``sample_ids`` without a file that were not asked for lately, and,
@@ -253,13 +362,40 @@ class Feed:
         wanted = [i for i in sample_ids
                   if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
                       or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
-                  and not self.paths.hidden(i).is_file() and i not in self.failed
-                  and not (ahead and i in self.evicted)]
+                  and i not in self.failed and not (ahead and i in self.evicted)
+                  and not self.paths.hidden(i).is_file()]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)
             for sample_id in chunk:
                 self.asked[sample_id] = now
+
+    def _ask_window(self) -> None:
+        self.ask(self.window.ids, ahead=True)
+        self.state.set_meta(**{ONLINE_WINDOW_FILES: len(self.window.ids), ONLINE_WINDOW_STEPS: self.window.steps,
+                               ONLINE_WINDOW_BYTES: self.window.nbytes, ONLINE_WINDOW_LIMIT: self.window.limit})
+
+    def after_step(self, epoch: int, index: int) -> None:
+        """The step that read batch ``index`` of ``epoch`` is done on every rank: its files go unless the window from
+        the next batch on holds them, and the window's new samples are asked for."""
+        now = time.monotonic()
+        if self.step_started is not None:
+            self.rates.note_step(now - self.step_started)
+        if not self.leader:
+            return
+        landed = int(_number({ONLINE_LANDED: _s(self.state.conn.hget(self.state.keys.meta, ONLINE_LANDED))},
+                             ONLINE_LANDED))
+        # Extraction had work waiting when a sample asked for is still without its file (the window's tail first:
+        # the latest asked are the likeliest to be missing, so the look usually ends at once).
+        busy = any(i in self.asked and not self.paths.hidden(i).is_file() for i in reversed(self.window.ids))
+        self.rates.note_landed(landed, busy=busy, now=now)
+        self.window = self.plan_window(*self.following(epoch, index))
+        keep = self.window.members
+        for sample_id in self.batch_ids(epoch, index):
+            if sample_id not in keep and sample_id not in self.failed:
+                release(self.state, sample_id)
+                self.asked.pop(sample_id, None)  # gone from the volume: the next epoch asks for it afresh
+        self._ask_window()
 
     def clear_orphans(self, missing: list[int]) -> None:
         """Delete the file of a sample waited for that has stayed unready for ``LOST_CHECK_S`` with no extraction
@@ -282,14 +418,8 @@ class Feed:
         job_id = extract_job_id(self.state.run, sample_id)
         return not Job.exists(job_id, connection=self.state.conn)
 
-    def ask_ahead(self, epoch: int, index: int, span: int) -> None:
-        """Ask for what the budget holds from here on (at most once a second: it looks at every file ahead)."""
-        if self.leader and time.monotonic() - self.last_ask >= 1.0:
-            self.last_ask = time.monotonic()
-            self.ask(self.upcoming(epoch, index, self.ahead(span)), ahead=True)
-
     def wait_ready(self, sample_ids: list[int]) -> None:
-        """Wait until each of ``sample_ids`` has its file or failed (the held-out files, the vocabulary's)."""
+        """Wait until each of ``sample_ids`` has its file or failed (the held-out files)."""
         started = time.monotonic()
         while missing := [i for i in sample_ids if not self.ready(i) and not self._failed(i)]:
             if self.leader:
@@ -300,36 +430,13 @@ class Feed:
             self.waited_s += time.monotonic() - started
             self._measure(present(self.state, self.plan.validation_ids))
 
-    def let_go(self, sample_id: int) -> None:
-        """Delete a file no step has read (the draft vocabulary's count, beyond what training reads first): it is
-        extracted again when training comes to it."""
-        release(self.state, sample_id)
-        self.asked.pop(sample_id, None)
-
-    def released_after_checkpoint(self, epoch: int, index: int, span: int) -> int:
-        """Delete the files read since the last checkpoint that no step ahead reads; returns how many."""
-        if not self.leader:
-            return 0
-        keep = set(self.upcoming(epoch, index, self.ahead(span)))
-        gone = sorted(self.unreleased - keep)
-        for sample_id in gone:
-            release(self.state, sample_id)
-            self.asked.pop(sample_id, None)  # gone from the volume: the next epoch asks for it afresh
-        # Those kept are read again soon (the next epoch's first samples): that read counts them again.
-        self.unreleased = set()
-        return len(gone)
-
-    def tend(self, missing: list[int], keep: set[int], epoch: int, index: int,
-             relieve: Callable[[], None] = lambda: None) -> None:
+    def tend(self, missing: list[int], keep: set[int], epoch: int, index: int) -> None:
         """One look, on rank 0, while it waits for ``missing`` (of ``keep``, the samples waited for at ``epoch``'s
-        batch ``index``): room kept for them; with the spool full, ``relieve`` (a checkpoint that releases what was
-        read) first, else later unread files deleted to bring it within budget and the first missing named the
-        one that may pass it; files no job will make ready cleared; and the missing asked for."""
+        batch ``index``): room kept for them; with the spool full, later unread files deleted to bring it within
+        budget and the first missing named the one that may pass it; files no job will make ready cleared; and the
+        missing asked for."""
         self.keep_room(missing)
-        full = self.spool_full()
-        if full and self.unreleased:
-            relieve()  # files already read go first; only a spool full of files ahead lets one past
-        head = full and not self.unreleased
+        head = self.spool_full()
         if head:
             self.make_room(keep, epoch, index)
         self.state.set_meta(**{ONLINE_HEAD: missing[0] if head else ""})
@@ -337,20 +444,19 @@ class Feed:
         self.ask(missing, lost=True)
 
     def keep_room(self, missing: list[int]) -> None:
-        """Keep room in the budget for ``missing`` (the samples of the batch read next that have no file yet), at the
-        mean size measured: claims of other samples must leave it free (``runtime.disk_claims``)."""
+        """Keep room in the budget for ``missing`` (the samples of the batch read next that have no file yet), at
+        their estimated sizes: claims of other samples must leave it free (``runtime.disk_claims``)."""
         if missing == self.kept_for and time.monotonic() - self.kept_at < KEEP_AGAIN_S:
             return
         self.kept_for, self.kept_at = list(missing), time.monotonic()
         self.state.set_meta(**{ONLINE_BATCH: ",".join(str(i) for i in missing),
-                               ONLINE_RESERVE: int(len(missing) * self.mean_bytes)})
+                               ONLINE_RESERVE: int(sum(self.estimate(i) for i in missing))})
 
     def make_room(self, keep: set[int], epoch: int, index: int) -> None:
         """Before the sample waited for may pass the budget: delete files of later samples that no step has read
-        (not in ``keep``, the batch waited for), the farthest ahead first, until the spool is within its budget
-        (another sample that passed it before may have left it over), so that sample passes it by one file at
-        most. When only ``keep``'s files are left and they exceed the budget, the batch passes it anyway (said
-        once)."""
+        (not in ``keep``, the batch waited for, nor being loaded), the farthest ahead first, until the spool is
+        within its budget, so that sample passes it by one file at most. When only ``keep``'s files are left and
+        they exceed the budget, the batch passes it anyway (said once)."""
         room = self.budget - spool_bytes(self.state.conn, self.state.run)
         if room >= 0:
             return
@@ -359,7 +465,7 @@ class Feed:
         for sample_id in reversed(list(dict.fromkeys(self.upcoming(epoch, index, MAX_AHEAD)))):
             if room >= 0:
                 break
-            if sample_id in keep or sample_id in self.unreleased or not self.ready(sample_id):
+            if sample_id in keep or sample_id in self.loading or not self.ready(sample_id):
                 continue  # a file not yet counted by its extractor is not the trainer's to delete
             room += release(self.state, sample_id, counter=ONLINE_EVICTED)
             self.asked.pop(sample_id, None)
@@ -378,12 +484,12 @@ class Feed:
         """Another file of the mean size would not fit the budget, or an extraction was refused by it lately."""
         meta = self.state.conn.hmget(self.state.keys.meta, [HIDDEN_BYTES, ONLINE_REFUSED_AT])
         spool, refused = (float(_s(v) or 0) for v in meta)
-        return spool + self.mean_bytes > self.budget or time.time() - refused < REFUSED_RECENTLY_S
+        return spool + self.sizes.mean_bytes > self.budget or time.time() - refused < REFUSED_RECENTLY_S
 
     def report(self, epoch: int, trained_in_epoch: int, *, force: bool = False) -> None:
         """The trainer's time, waits and epoch progress into the run's meta (at most once a second)."""
         now = time.monotonic()
-        if not self.leader or (not force and now - self.last_report < 1.0):
+        if not self.leader or (not force and now - self.last_report < REPORT_EVERY_S):
             return
         add_seconds(self.state.conn, self.state.run, ONLINE_TRAIN_S, now - self.last_report)
         add_seconds(self.state.conn, self.state.run, ONLINE_WAIT_S, self.waited_s)
@@ -391,9 +497,6 @@ class Feed:
         self.waited_s, self.last_report = 0.0, now
 
     # ---- on every rank: waiting for a batch -------------------------------------------------
-
-    def _batch_ids(self, epoch: int, index: int) -> list[int]:
-        return [self.plan.train_ids[i] for i in self.plans[epoch][index]]
 
     def ready(self, sample_id: int) -> bool:
         """The sample's file is on the volume, its shard's manifest names this version of it (the extractor appends
@@ -418,9 +521,7 @@ class Feed:
         # Counted too: a file released before its extractor counted it would be counted after it is gone.
         if not self.state.is_done(Stage.EXTRACT, sample_id):
             return False
-        if self.leader and sample_id not in self.sizes:
-            self.sizes[sample_id] = entry.bytes
-            self.mean_bytes = sum(self.sizes.values()) / len(self.sizes)
+        self.sizes.add(sample_id, entry.num_tokens, entry.bytes)
         return True
 
     def _failed(self, sample_id: int) -> bool:
@@ -433,72 +534,36 @@ class Feed:
             return True
         return False
 
-    def _all_settled(self, ids: list[int]) -> bool:
-        return all(self.ready(i) or self._failed(i) for i in ids)
-
-    def wait_for(self, epoch: int, index: int, span: int, relieve: Callable[[], None] = lambda: None) -> list[int]:
-        """Wait until every sample of the global batch has its file or failed; returns the batch to train as
-        indices into the plan's training ids (in the batch's order). Rank 0 asks ahead meanwhile, names the
-        sample it waits for, and calls ``relieve`` (a checkpoint, then ``released_after_checkpoint``) when the
-        spool is full of files it has read."""
-        ids = self._batch_ids(epoch, index)
-        started = time.monotonic()
-        while True:
-            missing = [i for i in ids if not self.ready(i) and not self._failed(i)]
-            if not missing:
-                break
-            if self.leader:
-                self.tend(missing, set(ids), epoch, index, relieve)
-                self.ask_ahead(epoch, index, span)
-            time.sleep(POLL_S)
-        self.evicted.clear()  # the batch is whole: what made room for it is asked for again as training nears it
-        waited = time.monotonic() - started
-        if self.leader:
-            self.waited_s += waited
-            if waited > POLL_S:
-                self.state.set_meta(**{ONLINE_HEAD: ""})
-            # The next step's files get the room as soon as this one's are in: they are the next to be read.
-            self.keep_room([i for i in self.upcoming(epoch, index + 1, span) if not self.ready(i)])
+    def settled(self, epoch: int, index: int) -> list[int] | None:
+        """The batch to train as indices into the plan's training ids, once every sample of it has its file or
+        failed (every rank then trains the same samples); None while one is missing."""
+        if any(not self.ready(i) and not self._failed(i) for i in self.batch_ids(epoch, index)):
+            return None
         batch = [i for i in self.plans[epoch][index] if self.plan.train_ids[i] not in self.failed]
         if not batch:
-            raise GlobalBatchFailed(f"every sample of epoch {epoch}'s batch {index} ({ids}) failed extraction")
-        self.batches[(epoch, index)] = batch
+            raise GlobalBatchFailed(f"every sample of epoch {epoch}'s batch {index} "
+                                    f"({self.batch_ids(epoch, index)}) failed extraction")
         return batch
 
-    def read(self, epoch: int, index: int) -> tuple[list[int], list[int]]:
-        """``(indices, sample ids)`` of what batch ``index`` of ``epoch`` trains (after ``wait_for``), now
-        counted as read."""
-        batch = self.batches.pop((epoch, index))
-        ids = [self.plan.train_ids[i] for i in batch]
-        self.unreleased.update(ids)
-        return batch, ids
-
-
-# ---- what the first start learned, for every resume ------------------------------------------------
-
-FACTS = "facts"  # the plan file's record of what the first start measured: epochs, target, DFlash's mask token
-
-
-def plan_facts(paths: RunPaths) -> dict | None:
-    """What the first start recorded in the plan (None before it did)."""
-    try:
-        facts = read_json(paths.online_plan).get(FACTS)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return facts if isinstance(facts, dict) else None
-
-
-def record_facts(paths: RunPaths, facts: dict) -> None:
-    raw = read_json(paths.online_plan)
-    raw[FACTS] = facts
-    write_with_space(lambda: atomic_write_json(paths.online_plan, raw), "the online plan's facts", paths.data)
-
-
-def wait_for_facts(paths: RunPaths) -> dict:
-    """On a rank other than 0: rank 0's facts, once written."""
-    deadline = time.monotonic() + PLAN_WAIT_S
-    while (facts := plan_facts(paths)) is None:
-        if time.monotonic() > deadline:
-            raise OnlinePlanError(f"{paths.online_plan}: rank 0 recorded no facts within {PLAN_WAIT_S:.0f}s")
-        time.sleep(POLL_S)
-    return facts
+    def wait_for(self, epoch: int, index: int, interrupt: Callable[[], None] = lambda: None) -> list[int]:
+        """Wait until every sample of the global batch has its file or failed; returns ``settled``'s batch. Rank 0
+        tends the spool meanwhile; ``interrupt`` is called at every look (a stop request's check)."""
+        started = time.monotonic()
+        while (batch := self.settled(epoch, index)) is None:
+            interrupt()
+            if self.leader:
+                ids = self.batch_ids(epoch, index)
+                self.tend([i for i in ids if not self.ready(i) and not self._failed(i)], set(ids), epoch, index)
+            time.sleep(POLL_S)
+        self.evicted.clear()  # the batch is whole: what made room for it is asked for again as training nears it
+        now = time.monotonic()
+        self.step_started = now
+        if self.leader:
+            self.waited_s += now - started
+            if now - started > POLL_S:
+                self.state.set_meta(**{ONLINE_HEAD: ""})
+            # The next step's files get the room as soon as this one's are in: they are the next to be read.
+            nxt = self.following(epoch, index)
+            nxt_ids = self.batch_ids(*nxt) if nxt[0] < len(self.plans) else []
+            self.keep_room([i for i in nxt_ids if not self.ready(i) and not self._failed(i)])
+        return batch

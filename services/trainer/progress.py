@@ -5,7 +5,7 @@ Both trainers use it: the train job when it trains in its own process, and rank 
 
 from __future__ import annotations
 
-from services.trainer.train import ProgressFn, TrainProgress
+from services.trainer.session import ProgressFn, TrainProgress
 from runtime.runstate import RunState
 from shared.lifecycle import Stage
 

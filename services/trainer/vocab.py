@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 class TokenTally:
     """What the draft vocabulary (and DFlash's mask token) is chosen from: how often each target id is learned, and
     which ids occur at all, over the rows training reads of some files. Files given at construction are read when
-    a figure is first asked for (never, where a base checkpoint brings its own mapping); ``add`` reads one now, so
-    an online trainer can count a file and let it go before the next lands."""
+    a figure is first asked for (never, where a base checkpoint brings its own mapping); ``add`` reads one now, and
+    ``add_ids`` counts a sample from its ids (an online plan counts its replies before any file exists)."""
 
     def __init__(self, vocab_size: int, max_length: int | None = None, files: Iterable[Path] = ()) -> None:
         self.vocab_size, self.max_length = vocab_size, max_length
@@ -40,6 +40,14 @@ class TokenTally:
         with safe_open(path, framework="pt") as handle:  # reads only the two small tensors
             ids = handle.get_slice(eagle3.INPUT_IDS)[: self.max_length]
             mask = handle.get_slice(eagle3.LOSS_MASK)[: self.max_length].bool()
+        self.learned += torch.bincount(ids[mask], minlength=self.vocab_size)[: self.vocab_size]
+        self.occurring[ids[ids < self.vocab_size]] = True
+        self.files += 1
+
+    def add_ids(self, input_ids: list[int], loss_mask: list[int]) -> None:
+        """Count one sample from its token ids and loss mask (an online plan's, read from its reply record)."""
+        ids = torch.tensor(input_ids[: self.max_length], dtype=torch.long)
+        mask = torch.tensor(loss_mask[: self.max_length], dtype=torch.bool)
         self.learned += torch.bincount(ids[mask], minlength=self.vocab_size)[: self.vocab_size]
         self.occurring[ids[ids < self.vocab_size]] = True
         self.files += 1

@@ -139,7 +139,7 @@ def test_the_flex_chain_attention_trains_like_the_dense_one_on_cuda():
     under autocast as training runs: the unroll's outputs and every parameter's gradient, over a padded
     batch whose lengths cross the 128-token blocks, with grouped heads."""
     from modeling.eagle3 import DrafterConfig, Eagle3Drafter
-    from services.trainer.train import TTTObjective
+    from services.trainer.objective import TTTObjective
 
     config = DrafterConfig(hidden_size=256, target_hidden_size=192, intermediate_size=512, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=32, vocab_size=500, draft_vocab_size=300, layer_ids=(1, 2, 3))

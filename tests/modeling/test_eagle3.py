@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from modeling.eagle3 import DrafterConfig, Eagle3Drafter, KVCache
-from services.trainer.train import TTTObjective
+from services.trainer.objective import TTTObjective
 
 SMALL = DrafterConfig(hidden_size=32, target_hidden_size=24, intermediate_size=48, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=60, draft_vocab_size=40, layer_ids=(1, 3, 4))

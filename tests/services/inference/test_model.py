@@ -87,7 +87,7 @@ def cudnn_attention_restored():
 
 def test_cudnn_attention_is_switched_off_and_the_other_kernels_stay(cudnn_attention_restored):
     from modeling.attention import avoid_cudnn_attention
-    from services.trainer.train import pick_device
+    from services.trainer.session import pick_device
 
     torch.backends.cuda.enable_cudnn_sdp(True)
     pick_device("cpu")  # CPU work leaves the process-wide switch alone

@@ -15,7 +15,7 @@ from services.trainer.data import collate
 from evaluation.speculative import DrafterProposer, aux_states
 from modeling.eagle3 import DrafterConfig, Eagle3Drafter
 from modeling.target_head import load_target_head, read_target_config
-from services.trainer.train import Targets, TTTObjective, make_targets
+from services.trainer.objective import Targets, TTTObjective, make_targets
 from shared import eagle3
 from tests.support.tiny_runs import LAYER_IDS, TinyTarget, prompt_ids
 

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from modeling.export import export_drafter
 from services.trainer.launch import run_torchrun
 from services.trainer.batching import BATCHINGS, SHUFFLE, plan_epoch, share
-from services.trainer.train import resume, train_drafter, trained_from_checkpoint
-from services.trainer.train_data import epoch_plan
+from services.trainer.session import resume, trained_from_checkpoint
+from services.trainer.sources import epoch_plan
+from services.trainer.train import train_drafter
 from shared import eagle3
 from shared.errors import CheckpointFormatError
 from shared.runspec import RunSpec, TrainConfig
@@ -172,7 +173,7 @@ def test_a_run_with_a_global_batch_resumes_on_another_number_of_processes(
 
     run_torchrun("down", 2, settings)
     shutil.rmtree(down.checkpoint(2))  # stopped after step 1
-    with caplog.at_level(logging.INFO, logger="services.trainer.train"):
+    with caplog.at_level(logging.INFO, logger="services.trainer"):
         resumed_on_one = train_drafter(RunSpec.load(data_dir, "down"), data=data_dir, model_dir=tiny_model_dir,
                                        device="cpu")
     assert "resuming from step 1 of 2 on 1 training processes (the checkpoint's: 2)" in caplog.text

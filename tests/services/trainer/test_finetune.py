@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from modeling.export import export_drafter, load_drafter
-from services.trainer.train import VOCAB_FROM_BASE, VOCAB_FROM_DATA, train_drafter
+from services.trainer.drafter_init import VOCAB_FROM_BASE, VOCAB_FROM_DATA
+from services.trainer.train import train_drafter
 from services.trainer.vocab import build_mapping, count_tokens
 from shared.errors import BaseCheckpointMismatch, CheckpointFormatError
 from shared.layout import RunPaths
@@ -41,7 +42,7 @@ def publish(data_dir, tiny_model_dir, **fields):
 def test_a_published_drafter_loads_and_fine_tunes_a_step(make_run, tiny_model_dir, data_dir, tmp_path, caplog, convention, mapping):
     base = publish(data_dir, tiny_model_dir, convention=convention, mapping=mapping)
     paths = make_run("tuned", train={**ONE_STEP, "base_checkpoint": BASE})
-    with caplog.at_level(logging.INFO, logger="services.trainer.train"):
+    with caplog.at_level(logging.INFO, logger="services.trainer"):
         result = train(paths, tiny_model_dir)
     assert result.steps == 1 and result.layer_ids == [1, 3, 4]
     config = result.drafter.config

@@ -19,7 +19,8 @@ import pytest
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.launch import child_env, join_trainings
 from services.trainer.rendezvous import Rendezvous, announce, torchrun_args
-from services.trainer.train import train_drafter, trained_from_checkpoint
+from services.trainer.session import trained_from_checkpoint
+from services.trainer.train import train_drafter
 from shared.errors import SettingsError
 from shared.layout import RunPaths
 from shared.runspec import RunSpec

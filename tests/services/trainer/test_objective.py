@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer import train as train_module
+from services.trainer import objective as objective_module
 from services.trainer.data import Batch
 from modeling.eagle3 import shift
-from services.trainer.train import Targets, TTTObjective, make_targets
+from services.trainer.objective import Targets, TTTObjective, make_targets
 from services.trainer.vocab import draft_to_target
 from tests.modeling.test_eagle3 import SMALL, random_drafter
 
@@ -70,7 +70,7 @@ def test_targets_in_chunks_equal_the_whole_product(setup, monkeypatch):
     drafter, lm_head = setup
     batch = padded_batch([13, 9, 4])
     whole = plain_targets(batch, lm_head, drafter.d2t, drafter.t2d)
-    monkeypatch.setattr(train_module, "TARGET_CHUNK", 5)  # chunks that cut rows of the batch apart
+    monkeypatch.setattr(objective_module, "TARGET_CHUNK", 5)  # chunks that cut rows of the batch apart
     chunked = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
     torch.testing.assert_close(chunked.probs, whole.probs)
     assert torch.equal(chunked.argmax, whole.argmax) and torch.equal(chunked.in_draft, whole.in_draft)

@@ -1,128 +1,33 @@
-"""The online trainer's plan and order (services/trainer/online.py): which samples it trains, in which seeded order,
-what it asks for ahead, and what it keeps after a checkpoint. The real extraction meets it in tests/test_online.py."""
+"""The online trainer's feed (services/trainer/online.py): which samples it asks for ahead and in which order,
+what it keeps after each step, how it makes room, and what it estimates a file's size as. The plan it reads is
+pinned in test_online_plan.py; the real extraction meets both in tests/test_online.py."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
+from runtime import spool
 from runtime.runstate import RunState
-from services.trainer.online import Feed, OnlinePlanError, load_plan, make_plan, online_epoch_plan
-from shared.atomic import atomic_write_json
+from services.trainer.batching import LENGTH
+from services.trainer.online import Feed, OnlineBudgetTooSmall, Rates, SizeModel
+from services.trainer.online_plan import OnlinePlan
+from services.trainer.sources import epoch_plan
 from shared.jobs import extract_job_id
-from shared.layout import RunPaths
 from shared.lifecycle import Stage
-from shared.runspec import OnlineConfig, RunSpec, TrainConfig
+from shared.runspec import TrainConfig
 
 RUN = "plan"
 
 
-def spec_of(rows: int, **train) -> RunSpec:
-    return RunSpec(name=RUN, dataset="d.jsonl", model="m", rows=rows, train_ids=rows, train=TrainConfig(**train),
-                   online=OnlineConfig(enabled=True, budget_bytes=10**6))
-
-
-def with_replies(data, ids, failed=()) -> RunPaths:
-    paths = RunPaths(data, RUN)
-    for i in ids:
-        atomic_write_json(paths.generated(i), {"sample_id": i})
-    for i in failed:
-        atomic_write_json(paths.failure(Stage.EXTRACT, i), {"sample_id": i})
-    return paths
-
-
-def test_the_plan_is_the_samples_with_a_reply_less_the_held_out_and_is_kept(data_dir):
-    paths = with_replies(data_dir, [i for i in range(20) if i not in (3, 7)], failed=[11])
-    spec = spec_of(20, validation_files=2)
-    plan = make_plan(paths, spec)
-    assert len(plan.validation_ids) == 2 and not set(plan.validation_ids) & set(plan.train_ids)
-    assert sorted(plan.train_ids + plan.validation_ids) == [i for i in range(20) if i not in (3, 7, 11)]
-    kept = load_plan(paths, spec, rank=0)  # written on the first start
-    with_replies(data_dir, [3])  # a reply that lands later changes nothing: the plan is what training started with
-    assert load_plan(paths, spec, rank=1) == kept
-
-
-def test_a_run_without_replies_has_no_plan(data_dir):
-    with pytest.raises(OnlinePlanError, match="no sample has a reply"):
-        make_plan(RunPaths(data_dir, RUN), spec_of(5))
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_each_epoch_is_a_seeded_order_holding_every_sample_once(world):
-    cfg = TrainConfig(batch_size=3, seed=7)
-    epochs = [online_epoch_plan(cfg, 20, epoch, world) for epoch in range(3)]
-    for batches in epochs:
-        assert Counter(i for batch in batches for i in batch) == Counter(range(20))
-        assert all(len(batch) == 3 * world for batch in batches[:-1])
-    assert epochs[0] != epochs[1]  # another order each epoch
-    assert online_epoch_plan(cfg, 20, 1, world) == epochs[1]  # the same after a resume
-    assert online_epoch_plan(TrainConfig(batch_size=3, seed=8), 20, 1, world) != epochs[1]
-
-
-def feed_of(data_dir, redis_conn, samples: int = 10, epochs: int = 2, failed: set[int] = frozenset()) -> Feed:
-    paths = with_replies(data_dir, range(samples))
-    plan = make_plan(paths, spec_of(samples))
-    cfg = TrainConfig(batch_size=4)
-    feed = Feed(RunState(redis_conn, data_dir, RUN), plan, [online_epoch_plan(cfg, samples, e, 1) for e in range(epochs)],
-                rank=0, budget=10**6)
+def feed_of(data_dir, redis_conn, samples: int = 10, epochs: int = 2, failed=frozenset(), tokens=None,
+            budget: int = 10**6, batch_size: int = 4) -> Feed:
+    tokens = tokens or [20 + 3 * i for i in range(samples)]
+    plan = OnlinePlan(list(range(samples)), [], tokens)
+    cfg = TrainConfig(batch_size=batch_size)
+    plans = [epoch_plan(cfg, tokens, e, 1, LENGTH) for e in range(epochs)]
+    feed = Feed(RunState(redis_conn, data_dir, RUN), plan, plans, rank=0, budget=budget, span=batch_size)
     feed.failed |= set(failed)
     return feed
-
-
-def test_what_comes_next_crosses_into_the_next_epoch_and_skips_failed_samples(data_dir, redis_conn):
-    feed = feed_of(data_dir, redis_conn, failed={4})
-    order = [[feed.plan.train_ids[i] for i in batch] for batch in feed.plans[0]]
-    rest = [i for batch in order[2:] for i in batch if i != 4]
-    following = [feed.plan.train_ids[i] for i in feed.plans[1][0] if feed.plan.train_ids[i] != 4]
-    assert feed.upcoming(0, 2, 100)[: len(rest) + 2] == rest + following[:2]
-    assert feed.upcoming(1, len(feed.plans[1]), 5) == []  # nothing after the last epoch
-
-
-def test_after_a_checkpoint_the_files_read_go_unless_read_again_soon(data_dir, redis_conn, monkeypatch):
-    import services.trainer.online as online
-
-    feed = feed_of(data_dir, redis_conn)
-    released: list[int] = []
-    monkeypatch.setattr(online, "release", lambda state, sample_id: released.append(sample_id))
-    soon = feed.upcoming(1, 0, 1)[0]  # with no size measured yet, one batch ahead is asked for and kept
-    feed.unreleased = {1, 2, 3, soon}
-    feed.asked = {i: 0.0 for i in feed.unreleased}
-    feed.released_after_checkpoint(1, 0, span=1)
-    assert sorted(released) == sorted({1, 2, 3} - {soon})
-    assert feed.unreleased == set() and set(feed.asked) == {soon}  # a released sample is asked for afresh
-
-
-def test_a_file_is_ready_only_once_its_manifest_names_that_version_of_it(data_dir, redis_conn):
-    import os
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from shared.manifest import ManifestEntry, append_entry, manifest_path
-
-    feed = feed_of(data_dir, redis_conn)
-    path = feed.paths.hidden(3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from shared import eagle3
-
-    save_file({eagle3.INPUT_IDS: np.zeros(4, dtype=np.int64), eagle3.LOSS_MASK: np.ones(4, dtype=np.uint8),
-               eagle3.LAST_HIDDEN: np.zeros((4, 2), dtype=np.float32)}, str(path),
-              metadata={eagle3.META_LAYER_IDS: "[0]"})
-    assert not feed.ready(3)  # landed, not yet verified and recorded by its extractor
-
-    def record(mtime_ns: int, at: float) -> None:
-        append_entry(manifest_path(feed.paths, 3), ManifestEntry(3, "0" * 64, path.stat().st_size, 4, "F32", [0], at,
-                                                                mtime_ns))
-
-    record(path.stat().st_mtime_ns, at=0.0)  # an extractor whose clock runs far behind the file server's
-    assert not feed.ready(3)  # verified and recorded, not yet counted: released now, it would be counted once gone
-    feed.state.mark_done(Stage.EXTRACT, 3)
-    assert feed.ready(3)
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # extracted again, next epoch
-    assert not feed.ready(3)  # the entry names the earlier version, however late its clock says it was written
-    record(path.stat().st_mtime_ns, at=0.0)
-    assert feed.ready(3)
 
 
 def land_ready(feed: Feed, sample_id: int, tokens: int) -> int:
@@ -146,15 +51,132 @@ def land_ready(feed: Feed, sample_id: int, tokens: int) -> int:
     return size
 
 
-def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data_dir, redis_conn, caplog):
-    from runtime import spool
+def test_what_comes_next_crosses_into_the_next_epoch_and_skips_failed_samples(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, failed={4})
+    order = [feed.batch_ids(0, i) for i in range(len(feed.plans[0]))]
+    rest = [i for batch in order[2:] for i in batch if i != 4]
+    following = [i for i in feed.batch_ids(1, 0) if i != 4]
+    assert feed.upcoming(0, 2, 100)[: len(rest) + 2] == rest + following[:2]
+    assert feed.upcoming(1, len(feed.plans[1]), 5) == []  # nothing after the last epoch
 
+
+def test_a_files_size_is_fitted_from_the_files_landed_and_priced_before_any_from_the_submission_estimate():
+    sizes = SizeModel(prior_per_token=100.0)
+    assert sizes.estimate(10) == 1000.0  # nothing landed: the figure recorded at submission, no overhead
+    for sample_id, tokens in enumerate((10, 40, 25)):
+        sizes.add(sample_id, tokens, 512 + 37 * tokens)  # a header, then each token's states
+    sizes.add(0, 10, 10**9)  # the same sample landing again (next epoch) is not a second measurement
+    assert sizes.estimate(100) == pytest.approx(512 + 3700)
+    assert sizes.mean_bytes == pytest.approx(512 + 37 * 25)
+    assert SizeModel().estimate(10) is None  # nothing known at all
+
+
+def test_the_window_asks_whole_batches_in_training_order_as_far_as_the_budget_holds(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, samples=16, epochs=1)
+    feed.sizes.prior_per_token = 10.0  # bytes = 10 x tokens
+    order = feed.upcoming(0, 0, 100)
+    batches = [feed.batch_ids(0, i) for i in range(len(feed.plans[0]))]
+    cost = [sum(10 * feed.tokens[s] for s in batch) for batch in batches]
+    feed.held_bytes = 1000
+    feed.budget = 1000 + cost[0] + cost[1] + 10 * feed.tokens[batches[2][0]]  # two batches and one more file
+    window = feed.plan_window(0, 0)
+    assert window.ids == order[: 2 * 4 + 1]  # a prefix of the order: no later sample before an earlier one fits
+    assert window.steps == 2 and window.limit == spool.WindowLimit.BUDGET
+    assert window.nbytes == cost[0] + cost[1] + 10 * feed.tokens[batches[2][0]]
+    feed.budget = 1000  # nothing fits beside the held-out files: the batch waited for is asked for still
+    assert feed.plan_window(0, 0).ids == batches[0]
+    feed.budget = 10**9
+    assert feed.plan_window(0, 2).ids == order[8:] and feed.plan_window(0, 2).limit == spool.WindowLimit.END
+
+
+def test_measured_rates_shorten_the_window_to_the_steps_extraction_needs(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, samples=40, epochs=1)
+    feed.sizes.prior_per_token = 10.0
+    feed.rates = Rates(step_s=1.0, landed_per_s=8.0)  # a batch of 4 takes half a step to extract
+    assert feed.rates.steps_ahead(4) == 1 + 2  # twice the half step, rounded up, and two more
+    window = feed.plan_window(0, 0)
+    assert window.steps == 3 and window.limit == spool.WindowLimit.RATES
+    feed.rates = Rates(step_s=1.0, landed_per_s=2.0)  # extraction the slower side: only the budget bounds it
+    assert feed.rates.steps_ahead(4) is None and feed.plan_window(0, 0).limit == spool.WindowLimit.END
+    rates = Rates()
+    rates.note_landed(0, busy=True, now=0.0)
+    rates.note_landed(10, busy=False, now=1.0)  # extraction ran dry: that interval measured the asking
+    assert rates.landed_per_s is None
+    rates.note_landed(30, busy=True, now=2.0)
+    assert rates.landed_per_s == 20.0
+
+
+def test_after_a_step_its_files_go_unless_the_window_holds_them_again(data_dir, redis_conn, monkeypatch):
+    import services.trainer.online as online
+
+    feed = feed_of(data_dir, redis_conn, samples=8, epochs=2)
+    feed.sizes.prior_per_token = 10.0
+    released: list[int] = []
+    monkeypatch.setattr(online, "release", lambda state, sample_id, **kw: released.append(sample_id) or 0)
+    last = len(feed.plans[0]) - 1
+    read = feed.batch_ids(0, last)
+    soon = feed.batch_ids(1, 0)  # the next epoch's first batch: asked for again at once
+    feed.budget = 10 * sum(feed.tokens[s] for s in soon)  # the window holds that one batch
+    feed.asked = {i: 0.0 for i in read}
+    feed.after_step(0, last)
+    assert sorted(released) == sorted(set(read) - set(soon))
+    assert not set(released) & set(feed.asked)  # a released sample is asked for afresh when it comes round
+    assert feed.window.ids == soon
+    assert all(redis_conn.exists(f"rq:job:{extract_job_id(RUN, i)}") for i in soon)  # and asked for
+    meta = feed.state.meta()
+    assert int(meta[spool.ONLINE_WINDOW_FILES]) == len(soon) and meta[spool.ONLINE_WINDOW_LIMIT] == "budget"
+
+
+def test_a_budget_that_cannot_hold_the_largest_batch_beside_the_held_out_files_fails_by_name(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, samples=12, epochs=1)
+    feed.sizes.prior_per_token = 10.0
+    largest = max(sum(10 * feed.tokens[s] for s in feed.batch_ids(0, i)) for i in range(len(feed.plans[0])))
+    feed.held_bytes = 500
+    feed.budget = 500 + largest
+    feed.check_budget()  # just enough
+    feed.budget -= 1
+    with pytest.raises(OnlineBudgetTooSmall, match=f"at least {500 + largest:,} bytes are needed"):
+        feed.check_budget()
+
+
+def test_a_file_is_ready_only_once_its_manifest_names_that_version_of_it(data_dir, redis_conn):
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from shared import eagle3
+    from shared.manifest import ManifestEntry, append_entry, manifest_path
+
+    feed = feed_of(data_dir, redis_conn)
+    path = feed.paths.hidden(3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({eagle3.INPUT_IDS: np.zeros(4, dtype=np.int64), eagle3.LOSS_MASK: np.ones(4, dtype=np.uint8),
+               eagle3.LAST_HIDDEN: np.zeros((4, 2), dtype=np.float32)}, str(path),
+              metadata={eagle3.META_LAYER_IDS: "[0]"})
+    assert not feed.ready(3)  # landed, not yet verified and recorded by its extractor
+
+    def record(mtime_ns: int, at: float) -> None:
+        append_entry(manifest_path(feed.paths, 3), ManifestEntry(3, "0" * 64, path.stat().st_size, 4, "F32", [0], at,
+                                                                mtime_ns))
+
+    record(path.stat().st_mtime_ns, at=0.0)  # an extractor whose clock runs far behind the file server's
+    assert not feed.ready(3)  # verified and recorded, not yet counted: released now, it would be counted once gone
+    feed.state.mark_done(Stage.EXTRACT, 3)
+    assert feed.ready(3)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # extracted again, next epoch
+    assert not feed.ready(3)  # the entry names the earlier version, however late its clock says it was written
+    record(path.stat().st_mtime_ns, at=0.0)
+    assert feed.ready(3)
+
+
+def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data_dir, redis_conn, caplog):
     feed = feed_of(data_dir, redis_conn, samples=12)
     ahead = feed.upcoming(0, 1, 8)  # the next two batches, landed before the first batch's files
     sizes = {i: land_ready(feed, i, 20) for i in ahead}
     batch = feed.upcoming(0, 0, 4)
     sizes[batch[0]] = land_ready(feed, batch[0], 20)  # one file of the batch waited for is there, three are not
-    feed.unreleased = {ahead[0]}  # read by a step (not in a checkpoint yet): never the trainer's to delete unread
+    feed.loading = {ahead[0]}  # a loader reads it now: never deleted under it
     largest = max(sizes.values())
     feed.budget = sum(sizes.values()) - 2 * largest  # full, and then some
     feed.make_room(set(batch), 0, 1)
@@ -178,13 +200,12 @@ def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data
 
 
 def test_the_budget_keeps_room_for_the_files_the_next_step_misses(data_dir, redis_conn):
-    from runtime import spool
-
     feed = feed_of(data_dir, redis_conn)
-    feed.mean_bytes = 1000.0
+    feed.sizes.prior_per_token = 10.0
     feed.keep_room([3, 8])
     meta = feed.state.meta()
-    assert meta[spool.ONLINE_BATCH] == "3,8" and int(meta[spool.ONLINE_RESERVE]) == 2000
+    assert meta[spool.ONLINE_BATCH] == "3,8"
+    assert int(meta[spool.ONLINE_RESERVE]) == 10 * (feed.tokens[3] + feed.tokens[8])  # each at its own size
     feed.keep_room([])  # all in: nothing kept
     meta = feed.state.meta()
     assert meta[spool.ONLINE_BATCH] == "" and int(meta[spool.ONLINE_RESERVE]) == 0

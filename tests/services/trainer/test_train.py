@@ -10,9 +10,11 @@ import torch
 
 from services.trainer.batching import batch_padding, epoch_order, plan_epoch, plan_padding
 from services.trainer.checkpoint import list_checkpoints
-from services.trainer.data import Batch, collate
+from services.trainer.data import Batch, HiddenStateDataset, collate
 from modeling.export import export_drafter
-from services.trainer.train import TrainProgress, make_targets, prepare, train_drafter
+from services.trainer.objective import make_targets
+from services.trainer.session import prepare
+from services.trainer.train import TrainProgress, train_drafter
 from shared import eagle3
 from shared.atomic import TEMP_PREFIX
 from shared.layout import RunPaths
@@ -141,8 +143,8 @@ def prepared(paths, model_dir):
 def test_training_reads_every_token_extraction_kept_when_max_length_is_unset(make_run, tiny_model_dir, tiny_samples):
     s = prepared(make_run(), tiny_model_dir)
     assert RunSpec.load(s.paths.data, s.paths.run).train.max_length is None
-    assert s.dataset.max_length == 4096  # extraction.max_length
-    assert s.lengths == [int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples]
+    assert s.source.max_length == 4096  # extraction.max_length
+    assert s.source.lengths == [int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples]
 
 
 def test_a_smaller_max_length_warns_with_the_stored_loss_tokens_it_drops(make_run, tiny_model_dir, tiny_samples, caplog):
@@ -150,9 +152,9 @@ def test_a_smaller_max_length_warns_with_the_stored_loss_tokens_it_drops(make_ru
     cut = [x for x in tiny_samples if x[eagle3.INPUT_IDS].shape[0] > limit]
     dropped = sum(int(x[eagle3.LOSS_MASK][limit:].sum()) for x in cut)
     assert cut and dropped > 0
-    with caplog.at_level(logging.WARNING, logger="services.trainer.train"):
+    with caplog.at_level(logging.WARNING, logger="services.trainer.sources"):
         s = prepared(make_run(train={"max_length": limit}), tiny_model_dir)
-    assert s.lengths == [min(int(x[eagle3.INPUT_IDS].shape[0]), limit) for x in tiny_samples]
+    assert s.source.lengths == [min(int(x[eagle3.INPUT_IDS].shape[0]), limit) for x in tiny_samples]
     assert f"{len(cut)} of {len(tiny_samples)} files are cut, and {dropped} stored loss tokens past position {limit}" in caplog.text
 
 
@@ -161,7 +163,7 @@ def per_sample_losses(s, plan: list[list[int]]) -> dict[int, tuple[list[float], 
     """Each sample's (ce sums, counts) from the objective, batch by batch as ``plan`` groups them."""
     found = {}
     for indices in plan:
-        batch = collate([s.dataset[i] for i in indices])
+        batch = collate([HiddenStateDataset(s.source.files, s.source.max_length)[i] for i in indices])
         targets = make_targets(batch, s.lm_head, s.drafter.d2t, s.drafter.t2d)
         for row, index in enumerate(indices):  # one row's loss: every other row's mask cleared
             only = torch.zeros_like(batch.loss_mask)
@@ -173,11 +175,11 @@ def per_sample_losses(s, plan: list[list[int]]) -> dict[int, tuple[list[float], 
 
 def test_each_sample_keeps_its_loss_whatever_batch_the_length_grouped_order_puts_it_in(make_run, tiny_model_dir):
     s = prepared(make_run(train={"batch_size": 1}), tiny_model_dir)
-    old = [[i] for i in epoch_order(len(s.lengths), s.cfg.seed, 0)]  # the order before length grouping
-    assert sorted(s.plans[0]) == sorted(old) and s.batching == "length"
+    old = [[i] for i in epoch_order(len(s.source.lengths), s.cfg.seed, 0)]  # the order before length grouping
+    assert sorted(s.plans[0]) == sorted(old) and s.source.batching == "length"
     alone = per_sample_losses(s, old)
     assert per_sample_losses(s, s.plans[0]) == alone  # batch_size 1: identical
-    grouped = per_sample_losses(s, plan_epoch(s.lengths, seed=0, epoch=0, batch_size=4, world=1))  # padded rows
+    grouped = per_sample_losses(s, plan_epoch(s.source.lengths, seed=0, epoch=0, batch_size=4, world=1))  # padded rows
     for index, (ce, counts) in alone.items():
         assert grouped[index][1] == counts
         assert grouped[index][0] == pytest.approx(ce, rel=1e-5)
@@ -224,14 +226,15 @@ def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run
     train(paths, tiny_model_dir, progress=seen.append)
     records = log_records(paths)
     plans = [batch for plan in s.plans for batch in plan]
-    assert [r["padding"] for r in records] == [round(batch_padding(b, s.lengths, 1).fraction, 6) for b in plans]
-    assert [p.padding for p in seen] == [plan_padding(s.plans[p.epoch], s.lengths, 1).fraction for p in seen]
-    shuffled = plan_padding(plan_epoch(s.lengths, seed=0, epoch=0, batch_size=3, world=1, batching="shuffle"), s.lengths, 1)
+    lengths = s.source.lengths
+    assert [r["padding"] for r in records] == [round(batch_padding(b, lengths, 1).fraction, 6) for b in plans]
+    assert [p.padding for p in seen] == [plan_padding(s.plans[p.epoch], lengths, 1).fraction for p in seen]
+    shuffled = plan_padding(plan_epoch(lengths, seed=0, epoch=0, batch_size=3, world=1, batching="shuffle"), lengths, 1)
     assert seen[0].padding < shuffled.fraction
 
 
 def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
-    from services.trainer.train_data import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, MIN_AUTO_EPOCHS, auto_epochs
+    from services.trainer.sources import AUTO_EPOCH_POSITIONS, MAX_AUTO_EPOCHS, MIN_AUTO_EPOCHS, auto_epochs
 
     assert auto_epochs(3, 10) == 3 and auto_epochs(1, 10**9) == 1  # a set value wins, whatever the data
     assert auto_epochs(None, 1_186_981) == 6  # the 5,000-prompt SmolLM2 run the default was measured on
@@ -246,10 +249,10 @@ def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():
 
 
 def test_a_run_with_epochs_unset_trains_the_passes_its_data_calls_for(make_run, tiny_model_dir, tiny_samples, monkeypatch):
-    from services.trainer import train_data
+    from services.trainer import sources
 
     positions = sum(int(x[eagle3.INPUT_IDS].shape[0]) for x in tiny_samples)
-    monkeypatch.setattr(train_data, "AUTO_EPOCH_POSITIONS", 3 * positions - 1)  # three passes' worth
+    monkeypatch.setattr(sources, "AUTO_EPOCH_POSITIONS", 3 * positions - 1)  # three passes' worth
     paths = make_run(train={"epochs": None, "save_every": 1000})
     assert RunSpec.load(paths.data, paths.run).train.epochs is None
     s = prepared(paths, tiny_model_dir)

@@ -1,0 +1,203 @@
+"""The online source: an online run's batches, each waited for on the volume as training reaches it, read from the
+files extraction lands in the trainer's order, and released once the step that read them is done.
+
+Built from the run's plan (``online_plan.py``: the samples, their lengths, the draft vocabulary's tally) and its
+feed (``online.py``: the window asked for ahead, the waits, the releases). The loop reads it like the offline
+source (``sources.py``). Each step's batch is waited for in the training process itself, then read; on a GPU a
+few threads read and pad the batches after it whose files are all in, while the GPU works, so a step never waits
+for a batch further ahead than its own.
+
+A stop requested while the trainer waits for files: one training process checkpoints where training stands and
+stops (``StopWhileWaiting``); of several, rank 0 writes that checkpoint at once, so nothing is lost if the
+processes are killed, and every rank stops after the step the files arrive for (the stop is agreed at each
+step's all-reduce: no rank may leave a collective its peers have entered).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from runtime.runstate import RunState
+from services.trainer import checkpoint as ckpt
+from services.trainer.data import Batch, HiddenStateDataset, collate, verify_files
+from services.trainer.online import Feed, GlobalBatchFailed
+from services.trainer.online_plan import (OnlinePlanError, ReplyTokens, load_plan, plan_facts, plan_failure_record,
+                                          record_facts, wait_for_facts)
+from services.trainer.sources import Reading, Source, Step, auto_epochs, checkpoint_batching, epoch_plan
+from shared import eagle3
+from shared.hidden_file import verify_hidden_file
+from shared.layout import RunPaths
+from shared.runspec import RunSpec
+
+log = logging.getLogger(__name__)
+
+PREFETCH_THREADS = 4  # per training process on a GPU: threads reading and padding the next ready batches
+PREFETCH_BATCHES = 2  # batches read ahead of the one trained
+
+
+class StopWhileWaiting(Exception):  # noqa: N818 - control flow between the source and the loop, not an error
+    """A stop was requested while the only training process waited for a step's files."""
+
+
+@dataclass
+class Spool(Source):
+    """An online run's files (see the module doc)."""
+
+    feed: Feed | None = None
+    facts: dict = field(default_factory=dict)  # what the first start measured and chose (online_plan.FACTS)
+    paths: RunPaths | None = None
+    dataset: HiddenStateDataset | None = field(default=None, init=False)
+    threads: ThreadPoolExecutor | None = field(default=None, init=False)
+    pending: dict[tuple[int, int], Future] = field(default_factory=dict, init=False)
+    trained: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False)  # batches yielded, by step
+    trained_in_epoch: int = field(default=0, init=False)
+    stop_checkpointed: bool = field(default=False, init=False)
+
+    def open(self, reading: Reading) -> None:
+        super().open(reading)
+        assert self.feed is not None
+        position = reading.position
+        self.feed.settle(position.epoch, position.batch_in_epoch)
+        self.dataset = HiddenStateDataset(self.files, self.max_length)
+        if reading.device.type == "cuda":
+            self.threads = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="online-read")
+
+    def batches(self, epoch: int, first: int) -> Iterator[Step]:
+        assert self.feed is not None
+        self.trained_in_epoch = sum(len(b) for b in self.plans[epoch][:first])
+        for index in range(first, len(self.plans[epoch])):
+            global_batch = self.feed.wait_for(epoch, index, interrupt=self._interrupt)
+            batch = self._take(epoch, index, global_batch)
+            self.trained[(epoch, index)] = global_batch
+            self._prefetch(epoch, index)
+            yield Step(index, global_batch, self.share_of(global_batch)[0], batch)
+
+    def after_step(self, epoch: int, index: int) -> None:
+        assert self.feed is not None
+        done = self.trained.pop((epoch, index), [])
+        self.feed.loading -= {self.sample_ids[i] for i in done}
+        self.feed.after_step(epoch, index)
+        self.trained_in_epoch += len(done)
+        self.feed.report(epoch, self.trained_in_epoch)
+
+    def after_checkpoint(self, position: ckpt.Position) -> None:
+        assert self.feed is not None
+        self.feed.report(min(position.epoch, len(self.plans) - 1), self.trained_in_epoch, force=True)
+
+    def checkpoint_extra(self) -> dict:
+        assert self.feed is not None
+        return {"online": {"order": "the plan's lengths, batched as offline", "budget_bytes": self.feed.budget}}
+
+    def finish(self) -> None:
+        assert self.feed is not None
+        self.feed.report(len(self.plans) - 1, self.trained_in_epoch if self.plans else 0, force=True)
+        if self.threads is not None:
+            self.threads.shutdown(wait=True, cancel_futures=True)
+
+    def _interrupt(self) -> None:
+        """At every look while waiting: a stop requested ends the wait (one process) or is made safe (several)."""
+        reading = self.reading
+        if reading is None or not reading.stop():
+            return
+        if reading.world == 1:
+            raise StopWhileWaiting()
+        if reading.rank == 0 and not self.stop_checkpointed:
+            reading.checkpoint_now()
+            self.stop_checkpointed = True
+
+    def _take(self, epoch: int, index: int, global_batch: list[int]) -> Batch:
+        future = self.pending.pop((epoch, index), None)
+        if future is not None:
+            loaded_for, batch = future.result()
+            if loaded_for == global_batch:
+                return batch
+        return self._load(global_batch)[1]
+
+    def _load(self, global_batch: list[int]) -> tuple[list[int], Batch]:
+        assert self.dataset is not None
+        indices, filler = self.share_of(global_batch)
+        batch = collate([self.dataset[i] for i in indices])
+        if self.threads is not None:
+            batch = batch.pin_memory()  # the copy to the GPU is then asynchronous
+        return global_batch, batch.without_loss() if filler else batch
+
+    def _prefetch(self, epoch: int, index: int) -> None:
+        """Read the next batches of the epoch whose files are all in (stopping at the first that is not: they are
+        trained in order), marked as being read so no room is made by deleting them."""
+        if self.threads is None:
+            return
+        assert self.feed is not None
+        for ahead in range(index + 1, min(index + 1 + PREFETCH_BATCHES, len(self.plans[epoch]))):
+            if (epoch, ahead) in self.pending:
+                continue
+            try:
+                settled = self.feed.settled(epoch, ahead)
+            except GlobalBatchFailed:
+                return  # raised when the loop reaches it
+            if settled is None:
+                return
+            self.feed.loading |= {self.sample_ids[i] for i in settled}
+            self.pending[(epoch, ahead)] = self.threads.submit(self._load, settled)
+
+
+def spool(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world: int, rank: int, layer_ids: list[int],
+          hidden_size: int, vocab_size: int, model_dir, trust_remote_code: bool = False) -> Spool:
+    """The online source: the plan and its tally (rank 0 makes them on the first start), the epochs planned by
+    length, the held-out files waited for and verified, and the feed that asks for the rest as training goes."""
+    if state is None:
+        raise OnlinePlanError(f"run {spec.name} trains online: its trainer needs the run's Redis state")
+    cfg, max_length = spec.train, spec.train_max_length
+    record = (lambda failure: state.mark_failed(plan_failure_record(spec.name, failure))) if rank == 0 else None
+    plan, tally = load_plan(paths, spec, rank, ReplyTokens(paths, spec, model_dir, trust_remote_code),
+                            vocab_size=vocab_size, **({"on_failure": record} if record else {}))
+    lengths = [min(n, max_length) for n in plan.tokens]
+    facts = plan_facts(paths) if rank == 0 else wait_for_facts(paths)
+    fresh = facts is None
+    if fresh:
+        facts = {"epochs": auto_epochs(cfg.epochs, sum(lengths)), "positions": sum(lengths)}
+    batching = checkpoint_batching(paths, cfg)
+    plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(int(facts["epochs"]))]
+    span = cfg.global_batch_size if cfg.global_batch_size is not None else cfg.batch_size * world
+    feed = Feed(state, plan, plans, rank, int(spec.online.budget_bytes or 0), span)
+    feed.start()
+    feed.wait_ready(plan.validation_ids)
+    held_out = [paths.hidden(i) for i in plan.validation_ids if i not in feed.failed]
+    infos = verify_files(held_out, layer_ids=layer_ids, hidden_size=hidden_size) if held_out else []
+    if "target_model" not in facts:
+        facts.update(_target_facts(spec, infos, feed, plans, layer_ids=layer_ids, hidden_size=hidden_size))
+    target_meta = {eagle3.META_MODEL: facts["target_model"], eagle3.META_MODEL_FINGERPRINT: facts["target_fingerprint"]}
+    return Spool([paths.hidden(i) for i in plan.train_ids], list(plan.train_ids), held_out, tally, lengths,
+                 len(plans), plans, batching, target_meta, int(facts["positions"]), facts.get("mask_token_id"),
+                 max_length=max_length, feed=feed, facts=facts if fresh else {}, paths=paths)
+
+
+def _target_facts(spec: RunSpec, infos: list, feed: Feed, plans: list[list[list[int]]], *, layer_ids: list[int],
+                  hidden_size: int) -> dict:
+    """The target's name and fingerprint, as the files record them: a held-out file's, or, with none held out, the
+    first training batch's first file (waited for now; step 1 reads it next), verified against the run's layers."""
+    if not infos:
+        first = [feed.plan.train_ids[i] for i in plans[0][0]]
+        if feed.leader:
+            feed.ask(first)
+        feed.wait_ready(first)
+        path = next((feed.paths.hidden(i) for i in first if i not in feed.failed), None)
+        if path is None:
+            raise OnlinePlanError(f"run {spec.name}: every sample of the first batch failed extraction")
+        infos = [verify_hidden_file(path, layer_ids=layer_ids, hidden_size=hidden_size)]
+    meta = infos[0].metadata
+    return {"target_model": meta.get(eagle3.META_MODEL, spec.model),
+            "target_fingerprint": meta.get(eagle3.META_MODEL_FINGERPRINT, "")}
+
+
+def record_online_facts(source: Source, paths: RunPaths, mask_token_id: int | None, rank: int) -> None:
+    """Rank 0 records what its first start measured and chose, for every resume (``online_plan.plan_facts``)."""
+    if not isinstance(source, Spool) or rank != 0 or not source.facts:
+        return
+    facts = dict(source.facts)
+    if mask_token_id is not None:
+        facts["mask_token_id"] = mask_token_id
+    record_facts(paths, facts)
+
