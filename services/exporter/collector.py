@@ -294,6 +294,13 @@ def _run_online(families: Families, state: RunState, meta: dict[str, str]) -> No
                    ["run"]).add_metric(run, online.budget_bytes)
     families.gauge(metrics.ONLINE_EPOCH_TRAINED, "Samples the online trainer has trained in its current epoch.",
                    ["run"]).add_metric(run, online.epoch_trained)
+    for metric, value, doc in (
+        (metrics.ONLINE_WINDOW_FILES, online.window_files, "Samples the online trainer has asked for ahead."),
+        (metrics.ONLINE_WINDOW_STEPS, online.window_steps, "Global batches the online trainer's window reaches into."),
+        (metrics.ONLINE_WINDOW_BYTES, online.window_bytes, "Estimated bytes of the files the online trainer asked for "
+                                                           "ahead."),
+    ):
+        families.gauge(metric, doc, ["run"]).add_metric(run, value)
     for metric, field, doc in (
         (metrics.ONLINE_TRAIN_SECONDS, ONLINE_TRAIN_S, "Seconds the online trainer has run, its waits included."),
         (metrics.ONLINE_TRAIN_WAIT_SECONDS, ONLINE_WAIT_S, "Seconds the online trainer has waited for files."),

@@ -207,7 +207,7 @@ def save_checkpoint(s: Session, position: ckpt.Position, why: str = "") -> None:
                    "global_batch_size": s.cfg.global_batch_size, **s.source.checkpoint_extra()}))
     s.saved_at, s.saved_step = time.monotonic(), position.step
     s.source.after_checkpoint(position)
-    log.info("step %d: checkpoint%s", position.step, why)
+    log.info("run %s: step %d: checkpoint%s", s.paths.run, position.step, why)
 
 
 def measure_held_out(s: Session, step: int, epoch: int, validation_log: TrainLog) -> dict[str, float] | None:

@@ -24,12 +24,17 @@ def test_the_benchmark_runs_an_offline_run_and_its_online_twin(tmp_path, tiny_mo
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = json.loads(out.read_text())
-    assert 0 < figures["online_budget_bytes"] < figures["offline_run_bytes"] / 3
     assert figures["offline_peak_run_bytes"] == figures["offline_run_bytes"]  # offline keeps every file to the end
-    assert 0 < figures["online_peak_run_bytes"] < figures["offline_peak_run_bytes"]
+    twin = figures["twins"]["0.33"]
+    assert 0 < twin["online_budget_bytes"] < figures["offline_run_bytes"] / 3
+    assert 0 < twin["online_peak_run_bytes"] < figures["offline_peak_run_bytes"]
     # Past the budget the trainer lets through one file at most: the one it waits for.
-    assert figures["online_peak_run_bytes"] <= figures["online_budget_bytes"] + figures["online_largest_file_bytes"]
-    assert figures["peak_within_budget_plus_one_file_per_extractor"] is True
-    paired = figures["online_minus_offline_acceptance"]["holdout"]
+    assert twin["online_peak_run_bytes"] <= twin["online_budget_bytes"] + twin["online_largest_file_bytes"]
+    assert twin["peak_within_budget_plus_one_file_per_extractor"] is True
+    paired = twin["online_minus_offline_acceptance"]["holdout"]
     assert set(paired) == {"1", "2"} and all(one["prompts"] == 4 for one in paired.values())
-    assert 0 <= figures["online_train_wait_fraction"] <= 1 and figures["online_released_files"] > 0
+    assert 0 <= twin["online_train_wait_fraction"] <= 1 and twin["online_released_files"] > 0
+    assert twin["online_over_offline_train_time"] > 0 and figures["offline_train_seconds"] > 0
+    # The budget never forces a checkpoint: the trainer saves where train.save_every says, and at the end.
+    assert twin["online_checkpoints"] == twin["online_expected_checkpoints"] != []
+    assert twin["online_steps"] == figures["offline_steps"] and twin["online_evicted_files"] == 0

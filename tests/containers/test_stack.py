@@ -288,6 +288,59 @@ def test_an_online_run_completes_within_a_third_of_its_offline_bytes(stack: Stac
     assert online["spool_bytes"] == sum(p.stat().st_size for p in left) and online["released"] >= len(plan["train_ids"])
 
 
+# Enough steps on the tiny target for `docker compose stop` to land mid-epoch; no scheduled checkpoint but the last,
+# so the one at the stop is the stop's own.
+STOP_CONFIG = {"train": {"epochs": 12, "batch_size": 2, "lr": 2e-3, "ttt_steps": 2, "draft_vocab_size": 256,
+                         "save_every": 10_000, "validation_files": 2},
+               "evaluate": {"holdout": 4, "max_new_tokens": 8, "draft_steps": 2, "sets": ["holdout"],
+                            "curve_max_steps": 2}}
+STOP_GRACE_S = 300.0  # the trainer's stop_grace_period in docker-compose.yml
+
+
+def retrain(stack: Stack, source: str, name: str, sections: dict) -> None:
+    """`draftline retrain SOURCE --name NAME --run-config FILE --controller URL` on the host."""
+    config = stack.root / f"{name}-config.json"
+    config.write_text(json.dumps(sections))
+    argv = [str(Path(sys.executable).parent / "draftline"), "retrain", source, "--name", name, "--run-config",
+            str(config), "--controller", stack.controller_url]
+    env = {"PATH": "/usr/bin:/bin", "DRAFTLINE_API_TOKEN": stack.token, "HOME": str(stack.root)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=stack.root)
+    assert done.returncode == 0, done.stderr
+
+
+def train_log(stack: Stack, run: str) -> list[dict]:
+    return [json.loads(line) for line in RunPaths(stack.data, run).train_log.read_text().splitlines()]
+
+
+def test_a_trainer_stopped_mid_epoch_checkpoints_and_its_run_resumes_at_that_step(stack: Stack) -> None:
+    retrain(stack, "first", "stopped", STOP_CONFIG)
+    wait_until(lambda: (train := api(stack, "/runs/stopped")["stages"]["train"])["total"]
+               and train["done"] >= train["total"] // 3, "a third of the steps trained", RUN_TIMEOUT_S, interval=0.5)
+    started = time.monotonic()
+    stack.run("stop", "trainer", timeout=STOP_GRACE_S + 60)  # SIGTERM; SIGKILL after the grace period
+    stopped_in = time.monotonic() - started
+    paths = RunPaths(stack.data, "stopped")
+    at_stop = train_log(stack, "stopped")
+    steps = [record["step"] for record in at_stop]
+    state = json.loads((max(paths.checkpoints_dir.glob("step_*")) / "state.json").read_text())
+    queued = stack.exec("redis", "redis-cli", "--no-auth-warning", "LRANGE", "rq:queue:draftline-train", "0", "0")
+    status = api(stack, "/runs/stopped")
+    stack.run("start", "trainer")
+    stack.wait_healthy()
+    assert stopped_in < STOP_GRACE_S / 5, stopped_in  # well inside the grace period: no SIGKILL
+    assert steps == list(range(1, len(steps) + 1)) and 0 < steps[-1] < status["stages"]["train"]["total"]
+    assert state["position"]["step"] == steps[-1]  # checkpointed at the step it stopped after
+    assert queued.strip() == "train_stopped" and status["stages"]["train"]["state"] != "failed"
+    assert wait_done(stack, "stopped")["state"] == "complete"
+
+    retrain(stack, "first", "unstopped", STOP_CONFIG)  # the uninterrupted twin: same capture, recipe and seed
+    assert wait_done(stack, "unstopped")["state"] == "complete"
+    stopped, twin = train_log(stack, "stopped"), train_log(stack, "unstopped")
+    assert [r["step"] for r in stopped] == [r["step"] for r in twin]  # no step lost, none twice
+    assert [r["samples"] for r in stopped] == [r["samples"] for r in twin]  # the same batches in the same order
+    assert [r["loss"] for r in stopped] == pytest.approx([r["loss"] for r in twin], rel=1e-4)  # the same training
+
+
 def test_prometheus_scrapes_the_stack_and_every_dashboard_query_runs(stack: Stack) -> None:
     prom = PrometheusApi(stack.prometheus_url)
     targets = prom.wait_for(lambda: (found := prom.targets()) and all(t["health"] == "up" for t in found) and found,

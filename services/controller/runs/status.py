@@ -335,6 +335,10 @@ BOTTLENECK = {"extraction": "extraction is the bottleneck", "training": "trainin
               "unknown": "no bottleneck measured yet"}
 
 
+WINDOW_LIMIT = {"budget": "the budget", "rates": "the measured rates", "end": "the end of training",
+                "unmeasured": "no file size yet"}
+
+
 def online_text(online: dict) -> str:
     """An online run's spool against its budget, its epoch, and which side waits on the other."""
     fraction = online["train_wait_fraction"]
@@ -345,10 +349,14 @@ def online_text(online: dict) -> str:
     evicted = f", {online['evicted']:,} unread to make room" if online.get("evicted") else ""
     share = online.get("extract_blocked_fraction")
     blocked = "" if share is None else f"{100 * share:.0f}% of their time, "
+    window = ("" if not online.get("window_limit") else
+              f"; window {online['window_files']:,} files, {online['window_steps']:,} steps ahead, "
+              f"{format_bytes(online['window_bytes'])} (bounded by {WINDOW_LIMIT[online['window_limit']]})")
     return (f"  online    spool {format_bytes(online['spool_bytes'])} of its {format_bytes(online['budget_bytes'])} "
             f"budget ({online['spool_files']:,} files, peak {format_bytes(online['peak_bytes'])}, "
-            f"{online['released']:,} deleted after their checkpoints{evicted}); {epoch}{waits}, extractions blocked "
-            f"{blocked}{online['extract_blocked_s']:,.0f}s on the budget ({BOTTLENECK[online['bottleneck']]}){head}")
+            f"{online['released']:,} deleted after their steps{evicted}); {epoch}{waits}, extractions blocked "
+            f"{blocked}{online['extract_blocked_s']:,.0f}s on the budget ({BOTTLENECK[online['bottleneck']]}){window}"
+            f"{head}")
 
 
 def format_status(status: dict) -> str:

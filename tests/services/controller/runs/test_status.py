@@ -85,17 +85,21 @@ def test_an_online_run_shows_its_spool_against_the_budget_and_who_waits(data_dir
                       spool.ONLINE_TRAIN_S: 100, spool.ONLINE_WAIT_S: 75, spool.ONLINE_BLOCKED_S: 2.5,
                       spool.ONLINE_EXTRACT_S: 7.5,
                       spool.ONLINE_RELEASED: 7, spool.ONLINE_EVICTED: 2, spool.ONLINE_PEAK_BYTES: 3 << 20,
-                      spool.ONLINE_HEAD: 4})
+                      spool.ONLINE_HEAD: 4, spool.ONLINE_WINDOW_FILES: 12, spool.ONLINE_WINDOW_STEPS: 3,
+                      spool.ONLINE_WINDOW_BYTES: 3 << 20, spool.ONLINE_WINDOW_LIMIT: "rates"})
     status = run_status(data_dir, redis_conn, "onl")
     assert status["online"] == {"budget_bytes": 4 << 20, "waiting_for": 4, "spool_bytes": 2 << 20, "spool_files": 2,
                                 "peak_bytes": 3 << 20, "epoch": 1, "epoch_trained": 3, "epoch_samples": 5,
-                                "released": 7, "evicted": 2, "train_wait_fraction": 0.75, "extract_blocked_s": 2.5,
+                                "released": 7, "evicted": 2, "window_files": 12, "window_steps": 3,
+                                "window_bytes": 3 << 20, "window_limit": "rates",
+                                "train_wait_fraction": 0.75, "extract_blocked_s": 2.5,
                                 "extract_blocked_fraction": 0.25, "bottleneck": "extraction"}
     assert status["stages"]["extract"]["eta_seconds"] is None  # extraction follows the trainer: no ETA of its own
     text = format_status(status)
-    assert ("online    spool 2.0 MiB of its 4.0 MiB budget (2 files, peak 3.0 MiB, 7 deleted after their checkpoints, 2 unread to make room); "
+    assert ("online    spool 2.0 MiB of its 4.0 MiB budget (2 files, peak 3.0 MiB, 7 deleted after their steps, 2 unread to make room); "
             "epoch 1: 3 of 5 samples trained; the trainer waited 75% of its time for files, extractions blocked 25% of "
-            "their time, 2s on the budget (extraction is the bottleneck); waiting for sample 4") in text, text
+            "their time, 2s on the budget (extraction is the bottleneck); window 12 files, 3 steps ahead, 3.0 MiB "
+            "(bounded by the measured rates); waiting for sample 4") in text, text
 
 
 def test_stage_numbers(data_dir, redis_conn, state):
