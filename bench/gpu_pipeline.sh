@@ -122,7 +122,8 @@ follow() {
   for sweep in "$WORK"/sweep-*.json; do [ -f "$sweep" ] && sweeps+=(--sweep "$sweep"); done
   [ -f "$WORK/pipeline.json" ] && { "$PY" bench/plot_acceptance.py "$WORK/pipeline.json" "$OUT/acceptance.png" "${sweeps[@]}" \
     || echo "plot failed"; }
-  send_export
+  # SEND_EXPORT=0: the figures and logs alone (the online benchmark serves no export here; parts cost transfer time).
+  [ "${SEND_EXPORT:-1}" = 1 ] && send_export
   for log in "$WORK"/pipeline.log "$WORK"/online.log; do [ -f "$log" ] && tail -40 "$log"; done
   [ -f "$WORK/done" ] && cat "$WORK/done"
   for log in "$WORK"/sweep-*.log; do [ -f "$log" ] && { echo "== $log"; tail -3 "$log"; }; done
