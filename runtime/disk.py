@@ -46,6 +46,7 @@ from typing import Protocol
 
 import redis
 
+from runtime import shutdown
 from shared.errors import DraftlineError, RunNotFound
 from shared.runspec import RunSpec, cached_spec
 from runtime.disk_training import reply_bytes, target_config, training_bytes
@@ -355,10 +356,12 @@ def wait_for_headroom(
     """Block while the run is paused for disk space, logging once a minute what it waits for.
 
     Returns at once when the run is not paused. With ``timeout_s``, raises DiskPaused after waiting that
-    long, so a job can end before its queue's own timeout kills it."""
+    long, so a job can end before its queue's own timeout kills it; once the worker is told to stop, raises
+    ``JobYielded`` within ``poll_s`` (``runtime.shutdown``), leaving the sample to the requeued job."""
     started = time.monotonic()
     logged_at: float | None = None
     while (reason := paused_reason(conn, run)) is not None:
+        shutdown.check(f"waiting for disk space for run {run}'s extraction")
         waited = time.monotonic() - started
         if logged_at is None or time.monotonic() - logged_at >= log_every_s:
             free, _ = volume_usage(data)
@@ -367,7 +370,7 @@ def wait_for_headroom(
             logged_at = time.monotonic()
         if timeout_s is not None and waited >= timeout_s:
             raise DiskPaused(f"run {run}: still paused for disk space after {waited:.0f}s: {reason}")
-        time.sleep(poll_s)
+        shutdown.wait(poll_s)
     if logged_at is not None:
         log.info("run %s: disk space is back after %.0fs; extraction continues", run, time.monotonic() - started)
 

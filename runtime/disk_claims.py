@@ -34,6 +34,7 @@ from pathlib import Path
 
 import redis
 
+from runtime import shutdown
 from runtime.disk import (BYTES_PER_TOKEN_ESTIMATE, HIDDEN_BYTES, HIDDEN_TOKENS, LAST_BYTES_PER_TOKEN, LAST_RESERVE,
                           _number, _s, format_bytes, set_paused, volume_usage, wait_for_headroom)
 from runtime.spool import ONLINE_BATCH, ONLINE_BLOCKED_S, ONLINE_HEAD, ONLINE_REFUSED_AT
@@ -138,7 +139,9 @@ def claim_space(conn: redis.Redis, data: Path, run: str, sample_id: int, tokens:
             if time.monotonic() - blocked_since >= DEFER_AFTER_S:
                 conn.hincrbyfloat(keys.meta, ONLINE_BLOCKED_S, round(time.monotonic() - blocked_since, 3))
                 raise BudgetDeferred(f"sample {sample_id}: the online budget of {format_bytes(budget or 0)} is full")
-            time.sleep(min(poll_s, BUDGET_POLL_S))
+            if shutdown.wait(min(poll_s, BUDGET_POLL_S)):  # told to stop: the time blocked counts, then the job yields
+                conn.hincrbyfloat(keys.meta, ONLINE_BLOCKED_S, round(time.monotonic() - blocked_since, 3))
+                shutdown.check(f"sample {sample_id} waited for room in the online budget")
             head, batch = _claim_facts(conn, run)[3]
             continue
         if blocked_since is not None:

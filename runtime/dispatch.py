@@ -15,19 +15,21 @@ failed attempt:
   gets the request), transient trouble spends an attempt and backs off. With one endpoint this is exactly
   the one-server behaviour.
 
-Every attempt after the first calls ``on_retry``, so a job can count its retries.
+Every attempt after the first calls ``on_retry``, so a job can count its retries. Every pause between attempts
+ends early once the worker is told to stop (``runtime.shutdown``), and the request raises ``JobYielded``: a
+request that only waits gives its sample back instead of keeping the worker. Nor does a request start, once the
+worker is told to stop, while every endpoint is known down.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
 
+from runtime import shutdown
 from runtime.endpoint_pool import Endpoint, EndpointPool
 from runtime.retry import (
     AsyncServerWatch,
@@ -119,6 +121,7 @@ class Dispatcher:
         self._watch = AsyncServerWatch(self.pool, policy)
 
     def send(self, attempt: Callable[[str], T | Failed], *, on_retry: Callable[[], object] | None = None) -> T:
+        self._yield_if_stopping_with_every_endpoint_down()
         request = Request(self, on_retry)
         while True:
             endpoint = request.endpoint()
@@ -128,12 +131,13 @@ class Dispatcher:
             if isinstance(step, WaitUp):
                 self._wait_up(step)
             elif isinstance(step, Resend):
-                time.sleep(step.delay_s)
+                self._pause(step.delay_s)
             else:
                 return step
 
     async def asend(self, attempt: Callable[[str], Awaitable[T | Failed]], *,
                     on_retry: Callable[[], object] | None = None) -> T:
+        self._yield_if_stopping_with_every_endpoint_down()
         request = Request(self, on_retry)
         while True:
             endpoint = request.endpoint()
@@ -143,12 +147,29 @@ class Dispatcher:
             if isinstance(step, WaitUp):
                 await self._watch.wait(step.reason, step.deadline)
             elif isinstance(step, Resend):
-                await asyncio.sleep(step.delay_s)
+                await self._apause(step.delay_s)
             else:
                 return step
 
     async def aclose(self) -> None:
         await self._watch.aclose()
+
+    def _yield_if_stopping_with_every_endpoint_down(self) -> None:
+        """A worker told to stop starts no request while every endpoint is known down: it could only wait, and an
+        endpoint that drops packets would first cost it the whole connect timeout."""
+        if shutdown.requested() and not self.pool.available():
+            shutdown.check(f"every endpoint for a {self.what} was down")
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep before the next attempt; raise ``JobYielded`` when the worker is told to stop meanwhile."""
+        if seconds > 0:
+            shutdown.wait(seconds)
+            shutdown.check(f"waiting to send a {self.what} again")
+
+    async def _apause(self, seconds: float) -> None:
+        if seconds > 0:
+            await shutdown.asleep(seconds)
+            shutdown.check(f"waiting to send a {self.what} again")
 
     def _wait_up(self, step: WaitUp) -> None:
         urls = self.pool.urls

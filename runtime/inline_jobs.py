@@ -9,9 +9,10 @@ per-sample boundary may catch it) it hands over to the worker, which fails the j
 worker fails the horse it kills, records its own death and ends the process: a thread cannot stop the
 main thread's job, and two copies of one job must never run.
 
-A second SIGTERM raises ``ColdStop`` in the main thread, inside the job; the worker lets it through its
-failure handling so the job stays started, as a killed horse's does, and the worker's teardown records its
-death, which the reaper reads as "requeue now".
+The first SIGTERM requests a stop in this same process (``runtime.shutdown``), so a job that only waits gives
+its unfinished work back at once instead of keeping the worker. A second SIGTERM raises ``ColdStop`` in the main
+thread, inside the job; the worker lets it through its failure handling so the job stays started, as a killed
+horse's does, and the worker's teardown records its death, which the reaper reads as "requeue now".
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Four kinds of trouble, told apart by ``classify_status`` and ``classify_error``:
 Waiting has one cap per request, ``RetryPolicy.wait_max_s``; past it the request fails as
 ``InferenceUnavailable`` naming how long the server was down. With several endpoints
 (``shared.endpoints``) a request fails over to another endpoint first (``runtime.dispatch``); the server
-counts as down, and is waited for, only when every endpoint is.
+counts as down, and is waited for, only when every endpoint is. A worker told to stop ends the wait sooner
+(``runtime.shutdown``): the request raises ``JobYielded`` within ``shutdown.POLL_S``, and its sample goes back
+to the queue unsettled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from enum import Enum
 
 import httpx
 
+from runtime import shutdown
 from runtime.endpoint_pool import EndpointPool
 from shared.endpoints import server_root
 from shared.errors import (
@@ -235,17 +238,20 @@ class Outage:
         )
 
 
-def wait_until_up(health: str, outage: Outage, deadline: float, *, sleep: Callable[[float], None] = time.sleep) -> None:
+def wait_until_up(health: str, outage: Outage, deadline: float, *,
+                  sleep: Callable[[float], object] = shutdown.wait) -> None:
     """Poll ``health`` with the outage's capped backoff until the server answers; raise past ``deadline``."""
     wait_until_any_up([health], outage, deadline, sleep=sleep)
 
 
 def wait_until_any_up(healths: Sequence[str], outage: Outage, deadline: float, *,
-                      sleep: Callable[[float], None] = time.sleep) -> int:
+                      sleep: Callable[[float], object] = shutdown.wait) -> int:
     """Poll every URL of ``healths`` with the outage's capped backoff until one answers; return its index.
-    Raise ``InferenceUnavailable`` past ``deadline``."""
+    Raise ``InferenceUnavailable`` past ``deadline``, and ``JobYielded`` once the worker is told to stop (the
+    default ``sleep`` ends at the request)."""
     while True:
         sleep(outage.pause_s(deadline))
+        shutdown.check(f"waiting for {outage.where}, which {outage.what}")
         for index, health in enumerate(healths):
             try:
                 up = up_answer(httpx.get(health, timeout=HEALTH_TIMEOUT_S, verify=tls_context()).status_code)
@@ -261,7 +267,8 @@ class AsyncServerWatch:
 
     Each waiting request keeps its own deadline; the poller itself runs until an endpoint answers (or the
     watch is closed), so a request that starts waiting late still learns promptly when one is back. The
-    endpoint that answers is revived in ``pool``, so the next request goes to it."""
+    endpoint that answers is revived in ``pool``, so the next request goes to it. A waiting request looks at
+    the worker's stop request every ``shutdown.POLL_S`` and raises ``JobYielded`` once it is made."""
 
     def __init__(self, pool: EndpointPool, policy: RetryPolicy) -> None:
         self.pool = pool
@@ -273,14 +280,15 @@ class AsyncServerWatch:
         if self._poller is None or self._poller.done():
             self._outage = Outage(self.pool.urls, "is down", reason, self.policy)
             self._poller = asyncio.create_task(self._poll(self._outage))
-        outage = self._outage
-        remaining = deadline - outage.clock()
-        if remaining <= 0:
-            raise outage.gave_up()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._poller), remaining)
-        except TimeoutError:
-            raise outage.gave_up() from None
+        outage, poller = self._outage, self._poller
+        while not poller.done():
+            shutdown.check(f"waiting for {outage.where}, which {outage.what}")
+            remaining = deadline - outage.clock()
+            if remaining <= 0:
+                raise outage.gave_up()
+            # asyncio.wait leaves the poller running when it times out: other requests may be waiting on it.
+            await asyncio.wait({poller}, timeout=min(remaining, shutdown.POLL_S))
+        poller.result()  # the poller's own error, if it ended with one
 
     async def _poll(self, outage: Outage) -> None:
         async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, verify=tls_context()) as http:

@@ -2,8 +2,13 @@
 
 Stopping: the first SIGTERM (or SIGINT) lets the current job finish, then the worker exits 0; a second
 one, more than a second later, kills the job's work horse and exits at once, leaving the job started
-for the controller's reaper to requeue. A worker that dies outright (SIGKILL, a lost host) stops
-heartbeating; its work horse dies with it, and the reaper requeues the job once the heartbeat is stale.
+for the controller's reaper to requeue. A job that is only waiting (for an inference server that is down, for
+disk space, for room in an online run's budget) does not keep the worker: the first signal reaches the job's
+process (``runtime.shutdown``: in-process inline, ``HORSE_SIGNAL`` to the work horse alone when forking), the
+job gives its unfinished samples back within ``shutdown.DRAIN_DEADLINE_S`` by raising ``JobYielded``, and the
+worker puts it back at the front of its queue, neither failed nor counted as a requeue or a retry, and exits.
+A worker that dies outright (SIGKILL, a lost host) stops heartbeating; its work horse dies with it, and the
+reaper requeues the job once the heartbeat is stale.
 
 A worker runs each job in a forked work horse (``job_process = "fork"``, RQ's way) or in its own process
 (``"inline"``, ``runtime.inline_jobs``): no fork, and the job's modules, caches, HTTP and Redis clients
@@ -47,7 +52,8 @@ from shared.jobs import JOB_FUNCS
 from runtime.outage import REDIS_DOWN, RedisOutage
 from runtime.process import die_with_parent
 from runtime.queues import SERIALIZER, connect, queue
-from runtime.requeue import requeue_lost
+from runtime import shutdown
+from runtime.requeue import requeue_lost, requeue_yielded
 from runtime.retry import preload_http, tls_context
 from shared.settings import CommonSettings, configure_logging
 from runtime.volume import VolumeMismatch, verify_volume
@@ -95,6 +101,37 @@ class DraftlineWorker(Worker):
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
         die_with_parent()
+
+    # ---- the first stop signal reaches the job -----------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        super()._install_signal_handlers()
+        if not self.inline:
+            # Before the first fork, so a work horse has the handler from its first instruction: without it the
+            # signal's default action would kill the horse.
+            shutdown.install_horse_handler()
+
+    def handle_warm_shutdown_request(self) -> None:
+        super().handle_warm_shutdown_request()
+        if self.inline:
+            shutdown.request()
+        elif self.horse_pid:
+            self.signal_horse()
+
+    def fork_work_horse(self, job: Job, queue: Queue) -> None:
+        # The horse learns of a stop from its worker's signal alone: a HORSE_SIGNAL sent to the worker itself must
+        # not reach every later horse through the fork.
+        shutdown.clear()
+        super().fork_work_horse(job, queue)
+        if self._stop_requested:  # the signal came between the fork and the horse's pid being known
+            self.signal_horse()
+
+    def signal_horse(self) -> None:
+        """Pass the stop request to the work horse, and to it alone: its process group also holds what the job
+        started (torchrun and its ranks), which must not get the signal."""
+        try:
+            os.kill(self.horse_pid, shutdown.HORSE_SIGNAL)
+        except ProcessLookupError:
+            pass  # the horse has ended meanwhile
 
     # ---- one job ----------------------------------------------------------------------------------
     def execute_job(self, job: Job, queue: Queue) -> None:
@@ -180,7 +217,21 @@ class DraftlineWorker(Worker):
         # reaper to requeue it, as it does a killed horse's.
         if isinstance(exc_info[1], ColdStop):
             raise exc_info[1]
+        if isinstance(exc_info[1], shutdown.JobYielded):
+            self.give_back(job, queue, execution, exc_info[1])
+            return
         super()._finalize_failure(job, queue, execution, exc_info)
+
+    def give_back(self, job: Job, queue: Queue, execution: Execution, exc: shutdown.JobYielded) -> None:
+        """Put a job that yielded back at the front of its queue: not failed, and counted neither as a requeue
+        nor as a retry. Forking, this runs in the work horse, which then exits 0 like a job that succeeded."""
+        # The execution still registered as started is the claim, as in the reaper: a reaper that took this worker
+        # for dead and requeued the job already must not see it queued twice.
+        if requeue_yielded(job, queue, execution, cause=str(exc)):
+            self.executions.pop(execution.id, None)
+        else:
+            log.warning("worker %s: job %s yielded, but its execution is no longer registered (the reaper requeued "
+                        "it, or Redis lost it); left as it is", self.name, job.id)
 
     def settle_after_outage(self, job: Job, queue: Queue) -> None:
         """Requeue ``job`` if Redis still holds it unsettled; a Redis that came back empty lost it, and the

@@ -12,7 +12,10 @@ so a server restarted with other defaults cannot mix layers within one run.
 
 A job holds a batch of samples (``ExtractJob.sample_ids``), each settled on its own: a sample already
 extracted is skipped, so a job run again after its work horse was killed redoes only the samples it had
-not finished, and a sample that fails is named without costing the others of the batch.
+not finished, and a sample that fails is named without costing the others of the batch. A sample that waits
+(for disk space, for room in an online run's budget, for a server that is down) when the worker is told to stop
+raises ``JobYielded`` through all of this: the job ends there, unfailed, and the worker puts it back on its queue
+for the samples it had not settled (``runtime.shutdown``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
 from shared.atomic import read_json
 from shared.chat_turns import TurnEnd, find_turn_end
+from runtime import shutdown
 from runtime.disk import landed_counts, wait_for_headroom
 from runtime.disk_claims import BudgetDeferred, claim_space
 from runtime.spool import ONLINE_EXTRACT_S, add_seconds, note_peak, release
@@ -140,6 +144,8 @@ def extract_one(state: RunState, sample_id: int, settings: ExtractorSettings, to
         _extract(sample_id, spec, state, tokenizer, str(settings.model_dir), client, landed)
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
+    except shutdown.JobYielded:
+        raise  # the worker is stopping: this sample and the job's later ones go back to the queue, never failed
     except BudgetDeferred:
         return SampleResult.DEFERRED  # unsettled: the online trainer asks for it again when it needs it
     except Exception as exc:  # noqa: BLE001 - every sample must settle, or the run never reaches training

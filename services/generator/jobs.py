@@ -6,6 +6,11 @@ A reply is saved (atomically) as it arrives; the job's saved replies are marked 
 queued for extraction together when the job ends, in jobs of ``extract_batch`` samples, so one round trip
 and one extract job's fork and bookkeeping serve many samples. A job killed before its end leaves its
 saved replies on the volume; run again, it finds them and marks them without asking the server again.
+
+A job whose worker is told to stop while some of its samples only wait (``runtime.shutdown``) lets the samples
+that are working finish, marks and queues every saved reply as at its end, and raises ``JobYielded``: the worker
+puts the job back on its queue, and the job run again asks only for the samples without a reply. A yield is
+never a sample's failure.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from services.generator.client import (
 from shared.conversation_turns import turn_segments
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
+from runtime import shutdown
 from runtime.disk import StageHold
 from runtime.space import write_with_space
 from shared.chat_turns import assistant_message
@@ -71,19 +77,33 @@ def run_generate(job: GenerateJob, settings: GeneratorSettings, conn: redis.Redi
     spec = cached_spec(settings.data, job.run)
     state = RunState(conn, settings.data, job.run)
     results = asyncio.run(_generate_all(job, spec, state, settings, retry_delays_s))
-    outcomes = [outcome for outcome, _, _ in results]
-    replies = [item.sample_id for item, outcome in zip(job.items, outcomes) if outcome in (SampleResult.DONE, SampleResult.SKIPPED)]
-    sizes = {item.sample_id: nbytes for item, (_, nbytes, _) in zip(job.items, results)}
-    mark_generated(state, replies, sizes, sum(asked for _, _, asked in results))
-    if not spec.online.enabled:  # an online run's trainer asks for each sample's states when it needs them
-        queue_extractions(state, replies, settings)
-    summary = {result.value: count for result, count in Counter(outcomes).items()}
-    log.info("run %s: generate batch from %d: %s", job.run, job.items[0].sample_id, summary)
+    settled = {item.sample_id: r for item, r in zip(job.items, results) if not isinstance(r, shutdown.JobYielded)}
+    summary = settle(state, spec, settings, settled)
+    first = job.items[0].sample_id
+    if len(settled) < len(job.items):
+        log.info("run %s: generate batch from %d gives %d of its %d samples back unsettled; settled: %s", job.run,
+                 first, len(job.items) - len(settled), len(job.items), summary or "none")
+        raise next(r for r in results if isinstance(r, shutdown.JobYielded))
+    log.info("run %s: generate batch from %d: %s", job.run, first, summary)
     return summary
 
 
+def settle(state: RunState, spec: RunSpec, settings: GeneratorSettings,
+           settled: dict[int, tuple[SampleResult, int, int]]) -> dict[str, int]:
+    """Mark the saved replies among ``settled`` (sample id -> ``_one``'s result) generated and queue their
+    extraction; how many samples ended done, skipped, dropped or failed."""
+    replies = [i for i, (outcome, _, _) in settled.items() if outcome in (SampleResult.DONE, SampleResult.SKIPPED)]
+    sizes = {i: nbytes for i, (_, nbytes, _) in settled.items()}
+    mark_generated(state, replies, sizes, sum(asked for _, _, asked in settled.values()))
+    if not spec.online.enabled:  # an online run's trainer asks for each sample's states when it needs them
+        queue_extractions(state, replies, settings)
+    return {result.value: count for result, count in Counter(outcome for outcome, _, _ in settled.values()).items()}
+
+
 async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settings: GeneratorSettings,
-                        retry_delays_s: Sequence[float]) -> list[tuple[SampleResult, int, int]]:
+                        retry_delays_s: Sequence[float]) -> list[tuple[SampleResult, int, int] | shutdown.JobYielded]:
+    """Each sample's ``_one``, or the ``JobYielded`` it raised. Every sample runs to its end before the client
+    closes, so a stop request never cuts a working sample short (its reply would be lost, or failed)."""
     limit = asyncio.Semaphore(settings.concurrency)
     # Fixed delays are a test's choice; otherwise the environment's retry policy applies.
     policy = RetryPolicy.from_settings(settings) if retry_delays_s is None else None
@@ -91,7 +111,12 @@ async def _generate_all(job: GenerateJob, spec: RunSpec, state: RunState, settin
     async with ChatClient(settings.inference_url, timeout_s=settings.request_timeout_s,
                           max_connections=settings.concurrency, retry_delays_s=retry_delays_s,
                           policy=policy, start=job.items[0].sample_id) as client:
-        return await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items))
+        results = await asyncio.gather(*(_one(item, spec, state, client, limit) for item in job.items),
+                                       return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, shutdown.JobYielded):
+            raise result  # Redis away, or a cancellation: the job fails (or stops) as before
+    return results
 
 
 async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatClient,
@@ -113,6 +138,8 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
             conversation.append(assistant_message(completion.content, completion.reasoning_content))
     except redis.RedisError:
         raise  # Redis away is no fault of the sample: the job fails and runs again once Redis is back
+    except shutdown.JobYielded:
+        raise  # the worker is stopping: the sample goes back to the queue unsettled, never failed
     except Exception as exc:  # noqa: BLE001 - the per-sample boundary: a bug here must not cost the batch
         if not isinstance(exc, EXPECTED_ERRORS):
             log.exception("run %s: sample %d: unexpected error", state.run, sample_id)

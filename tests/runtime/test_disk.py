@@ -10,10 +10,12 @@ import threading
 import pytest
 
 from runtime import disk
+from runtime.shutdown import JobYielded
 from shared.runspec import ExtractionConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
 from shared.lifecycle import Failure, FailureKind
 from shared.settings import ControllerSettings
+from tests.support.stopping import stop_in  # noqa: F401 - a fixture
 from tests.support.tmpfs import mounted_tmpfs
 
 RUN = "disky"
@@ -173,6 +175,15 @@ def test_a_paused_extraction_waits_until_the_pause_clears(data_dir, redis_conn, 
         clearer.join()
     assert "volume full for the test" in caplog.text
     assert "disk space is back" in caplog.text
+
+
+def test_a_paused_extraction_yields_once_the_worker_is_told_to_stop(data_dir, redis_conn, stop_in):
+    make_run(data_dir, redis_conn)
+    disk.set_paused(redis_conn, RUN, "volume full for the test")
+    stop_in(0.2)
+    with pytest.raises(JobYielded, match=f"waiting for disk space for run {RUN}'s extraction"):
+        disk.wait_for_headroom(redis_conn, data_dir, RUN, poll_s=30.0)
+    assert disk.paused_reason(redis_conn, RUN) == "volume full for the test"  # the pause is the supervisor's to lift
 
 
 def test_a_wait_with_a_limit_ends_with_a_named_error(data_dir, redis_conn):

@@ -6,11 +6,16 @@ from __future__ import annotations
 import threading
 import time
 
-from runtime import disk
+import pytest
+
+from runtime import disk, spool
 from runtime.disk_claims import bytes_per_token, claim_space
+from runtime.shutdown import JobYielded
 from runtime.runstate import RunState
 from shared.lifecycle import RunKeys
 from tests.runtime.test_disk import RUN, land, make_run, settings_for
+from tests.runtime.test_spool import online_run, write_file
+from tests.support.stopping import stop_in  # noqa: F401 - a fixture
 from tests.support.tmpfs import mounted_tmpfs
 
 VOLUME = 1 << 20
@@ -127,3 +132,16 @@ def test_the_supervisor_drops_the_claim_a_killed_worker_left_on_a_sample_now_don
     land(state, 4, 5000, 50)
     checked(state, reserve=0)
     assert redis_conn.hgetall(RunKeys(RUN).disk_claims) == {b"5": b"7000"}
+
+
+def test_a_claim_waiting_for_room_in_the_online_budget_yields_once_the_worker_is_told_to_stop(data_dir, redis_conn,
+                                                                                             stop_in):
+    state = online_run(data_dir, redis_conn, budget=2000)
+    write_file(state, 0, 100)  # about 900 bytes a file: a third does not fit the budget
+    write_file(state, 1, 100)
+    stop_in(0)
+    with pytest.raises(JobYielded, match="sample 6 waited for room in the online budget"):
+        with claim_space(redis_conn, data_dir, RUN, 6, 100, budget=2000, poll_s=0.05):
+            pass
+    assert redis_conn.hlen(RunKeys(RUN).disk_claims) == 0 and not state.is_done("extract", 6)
+    assert spool.ONLINE_BLOCKED_S in state.meta()  # its time blocked is counted, as a deferred claim's is

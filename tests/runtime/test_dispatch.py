@@ -8,12 +8,14 @@ import threading
 import httpx
 import pytest
 
+from runtime import shutdown
 from runtime.dispatch import Dispatcher
 from runtime.endpoint_pool import EndpointPool
 from shared.errors import InferenceRejected, InferenceUnavailable, PromptTooLong
 from runtime.retry import Failed, RetryPolicy, answer_trouble, transport_trouble
 from tests.support.openai_server import OpenAIServer, Reply
 from tests.support.processes import free_port
+from tests.support.stopping import stop_in  # noqa: F401 - a fixture
 
 # One attempt in all: whatever succeeds here succeeded by failing over or waiting, never by a retry.
 ONE_ATTEMPT = RetryPolicy(max_attempts=1, base_delay_s=0.02, max_delay_s=0.1, wait_max_s=30)
@@ -125,3 +127,24 @@ def test_when_every_endpoint_fails_each_round_spends_one_attempt_and_the_error_n
                 lambda root: ask(root, "doomed"), on_retry=lambda: retries.append(1))
         assert len(a.requests) + len(b.requests) == 4 and len(a.requests) == 2  # two rounds over both
         assert len(retries) == 3
+
+
+def test_a_request_backing_off_after_transient_trouble_yields_once_the_worker_is_told_to_stop(stop_in):
+    with OpenAIServer() as server:
+        server.set_default(Reply(status=503, error="overloaded"))
+        retries = []
+        stop_in(0.2)  # during the 30 s before the second attempt
+        with pytest.raises(shutdown.JobYielded, match="waiting to send a test request again"):
+            dispatcher([server.url], RetryPolicy.fixed((30.0,))).send(lambda root: ask(root, "busy"),
+                                                                    on_retry=lambda: retries.append(1))
+    assert len(server.requests) == 1 and retries == []  # the yield is neither an attempt nor a retry
+
+
+def test_a_worker_told_to_stop_starts_no_request_while_every_endpoint_is_known_down(stop_in):
+    d = dispatcher([f"http://127.0.0.1:{free_port()}"])
+    d.pool.failed(d.pool.endpoints[0], "refused")  # an earlier request found it down; it cools for 60 s
+    attempts = []
+    stop_in(0)
+    with pytest.raises(shutdown.JobYielded, match="every endpoint for a test request was down"):
+        d.send(lambda root: attempts.append(root))
+    assert attempts == []

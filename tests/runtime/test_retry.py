@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -23,7 +24,10 @@ from shared.errors import (
     RowError,
     error_class,
 )
+from runtime import shutdown
+from runtime.endpoint_pool import EndpointPool
 from runtime.retry import (
+    AsyncServerWatch,
     Failed,
     Outage,
     Retrier,
@@ -38,6 +42,7 @@ from runtime.retry import (
 from shared.settings import ExtractorSettings, GeneratorSettings, RetrySettings
 from tests.support.openai_server import OpenAIServer
 from tests.support.processes import free_port
+from tests.support.stopping import stop_in  # noqa: F401 - a fixture
 
 
 class FakeClock:
@@ -205,6 +210,31 @@ def test_wait_until_up_keeps_waiting_while_health_says_unhealthy_and_gives_up_at
         with pytest.raises(InferenceUnavailable, match="gave up waiting after 0.6s"):
             wait_until_up(health_url(server.url), outage, outage.clock() + policy.wait_max_s)
         assert server.health_checks >= 2
+
+
+def test_a_wait_for_a_down_server_yields_once_the_worker_is_told_to_stop(stop_in):
+    url = f"http://127.0.0.1:{free_port()}"
+    policy = RetryPolicy(base_delay_s=30.0, max_delay_s=30.0, jitter=False, wait_max_s=600.0)
+    outage = Outage(url, "is down", "connection refused", policy)
+    stop_in(0.2)  # during the first pause of 30 s
+    with pytest.raises(shutdown.JobYielded, match=f"waiting for inference server at {url}, which is down"):
+        wait_until_up(health_url(url), outage, outage.clock() + policy.wait_max_s)
+
+
+def test_requests_waiting_together_for_a_down_server_all_yield_once_the_worker_is_told_to_stop(stop_in):
+    watch = AsyncServerWatch(EndpointPool([f"http://127.0.0.1:{free_port()}"]), RetryPolicy(wait_max_s=600.0))
+
+    async def two_requests_waiting() -> list:
+        deadline = time.monotonic() + 600
+        try:
+            return await asyncio.gather(watch.wait("refused", deadline), watch.wait("refused", deadline),
+                                        return_exceptions=True)
+        finally:
+            await watch.aclose()
+
+    stop_in(0.2)
+    results = asyncio.run(two_requests_waiting())
+    assert [type(r) for r in results] == [shutdown.JobYielded, shutdown.JobYielded], results
 
 
 def test_every_request_of_a_process_shares_one_tls_context(monkeypatch):

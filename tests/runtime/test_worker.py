@@ -28,6 +28,7 @@ from runtime.queues import SERIALIZER, queue
 from runtime.requeue import MAX_REQUEUES, REQUEUES_META
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
 from runtime.runstate import RunState
+from runtime.shutdown import DRAIN_DEADLINE_S
 import runtime.worker
 from runtime.worker import JOB_MONITORING_INTERVAL_S, DraftlineWorker, horse_loss, overran
 from tests.services.controller.runs.test_datasets import write_jsonl
@@ -154,6 +155,48 @@ def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_ur
     assert state.counts("generate").done == 0
     assert requeue_abandoned(redis_conn) == 1  # ... but left for the reaper: the worker recorded its death
     assert job_status(redis_conn, job_id) == JobStatus.QUEUED
+
+
+@pytest.mark.parametrize("job_process", ["fork", "inline"])
+def test_first_sigterm_gives_a_job_waiting_for_a_down_server_back_at_the_front_and_exits_within_the_deadline(
+        data_dir, redis_url, redis_conn, tmp_path, job_process):
+    """What was seen in production: a generator whose inference server is down waits for it, and a first SIGTERM
+    used to leave it waiting (logging "is down for 1m ... 4m") until a second one stopped it cold. Now the job
+    gives its samples back within the deadline: at the front of its queue, nothing failed, no retry counted;
+    and the job run again once the server is back asks for each sample once."""
+    state = make_run(data_dir, redis_conn, tmp_path, ["waits for the server", "queued behind it"])
+    waiting, behind = generate_job_id(RUN, 0), generate_job_id(RUN, 1)
+    server = OpenAIServer()  # its port is chosen now; nothing listens on it until it starts below
+    worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
+    try:
+        wait_started(redis_conn, waiting, worker)
+        wait_for(lambda: "is down" in worker.full_log() and "waiting for it" in worker.full_log(),
+                 "the job waiting for the server", 60, worker)
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(DRAIN_DEADLINE_S + EXIT_AFTER_JOB_S) == 0, worker.log()
+    finally:
+        worker.stop(signal.SIGKILL)
+    q = queue(GENERATE_QUEUE, redis_conn)
+    assert q.get_job_ids() == [waiting, behind]  # back at the front, before the job that waited its turn
+    assert job_status(redis_conn, waiting) == JobStatus.QUEUED
+    assert q.started_job_registry.get_job_ids(cleanup=False) == [] and q.failed_job_registry.get_job_ids() == []
+    assert REQUEUES_META not in Job.fetch(waiting, connection=redis_conn, serializer=SERIALIZER).meta
+    counts = state.counts("generate")
+    assert (counts.done, counts.failed, counts.dropped) == (0, 0, 0) and state.failures() == []
+    assert "generate_retried" not in state.meta()
+    assert f"job {waiting} yielded" in worker.log() and "cold shut down" not in worker.log()
+
+    with server:
+        server.script("waits for the server", Reply("answered once the server is back"))
+        server.script("queued behind it", Reply("answered next"))
+        worker = generator(server, redis_url, data_dir, tmp_path, job_process).start()
+        try:
+            wait_for(lambda: state.counts("generate").done == 2, "both samples generated", 60, worker)
+        finally:
+            worker.stop()
+    assert [len(server.requests_for(p)) for p in ("waits for the server", "queued behind it")] == [1, 1]
+    assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "answered once the server is back"
+    assert state.counts("generate").failed == 0 and "generate_retried" not in state.meta()
 
 
 def test_a_killed_work_horse_is_requeued_at_the_front_and_its_job_finishes_without_a_failure(

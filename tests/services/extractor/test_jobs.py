@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -16,13 +17,20 @@ from services.extractor.tokenize import build_sample
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file
-from shared.jobs import ExtractJob
+from rq.job import Job
+
+from runtime import disk
+from runtime.queues import SERIALIZER, queue
+from runtime.requeue import REQUEUES_META
+from runtime.shutdown import DRAIN_DEADLINE_S
+from shared.jobs import EXTRACT_QUEUE, ExtractJob, extract_job_id
 from shared.manifest import manifest_path, read_manifest
 from shared.runspec import EvalConfig, ExtractionConfig, RunSpec
 from runtime.runstate import RunState
 from runtime.sample_queue import enqueue_extract
 from shared.settings import ExtractorSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
+from tests.runtime.test_worker import EXIT_AFTER_JOB_S, wait_for
 from tests.support.processes import ServiceProcess, free_port
 
 REPLIES = {
@@ -189,6 +197,45 @@ def test_extractor_worker_process_drains_the_queue(inference, data_dir, redis_ur
         assert state.counts("extract").done == len(REPLIES), worker.log()
     for sample_id in REPLIES:
         verify_hidden_file(state.paths.hidden(sample_id), layer_ids=[1, 3, 4])
+
+
+def test_a_stopped_extractor_gives_back_its_job_waiting_on_a_paused_volume_and_the_job_run_again_extracts_the_rest(
+        inference, data_dir, redis_url, redis_conn, tmp_path, tiny_model_dir):
+    """The volume is full (the run paused) while a job of samples 0 and 1 runs: 0 was extracted before, 1 waits for
+    space. A first SIGTERM ends the worker within the deadline, the job back at the front of its queue, nothing
+    failed and nothing counted; once the pause lifts, the job run again extracts only sample 1."""
+    state = make_run(data_dir, redis_conn, tmp_path, "stopped-while-paused")
+    run = state.run
+    assert extract(state, 0, settings(data_dir, redis_url, tiny_model_dir, inference["url"]), redis_conn) == "done"
+    landed = state.meta()["hidden_bytes"]
+    disk.set_paused(redis_conn, run, "the volume is full (the test's pause)")
+    enqueue_extract(redis_conn, run, REPLIES, batch=2)  # samples 0 and 1, then 2
+    waiting, behind = extract_job_id(run, 0), extract_job_id(run, 2)
+    env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_MODEL_DIR": str(tiny_model_dir),
+           "DRAFTLINE_HIDDEN_STATES_URL": inference["url"]}
+    worker = ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs").start()
+    try:
+        wait_for(lambda: "extraction waits for disk space" in worker.full_log(), "sample 1 waiting for space", 120,
+                 worker)
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(DRAIN_DEADLINE_S + EXIT_AFTER_JOB_S) == 0, worker.log()
+    finally:
+        worker.stop(signal.SIGKILL)
+    q = queue(EXTRACT_QUEUE, redis_conn)
+    assert q.get_job_ids() == [waiting, behind]
+    assert q.started_job_registry.get_job_ids(cleanup=False) == [] and q.failed_job_registry.get_job_ids() == []
+    assert REQUEUES_META not in Job.fetch(waiting, connection=redis_conn, serializer=SERIALIZER).meta
+    assert state.counts("extract").done == 1 and state.counts("extract").failed == 0 and state.failures() == []
+    assert state.meta()["hidden_bytes"] == landed and "extract_retried" not in state.meta()
+    assert f"job {waiting} yielded" in worker.log()
+
+    disk.clear_paused(redis_conn, run)
+    with ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs") as worker:
+        wait_for(lambda: state.counts("extract").done == len(REPLIES), "every sample extracted", 120, worker)
+    assert "extract batch from 0: {'skipped': 1, 'done': 1}" in worker.full_log()
+    assert state.failures() == [] and "extract_retried" not in state.meta()
+    sizes = sum(state.paths.hidden(i).stat().st_size for i in REPLIES)
+    assert int(float(state.meta()["hidden_bytes"])) == sizes  # each file counted once, across the stop
 
 
 def engine_record(state: RunState, sample_id: int, token_ids) -> None:

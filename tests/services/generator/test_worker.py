@@ -1,8 +1,11 @@
-"""A real ``draftline serve generator`` worker process drains the generate queue the controller fills, and\nRedis keeps the sample jobs it ran only as long as ``sample_result_ttl_s`` says."""
+"""A real ``draftline serve generator`` worker process drains the generate queue the controller fills, gives a job
+back when told to stop while part of it waits, and Redis keeps the sample jobs it ran only as long as
+``sample_result_ttl_s`` says."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 from rq.job import Job, JobStatus
@@ -11,14 +14,16 @@ from rq.registry import FinishedJobRegistry
 from services.controller.loop.failures import name_failed_jobs
 from services.controller.loop.feeder import enqueue_once, feed_run
 from services.controller.runs.submit import submit_run
-from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, extract_job_id, generate_job_id
+from shared.jobs import GENERATE_FUNC, GENERATE_QUEUE, GenerateJob, PromptItem, extract_job_id, generate_job_id
 from runtime.queues import SERIALIZER, queue
+from runtime.requeue import REQUEUES_META
+from runtime.shutdown import DRAIN_DEADLINE_S
 from shared.runspec import EvalConfig, GenerationConfig, RunSpec
-from runtime.runstate import RunState
+from runtime.runstate import GENERATE_REQUESTS, RunState
 from shared.settings import ControllerSettings
 from tests.services.controller.runs.test_datasets import write_jsonl
 from tests.support.openai_server import OpenAIServer, Reply
-from tests.runtime.test_worker import wait_for
+from tests.runtime.test_worker import EXIT_AFTER_JOB_S, wait_for
 from tests.support.processes import ServiceProcess
 from tests.support.queues import extract_batches, queued_extractions
 from tests.support.workers import successful_jobs
@@ -56,6 +61,52 @@ def test_worker_drains_the_queue_and_queues_extractions(data_dir, redis_url, red
     assert queued_extractions(redis_conn) == [i for i in range(10) if i != 4]  # each reply's extraction, once
     reply = json.loads(state.paths.generated(9).read_text())["reply"]
     assert reply == {"content": "a perfectly ordinary answer", "reasoning_content": "some thoughts first"}
+
+
+def test_a_stopped_generator_keeps_the_replies_it_got_and_its_job_run_again_asks_only_for_the_rest(
+        data_dir, redis_url, redis_conn, tmp_path):
+    """One job of two samples: the server answers the first and has no disk space for the second (507), which
+    waits. On a first SIGTERM the first reply is marked and its extraction queued, the second goes back with the
+    job, unsettled, and nothing failed; run again, the job asks the server only for the second."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in ("answered", "no room for it", "held out")])
+    submit_run(data_dir, redis_conn, RunSpec(dataset=str(dataset), name=RUN, model="m",
+                                             generation=GenerationConfig(min_completion_tokens=1),
+                                             evaluate=EvalConfig(holdout=1)))
+    state = RunState(redis_conn, data_dir, RUN)
+    items = [PromptItem(**json.loads(line)) for line in state.paths.prompts.read_text().splitlines()]
+    ids = {item.messages[-1]["content"]: item.sample_id for item in items}
+    answered, waited = ids["answered"], ids["no room for it"]
+    job_id = generate_job_id(RUN, items[0].sample_id)
+    queue(GENERATE_QUEUE, redis_conn).enqueue_call(
+        GENERATE_FUNC, args=(GenerateJob(run=RUN, items=items).model_dump(mode="json"),), job_id=job_id, timeout=600)
+    with OpenAIServer() as server:
+        server.script("answered", Reply("kept across the stop"))
+        server.script("no room for it", Reply(status=507, error="no space left on the server's volume"))
+        env = {"REDIS_URL": redis_url, "DRAFTLINE_DATA": str(data_dir), "DRAFTLINE_INFERENCE_URL": server.url}
+        worker = ServiceProcess("generator", env=env, log_dir=tmp_path / "logs").start()
+        try:
+            wait_for(lambda: "has no disk space" in worker.full_log(), "the second sample waiting", 60, worker)
+            worker.proc.send_signal(signal.SIGTERM)
+            assert worker.proc.wait(DRAIN_DEADLINE_S + EXIT_AFTER_JOB_S) == 0, worker.log()
+        finally:
+            worker.stop(signal.SIGKILL)
+        assert state.is_done("generate", answered) and not state.is_done("generate", waited)
+        assert state.counts("generate").failed == 0 and state.failures() == []
+        assert queue(GENERATE_QUEUE, redis_conn).get_job_ids() == [job_id]
+        assert REQUEUES_META not in Job.fetch(job_id, connection=redis_conn, serializer=SERIALIZER).meta
+        assert queued_extractions(redis_conn) == [answered]
+
+        server.script("no room for it", Reply("written once the server had room"))
+        with ServiceProcess("generator", env=env, log_dir=tmp_path / "logs") as worker:
+            wait_for(lambda: state.counts("generate").done == 2, "both samples generated", 60, worker)
+    assert len(server.requests_for("answered")) == 1  # its reply was kept: not asked again
+    replies = {i: json.loads(state.paths.generated(i).read_text())["reply"]["content"] for i in (answered, waited)}
+    assert replies == {answered: "kept across the stop", waited: "written once the server had room"}
+    assert state.counts("generate").failed == 0
+    assert queued_extractions(redis_conn) == sorted([answered, waited])  # each reply's extraction, once
+    meta = state.meta()  # counted once each, across the stop
+    assert float(meta[GENERATE_REQUESTS]) == 2
+    assert float(meta["generated_bytes"]) == sum(state.paths.generated(i).stat().st_size for i in (answered, waited))
 
 
 # ---- how long Redis keeps a sample job once it ended -----------------------------------------------
