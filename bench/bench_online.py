@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="take the offline run --data already holds (finished) instead of running it again: its "
                              "bytes from its files (it keeps them all), its time from its records (submission to "
                              "finish), no stage times")
+    parser.add_argument("--skip-eval", action="store_true",
+                        help="hold no prompt out and evaluate nothing (the same training rows: held-out rows are the "
+                             "last ones read): the time, bytes and checkpoints alone")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     data = args.data.resolve()
     model_dir = args.model_dir or ensure_target("smollm2", default_target_dir(data, "smollm2"))
     run = SMALL_RUN if args.small else GPU_RUN if args.device == "cuda" else CPU_RUN
+    if args.skip_eval:
+        run = {**run, "evaluate": {**run["evaluate"], "holdout": 0}}
     offline_name, online_name = "offline", "online"
     body = {"dataset": "sharegpt", "name": offline_name, **run}
     if args.conversations:
@@ -258,7 +263,8 @@ def offline_figures(offline: dict[str, Any], stack: LocalStack) -> dict[str, Any
 def twin_figures(data: Path, offline_name: str, name: str, offline: dict[str, Any], online: dict[str, Any],
                  budget: int, run: dict[str, Any], extractors: int, device: str) -> dict[str, Any]:
     """One online twin's figures, as results.json records them, beside its offline run's."""
-    reports = {n: read_json(RunPaths(data, n).eval_report) for n in (offline_name, name)}
+    reports = {n: read_json(RunPaths(data, n).eval_report) for n in (offline_name, name)
+               if RunPaths(data, n).eval_report.is_file()}
     spool = online["status"]["online"]
     over = (round(online["train_seconds"] / offline["train_seconds"], 3)
             if online["train_seconds"] and offline["train_seconds"] else None)
@@ -279,7 +285,8 @@ def twin_figures(data: Path, offline_name: str, name: str, offline: dict[str, An
         "online_wall_seconds": online["wall_seconds"], "online_stage_seconds": online["stage_seconds"],
         "acceptance": {n: {s: one["methods"][DRAFTER]["curve"] for s, one in report["sets"].items()}
                        for n, report in reports.items()},
-        "online_minus_offline_acceptance": paired_by_k(reports[name], reports[offline_name]),
+        "online_minus_offline_acceptance": (paired_by_k(reports[name], reports[offline_name])
+                                            if len(reports) == 2 else None),
         "peak_within_budget_plus_one_file_per_extractor":
             online["peak_bytes"] <= budget + extractors * online["largest_file"],
         "peak_within_budget_plus_one_file": online["peak_bytes"] <= budget + online["largest_file"],

@@ -1,7 +1,7 @@
 """The extract job: prompt + reply → token ids and loss mask → hidden-state file, verified before it counts.
 
 The ids are the engine's own where the reply record carries them (``token_ids``, from servers that return
-them), else the target's chat template renders the conversation (``tokenize.py`` says how).
+them), else the target's chat template renders the conversation (``shared/sample_tokens.py`` says how).
 
 A sample counts as extracted only after ``verify_hidden_file`` accepts what the server wrote: shapes
 match the tokens we sent, the layer ids are the run's, the states are stored as the run's
@@ -33,30 +33,25 @@ import redis
 
 from services.extractor.client import HiddenStatesResult, MalformedHiddenResponse
 from services.extractor.sources import HiddenStateSource, make_source
-from services.extractor.tokenize import build_sample, engine_sample, merge_turns
 from shared import eagle3
-from shared.atomic import read_json
-from shared.chat_turns import TurnEnd, find_turn_end
+from shared.chat_turns import TurnEnd
 from runtime import shutdown
 from runtime.disk import landed_counts, wait_for_headroom
 from runtime.disk_claims import BudgetDeferred, claim_space
 from runtime.spool import ONLINE_EXTRACT_S, add_seconds, note_peak, release
-from shared.errors import DraftlineError, HiddenStateFileError, PromptTooLong, error_class
+from shared.errors import DraftlineError, HiddenStateFileError, error_class
 from shared.hidden_file import HiddenFileInfo, verify_hidden_file
 from shared.jobs import ExtractJob
 from shared.manifest import ManifestEntry, append_entry, manifest_path
 from runtime.queues import job_connection
 from runtime.remote_code import load_from_target
 from shared.runspec import RunSpec, cached_spec
+from shared.sample_tokens import read_reply, sample_of, target_turn_end
 from runtime.runstate import RunState
 from shared.lifecycle import Failure, RunKeys, SampleResult, Stage
 from shared.settings import ExtractorSettings, load_settings
 
 log = logging.getLogger(__name__)
-
-
-class GeneratedFileError(DraftlineError):
-    """The reply file of a sample is missing or unreadable."""
 
 
 @lru_cache(maxsize=1)
@@ -76,7 +71,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 @lru_cache(maxsize=2)
 def turn_end_of(tokenizer, model_dir: str) -> TurnEnd:
     """The target's end-of-turn token, found once per tokenizer from its template and eos ids."""
-    turn_end = find_turn_end(tokenizer, eos_ids=generation_eos(Path(model_dir)))
+    turn_end = target_turn_end(tokenizer, Path(model_dir))
     log.info("target %s: end of turn %r (from %s)", model_dir, turn_end.token(tokenizer), turn_end.source)
     return turn_end
 
@@ -84,14 +79,6 @@ def turn_end_of(tokenizer, model_dir: str) -> TurnEnd:
 def preload(model_dir: str, trust_remote_code: bool = False) -> None:
     """What the worker loads before forking, so each job's child inherits it."""
     turn_end_of(load_tokenizer(model_dir, trust_remote_code), model_dir)
-
-
-def generation_eos(model_dir: Path) -> int | list[int] | None:
-    """``eos_token_id`` of ``generation_config.json`` (an int or a list), None where it names none."""
-    try:
-        return read_json(model_dir / "generation_config.json").get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def extract(payload: dict) -> dict:
@@ -162,7 +149,7 @@ def _extract(sample_id: int, spec: RunSpec, state: RunState, tokenizer, model_di
              landed: Callable[[HiddenStatesResult, HiddenFileInfo], None]) -> None:
     """Extract the sample's file, verify it, and call ``landed`` with it while its bytes are still claimed: until
     ``landed`` has counted them in the run's meta, the claim is what keeps other extractions from taking them."""
-    record = _read_reply(state, sample_id)  # a missing or torn reply fails the sample before any tokenizing
+    record = read_reply(state.paths.generated(sample_id))  # a missing or torn reply fails the sample first
     turn_end = turn_end_of(tokenizer, model_dir)
     path = state.paths.generated(sample_id)
     input_ids, loss_mask, unlearned = sample_of(record, tokenizer, turn_end, spec.extraction.max_length, path)
@@ -206,67 +193,6 @@ def _verified(state: RunState, spec: RunSpec, sample_id: int, input_ids: list[in
     return info
 
 
-UNBOUNDED = 1 << 62  # an earlier turn's sample is cut where the whole conversation's is, not on its own
-
-
-def sample_of(record: dict, tokenizer, turn_end: TurnEnd, max_length: int,
-              path: Path) -> tuple[list[int], list[int], list[int]]:
-    """``(input_ids, loss_mask, turns left out)`` of a reply record, cut to ``max_length``.
-
-    A single turn is its own sample. A conversation the target wrote turn by turn is its last turn's
-    sample, with each earlier reply learned where the conversation holds it as written
-    (``tokenize.merge_turns``), cut once every turn is in: a conversation longer than ``max_length``
-    keeps its first turns, and fails (PromptTooLong) only when no reply token fits."""
-    earlier = _earlier_turns(record, path)
-    if not earlier:
-        return (*turn_sample(record, tokenizer, turn_end, max_length, path), [])
-    input_ids, loss_mask = turn_sample(record, tokenizer, turn_end, UNBOUNDED, path)
-    samples = [turn_sample(turn, tokenizer, turn_end, UNBOUNDED, path) for turn in earlier]
-    loss_mask, unlearned = merge_turns(input_ids, loss_mask, samples)
-    input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    if not any(loss_mask):
-        raise PromptTooLong(f"no reply token of the conversation's {len(earlier) + 1} turns fits in "
-                            f"max_length {max_length}")
-    return input_ids, loss_mask, unlearned
-
-
-def _earlier_turns(record: dict, path: Path) -> list[dict]:
-    """The turns before the last of a record regenerated turn by turn (none for a single turn)."""
-    turns = record.get("turns")
-    if turns is None:
-        return []
-    if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("messages"), list)
-                                              for t in turns):
-        raise GeneratedFileError(f"{path}: turns is not a list of turn records with their messages")
-    return turns[:-1]
-
-
-def turn_sample(turn: dict, tokenizer, turn_end: TurnEnd, max_length: int,
-                path: Path) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of one turn's record (``messages``, ``reply``, ``finish_reason`` and, from
-    an engine that returns them, ``token_ids``): the engine's own ids where the record has them, else the
-    chat template's rendering (services.extractor.tokenize)."""
-    engine = engine_ids(turn, path)
-    if engine is not None:  # the ids the engine ran: nothing to render or re-tokenize
-        return engine_sample(*engine, max_length)
-    reply = turn.get("reply") or {}
-    return build_sample(tokenizer, turn["messages"], reply.get("content") or "", reply.get("reasoning_content"),
-                        max_length, turn_end=turn_end, finished=turn.get("finish_reason") != "length")
-
-
-def engine_ids(record: dict, path: Path) -> tuple[list[int], list[int]] | None:
-    """The engine's (prompt ids, reply ids) of a reply record, None where the server returned none."""
-    ids = record.get("token_ids")
-    if ids is None:
-        return None
-    if not isinstance(ids, dict) or not all(
-            isinstance(ids.get(k), list) and all(type(t) is int and t >= 0 for t in ids[k]) for k in ("prompt", "reply")):
-        raise GeneratedFileError(f"{path}: token_ids is not {{'prompt': [ids], 'reply': [ids]}}")
-    if not ids["prompt"] or not ids["reply"]:
-        raise GeneratedFileError(f"{path}: token_ids has an empty prompt or reply")
-    return ids["prompt"], ids["reply"]
-
-
 def _record_manifest(state: RunState, sample_id: int, info: HiddenFileInfo) -> None:
     """Append the verified file to its shard's manifest; a file the manifest cannot name must not stay."""
     try:
@@ -275,19 +201,6 @@ def _record_manifest(state: RunState, sample_id: int, info: HiddenFileInfo) -> N
     except OSError:
         info.path.unlink(missing_ok=True)
         raise
-
-
-def _read_reply(state: RunState, sample_id: int) -> dict:
-    path = state.paths.generated(sample_id)
-    try:
-        record = read_json(path)
-    except FileNotFoundError:
-        raise GeneratedFileError(f"{path}: no reply file (generation did not finish this sample)") from None
-    except (OSError, ValueError) as exc:
-        raise GeneratedFileError(f"{path}: unreadable reply file ({exc})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-        raise GeneratedFileError(f"{path}: reply file lacks the prompt messages")
-    return record
 
 
 def _run_layers(state: RunState, spec: RunSpec, result: HiddenStatesResult) -> list[int]:

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from services.controller.runs.submit import submit_run
 from services.extractor.client import HiddenStatesClient
 from services.extractor.jobs import load_tokenizer, run_extract
-from services.extractor.tokenize import build_sample
+from shared.sample_tokens import build_sample
 from shared import SCHEMA_VERSION
 from shared.atomic import atomic_write_json
 from shared.hidden_file import verify_hidden_file

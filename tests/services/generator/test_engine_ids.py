@@ -76,7 +76,7 @@ def test_a_conversation_regenerated_turn_by_turn_is_learned_in_every_turn(infere
     first turn's prompt and reply ids exactly, so the extractor learns both replies from the engine's ids."""
     from transformers import AutoTokenizer
 
-    from services.extractor.jobs import sample_of
+    from shared.sample_tokens import sample_of
     from shared.chat_turns import find_turn_end
 
     row = {"messages": [{"role": "user", "content": "Write three short bullet points about a binary search."},

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from services.extractor.tokenize import build_sample
+from shared.sample_tokens import build_sample
 from shared.chat_turns import assistant_message
 from shared.errors import ChatTemplateError, PromptTooLong
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.extractor.jobs import UNBOUNDED, sample_of, turn_sample
-from services.extractor.tokenize import merge_turns
+from shared.sample_tokens import UNBOUNDED, sample_of, turn_sample
+from shared.sample_tokens import merge_turns
 from shared.chat_turns import assistant_message, find_turn_end
 from shared.errors import PromptTooLong
 

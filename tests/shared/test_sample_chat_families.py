@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.extractor.tokenize import build_sample
+from shared.sample_tokens import build_sample
 from shared.chat_turns import find_turn_end
 from shared.errors import PromptTooLong, ReasoningNotRendered
-from tests.services.extractor.test_tokenize import CONVERSATIONS
+from tests.shared.test_sample_tokens import CONVERSATIONS
 from tests.support.chat_families import DEEPSEEK_R1, FAMILIES, KIMI_K2_THINKING, LLAMA3, QWEN25, QWEN25_BASE, QWEN3
 
 THINKERS = [f for f in FAMILIES if f.thinks]
