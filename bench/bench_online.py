@@ -63,16 +63,17 @@ SMALL_RUN: dict[str, Any] = {
               "validation_files": 1},
     "evaluate": {"holdout": 4, "sets": ["holdout"], "max_new_tokens": 8, "draft_steps": 2, "curve_max_steps": 2},
 }
-# Batches by tokens (train.max_tokens, about 16 samples of the mean length) and 16 held-out files: at 2% of the
-# offline bytes (about 113 MB of 5.6 GB), 256 held-out files (370 MB) or a batch of 16 of the longest samples (16 x
-# 4,096 tokens x 2.3 kB, 150 MB) leave no room for a batch, and the run fails by name (OnlineBudgetTooSmall).
+# Batches by tokens (train.max_tokens, about 16 samples of the mean length) and 8 held-out files: at 2% of the
+# offline bytes (about 113 MB of 5.6 GB for 4,000 conversations), 256 held-out files (370 MB) or a batch of 16 of the
+# longest samples (16 x 4,096 tokens x 2.3 kB, 150 MB) leave no room for a batch, and the run fails by name
+# (OnlineBudgetTooSmall); 8 files (12 MB) and a batch of at most 10,240 tokens (24 MB) fit 2% of 2,000 conversations.
 # Evaluation decodes the headline k alone on the held-out first turns (the curve decode of both sets took 566 s of
 # a device's time): three runs are evaluated within one device lease.
 GPU_RUN: dict[str, Any] = {
     "generation": {"max_tokens": 256, "min_completion_tokens": 1, "temperature": 0.0, "turns": "all", "max_turns": 2},
     "extraction": {"storage": "fp8"},
     "train": {"epochs": 2, "max_tokens": 10240, "lr": 1e-3, "ttt_steps": 7, "draft_vocab_size": 32000,
-              "save_every": 500, "validation_files": 16},
+              "save_every": 500, "validation_files": 8},
     "evaluate": {"holdout": 256, "sets": ["holdout"], "max_new_tokens": 128, "draft_steps": 3,
                  "curve_max_steps": 7, "batch_prompts": 256, "decode": "headline"},
 }
