@@ -36,7 +36,8 @@ Training objective (``DFlashObjective``), for a sample x_0 .. x_{L-1}:
 - Loss of slot j: the cross-entropy of the drafter's distribution at position a+j against the target's
   distribution for that token (softmax of the target's head at position a+j-1, restricted to the draft
   vocabulary), counted when x_{a+j} is a loss-masked token, is stored (a+j < L), and the target's argmax
-  has a draft id. Slot j's mean over the global batch is weighted by exp(-(j-1)/gamma) (DFlash's decay: the
+  has a draft id (or, with ``train.loss`` an LK loss, ``modeling.losses``'s acceptance loss over the same
+  labels). Slot j's mean over the global batch is weighted by exp(-(j-1)/gamma) (DFlash's decay: the
   early slots decide how far acceptance gets). acc_j = share of loss-masked labels whose drafter argmax (as a
   target id) equals the target's argmax, out-of-vocabulary tokens counting as misses.
 """
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling.fused import apply_rope
-from modeling.losses import soft_cross_entropy
+from modeling.losses import StepLoss
 from modeling.eagle3 import MLP, DrafterConfig, RMSNorm, RotaryEmbedding, TargetTied, repeat_kv
 
 METHOD = "dflash"
@@ -226,14 +227,15 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, count: int, s
 
 class DFlashObjective(nn.Module):
     """One module call per step, so DDP can wrap it; returns this rank's sums as ``train.TTTObjective`` does:
-    the masked cross-entropy sum of each mask slot (S-1,) with its graph and (3, S-1) counts (masked labels,
-    argmax hits, loss-masked labels)."""
+    the masked loss sum of each mask slot (S-1,) with its graph (``loss``: the cross-entropy by default) and
+    (3, S-1) counts (masked labels, argmax hits, loss-masked labels)."""
 
-    def __init__(self, drafter: DFlashDrafter, anchors: int, gamma: float) -> None:
+    def __init__(self, drafter: DFlashDrafter, anchors: int, gamma: float, loss: StepLoss = StepLoss()) -> None:
         super().__init__()
         self.drafter = drafter
         self.anchors = anchors
         self.gamma = gamma
+        self.loss = loss  # train.loss and train.lk_eta
 
     def step_weights(self) -> torch.Tensor:
         return slot_weights(self.drafter.config.block_size, self.gamma)
@@ -256,15 +258,17 @@ class DFlashObjective(nn.Module):
         argmax = targets.argmax.gather(1, facts).view_as(at)
         probs = targets.probs.gather(1, facts[..., None].expand(-1, -1, targets.probs.shape[-1]))
         probs = probs.view(*at.shape, -1)  # (B, A, S-1, Vd)
+        mass = None if targets.draft_mass is None else targets.draft_mass.gather(1, facts).view_as(at)  # (B, A, S-1)
         logits = d.logits(hidden[:, :, 1:])  # (B, A, S-1, Vd)
         mask = learned & in_draft
-        ce_sums, counts = [], []
+        loss_sums, counts = [], []
         for j in range(width - 1):
-            ce_sums.append(soft_cross_entropy(logits[:, :, j], probs[:, :, j], mask[:, :, j]))
+            slot_mass = None if mass is None else mass[:, :, j]
+            loss_sums.append(self.loss.masked_sum(logits[:, :, j], probs[:, :, j], slot_mass, mask[:, :, j]))
             with torch.no_grad():
                 hit = d.to_target_ids(logits[:, :, j].argmax(-1)) == argmax[:, :, j]
                 counts.append(torch.stack([mask[:, :, j].sum(), (hit & learned[:, :, j]).sum(), learned[:, :, j].sum()]))
-        return torch.stack(ce_sums), torch.stack(counts, dim=1).float()
+        return torch.stack(loss_sums), torch.stack(counts, dim=1).float()
 
 
 # DFlash's decay constants for the block sizes its paper trains (arXiv:2602.06036, Eq. 4); half the block otherwise.

@@ -6,6 +6,10 @@ nh query heads, nkv key/value heads, hd head dim.
 Parameter names are the export keys of EAGLE3.md (``midlayer.self_attn.q_proj.weight``, ``fc.weight``,
 ``lm_head.weight``, ``d2t``, ``t2d`` ...), so a state dict minus ``embed_tokens`` *is* the checkpoint.
 
+With ``aux_norm`` (EAGLE-3.1's normalized features, the export's ``fc_norm``) each of the three auxiliary
+states gets its own RMSNorm before ``fc`` (``fc_norm.0/1/2.weight``), as vLLM's and SGLang's
+``combine_hidden_states`` / ``LlamaModel.forward`` apply it; everything after ``fc`` is unchanged.
+
 The drafter runs in two modes that share every module and differ only in which keys a query sees:
 ``KVCache`` (evaluation: a plain causal cache over the sequence) and ``TTTCache`` (training-time test:
 step k attends to step 0's keys causally plus the keys of steps 1..k at its own index; see train.py).
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.drafter_format import AUX_LAYERS
 from shared.errors import UnsupportedRopeScaling
 from modeling.fused import apply_rope, rms_norm, silu_mul
 
@@ -42,6 +47,7 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     rope_scaling: dict[str, Any] | None = None  # as config.json writes it: {"rope_type": ..., params}; None is plain RoPE
+    aux_norm: bool = False  # EAGLE-3.1: each auxiliary layer's state RMS-normed before fc (the export's fc_norm)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -412,7 +418,9 @@ class Eagle3Drafter(TargetTied):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; filled by load_embedding
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        if config.aux_norm:  # only where asked: a norm the export does not declare would not be served
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(AUX_LAYERS))
+        self.fc = nn.Linear(AUX_LAYERS * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -420,6 +428,10 @@ class Eagle3Drafter(TargetTied):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's auxiliary states (B, T, 3Ht) as the drafter's input hidden state (B, T, H)."""
+        if self.config.aux_norm:
+            chunks = aux_hidden.chunk(AUX_LAYERS, dim=-1)  # 3 x (B, T, Ht), low to high
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)  # (B, T, 3Ht)
         return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:

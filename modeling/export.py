@@ -5,6 +5,10 @@ also explains the layer-id conventions) before it is published; and loading one 
 ``rope_theta``, ``rope_scaling`` and ``max_position_embeddings`` are the drafter's own (its config's: the
 target's, or a base checkpoint's when fine-tuning), the ones it trained with: an engine that rotates with
 other frequencies, or caps the drafter's context at another length, serves a different drafter.
+
+The norm switches the engines read are written out, each as the drafter computes it: ``fc_norm`` (EAGLE-3.1's
+per-layer norm of the auxiliary states, ``train.aux_norm``), and ``norm_before_fc`` and ``norm_output`` false
+(``shared.drafter_format`` says which engine reads what, and refuses a checkpoint that sets the last two).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from shared.errors import CheckpointFormatError
 from shared.drafter_format import (
     ARCHITECTURE,
     CONFIG_FILE,
+    FC_NORM,
     MAPPING_TENSORS,
     WEIGHTS_FILE,
     check_drafter,
@@ -62,6 +67,9 @@ def export_config(dc: DrafterConfig, *, target_model: str, target_fingerprint: s
         "max_position_embeddings": dc.max_position_embeddings,
         "attention_bias": False,
         "norm_before_residual": False,  # the residual starts from the un-normed hidden state (vLLM's default)
+        FC_NORM: dc.aux_norm,  # one RMSNorm per auxiliary state before fc (fc_norm.0/1/2.weight), or none
+        "norm_before_fc": False,  # no single norm over the concatenated states (vLLM's and SGLang's default)
+        "norm_output": False,  # the next chain step gets the pre-norm state (both engines' default)
         "vocab_size": dc.vocab_size,
         "draft_vocab_size": dc.draft_vocab_size,
         "tie_word_embeddings": False,
@@ -120,6 +128,7 @@ def drafter_config_of(config: dict[str, Any], layer_ids: list[int]) -> DrafterCo
         rope_theta=rope_theta_of(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_scaling=rope_scaling_of(config),
+        aux_norm=config.get(FC_NORM) is True,
     )
 
 
@@ -128,7 +137,9 @@ def load_drafter(path: Path, target_dir: Path, *, embed: torch.Tensor | None = N
 
     Our own exports are verified in full; a published checkpoint needs the same tensors and shapes, and
     may lack ``d2t``/``t2d`` (``mapping_tensors`` tells; the drafter's mapping is then all zeros and the
-    trainer sets one from the data) or hold only one of them (the other is derived).
+    trainer sets one from the data) or hold only one of them (the other is derived). Its ``fc_norm``, as the
+    engines read it, decides whether the drafter normalizes its auxiliary states; a config that asks the
+    engines for a norm the drafter does not compute is refused by name (``check_drafter``).
     """
     path = Path(path)
     config = read_config(path)

@@ -23,6 +23,21 @@ draftline's record, else ``eagle_config``'s (SGLang's, ours unchanged), else the
 minus one). A published config that carries both engine fields must have them agree (top-level = ours + 1),
 or the two engines would read different layers.
 
+Norm switches. Both engines read three config keys that change what the drafter computes, all false when
+absent (vLLM 0.32 ``model_executor/models/llama_eagle3.py``; SGLang 0.5.23 ``srt/models/llama_eagle3.py``):
+
+- ``fc_norm``: one RMSNorm per auxiliary state (``fc_norm.0/1/2.weight``, of the target's width) before ``fc``,
+  EAGLE-3.1's normalized features. draftline trains it (``train.aux_norm``) and writes it true or false.
+- ``norm_before_fc`` (read from ``eagle_config`` first, then the top level): one RMSNorm over the concatenated
+  states (``input_norm.weight``), the gpt-oss drafters' form. draftline does not compute it.
+- ``norm_output``: the next chain step gets the post-norm state. draftline does not compute it.
+
+A checkpoint that sets either of the last two, or ``use_aux_norm`` (SGLang's older name for ``fc_norm``, which
+vLLM does not read), would be served otherwise than draftline trains or evaluates it, so it is refused by name.
+An engine build older than these that does not know ``fc_norm`` loads such an export without an error and
+serves it without the norm (SGLang skips weight names it does not know); README, "Training objectives and
+normalized features", names the versions checked.
+
 A base checkpoint for fine-tuning is a draftline export or a published drafter: the engines' layout with no
 ``draftline`` block, any float dtype, maybe its own ``embed_tokens``, maybe no ``d2t``/``t2d``.
 ``check_base_fits`` compares it with the target before any training starts.
@@ -55,6 +70,14 @@ CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
     "eagle_config": dict, "torch_dtype": str, "draftline": dict, "rope_scaling": (dict, type(None)),
 }
 MAPPING_TENSORS = ("d2t", "t2d")
+FC_NORM = "fc_norm"  # the engines' switch for EAGLE-3.1's per-layer norm of the auxiliary states before fc
+AUX_LAYERS = 3  # low, middle and high auxiliary states, concatenated in that order before fc
+# Config switches the engines read for norms the drafter does not compute, with what each would change.
+UNSERVED_NORMS = {
+    "norm_before_fc": "one RMSNorm over the concatenated auxiliary states before fc (input_norm.weight)",
+    "norm_output": "the post-norm hidden state fed to the next chain step",
+    "use_aux_norm": "SGLang's older name for fc_norm, which vLLM does not read (write fc_norm instead)",
+}
 VLLM_IDS = "eagle_aux_hidden_state_layer_ids"  # top level: vLLM's, HF hidden-states index (ours + 1)
 SGLANG_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"  # SGLang's, our convention
 
@@ -75,7 +98,9 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...],
     q = config["num_attention_heads"] * config["head_dim"]
     kv = config["num_key_value_heads"] * config["head_dim"]
     ht = config.get("target_hidden_size") or h
+    aux_norms = {f"{FC_NORM}.{i}.weight": ((ht,), None) for i in range(AUX_LAYERS)} if config.get(FC_NORM) is True else {}
     return {
+        **aux_norms,
         "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
         "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
         "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
@@ -228,11 +253,35 @@ def with_engine_defaults(config: dict[str, Any]) -> dict[str, Any]:
             "draft_vocab_size": config.get("draft_vocab_size") or config["vocab_size"]}
 
 
+def unserved_norms(config: dict[str, Any]) -> list[str]:
+    """The norm switches a drafter config turns on that the drafter does not compute, each with what it does;
+    ``norm_before_fc`` where either engine reads it (``eagle_config`` first, then the top level). An ``fc_norm``
+    that is no boolean too: the engines take any truthy value as on, the drafter only ``true``."""
+    eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    switched = {key: eagle_config.get(key, config.get(key)) if key == "norm_before_fc" else config.get(key)
+                for key in UNSERVED_NORMS}
+    found = [f"{key} is set ({UNSERVED_NORMS[key]})" for key, value in switched.items() if value]
+    if not isinstance(config.get(FC_NORM, False), bool):
+        found.append(f"{FC_NORM} is {config[FC_NORM]!r}, not true or false")
+    return found
+
+
+def check_norms(path: Path, config: dict[str, Any]) -> None:
+    """CheckpointFormatError naming each norm switch an engine would apply and the drafter would not."""
+    found = unserved_norms(config)
+    if found:
+        raise CheckpointFormatError(f"{Path(path) / CONFIG_FILE}: " + "; ".join(found) + ": an engine would serve "
+                                    "another drafter than the one draftline trains and evaluates (of the norm "
+                                    f"switches it computes only {FC_NORM}, true or false)")
+
+
 def check_drafter(path: Path, config: dict[str, Any]) -> None:
     """Our own exports in full; a published EAGLE-3 drafter (no ``draftline`` block) by the tensors the
-    trainer loads, with their shapes, taking the engines' defaults for the head fields it may omit."""
+    trainer loads, with their shapes, taking the engines' defaults for the head fields it may omit. Either
+    is refused where it sets a norm switch the drafter does not compute (``check_norms``)."""
     path = Path(path)
     published = "draftline" not in config
+    check_norms(path, config)
     if not published:
         check_config(path, config)
     try:
@@ -250,6 +299,7 @@ def verify_export(path: Path) -> dict[str, Any]:
     path = Path(path)
     config = read_config(path)
     check_config(path, config)
+    check_norms(path, config)
     check_tensors(path, config)
     return config
 

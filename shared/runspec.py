@@ -132,6 +132,22 @@ class TrainConfig(_Frozen):
                             "(bf16 weights and gradients, float32 master copies in the optimizer and the checkpoints: "
                             "about 0.1-0.2 GiB less at 8B drafter shapes, no faster; bench/RESULTS.md; one training "
                             "process only).")
+    loss: Literal["kl", "lk_lambda", "lk_alpha"] = Field(
+        "kl", description="What each draft step's predictions are trained on (modeling/losses.py), over the same "
+                          "positions: kl, the soft cross-entropy against the target's distribution over the draft "
+                          "vocabulary; lk_lambda, the LK hybrid (arXiv 2602.23881) lam x that cross-entropy + "
+                          "(1 - lam) x (1 - acceptance) per position, lam = exp(-lk_eta x acceptance), acceptance = "
+                          "sum_x min(p(x), q(x)) the chance that the target accepts the drafted token under "
+                          "rejection sampling; lk_alpha, -log(acceptance). Engines serve the drafter the same way "
+                          "whichever it trained with.")
+    lk_eta: float = Field(3.0, gt=0, description="lk_lambda: how fast each position's weight moves from the "
+                          "cross-entropy to acceptance as its acceptance grows (3: the paper's setting and vLLM "
+                          "speculators' default). Read only with loss lk_lambda.")
+    aux_norm: bool = Field(
+        False, description="EAGLE-3.1's normalized features: each of the three auxiliary states gets its own RMSNorm "
+                           "before the drafter's fc; exported as config fc_norm: true with fc_norm.0/1/2.weight, which "
+                           "vLLM 0.32 and SGLang 0.5.23 apply (README, \"Training objectives and normalized "
+                           "features\"). eagle3 only, and not with a base_checkpoint, whose own config decides.")
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> TrainConfig:
@@ -139,6 +155,17 @@ class TrainConfig(_Frozen):
             raise ValueError("global_batch_size and max_tokens both size a batch: set one of them")
         if self.method == "dflash" and self.base_checkpoint:
             raise ValueError("train.method dflash trains from scratch: a base_checkpoint is an EAGLE-3 drafter's")
+        return self
+
+    @model_validator(mode="after")
+    def _aux_norm_is_served(self) -> TrainConfig:
+        # Refused at submission: a norm the export could not declare would be trained and never served.
+        if self.aux_norm and self.method == "dflash":
+            raise ValueError("train.aux_norm is the EAGLE-3 drafter's fc_norm; vLLM's DFlash drafter (qwen3_dflash) "
+                             "reads no such norm, so a DFlash drafter trained with it would be served without it")
+        if self.aux_norm and self.base_checkpoint:
+            raise ValueError("train.aux_norm with a base_checkpoint: the base's own config.json (fc_norm) says "
+                             "whether its auxiliary states are normalized, and fine-tuning keeps that")
         return self
 
 

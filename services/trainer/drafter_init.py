@@ -84,7 +84,8 @@ def build_drafter(cfg: TrainConfig, *, data: Path, model_dir: Path, target_confi
                             tally=tally), VOCAB_FROM_DATA
     base = check_base_checkpoint(cfg, data=data, model_dir=model_dir, target_config=target_config, layer_ids=layer_ids)
     if base is None:
-        config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids)
+        config = DrafterConfig.from_target_config(target_config, draft_vocab_size=cfg.draft_vocab_size, layer_ids=layer_ids,
+                                                  aux_norm=cfg.aux_norm)
         drafter = Eagle3Drafter(config)
         drafter.load_embedding(embed)
         drafter.set_vocab_mapping(*data_mapping(tally, config))

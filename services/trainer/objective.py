@@ -20,8 +20,13 @@ position t have seen x_0..x_t, and softmax(lm_head(g_t)) is the target's distrib
 - Loss of step k at index t counts when the predicted token x_{t+2+k} is loss-masked (a token the
   drafter learns: ``loss_mask[t+2+k]``, the mask of the label, never of the input token x_{t+1+k}) and
   the target's argmax at t+1+k lies in the draft vocabulary. It is the cross-entropy
-  of the drafter's distribution against the target's softmax restricted to the draft vocabulary;
-  total = sum_k 0.8^k L_k. acc_k = share of loss-masked predictions whose drafter argmax (as a target id)
+  of the drafter's distribution against the target's softmax restricted to the draft vocabulary
+  (``train.loss: kl``), or an LK loss on the chance that the target accepts the drafted token
+  (``lk_lambda``, ``lk_alpha``; ``modeling.losses``), over the same positions; total = sum_k 0.8^k L_k.
+  A position whose target argmax has no draft id stays out of every loss: greedy verification never
+  accepts a draft there, whatever the drafter learns. Within the counted positions the LK losses take the
+  target's true probabilities, its mass outside the draft vocabulary included as lost acceptance
+  (``Targets.draft_mass``). acc_k = share of loss-masked predictions whose drafter argmax (as a target id)
   equals the target's argmax, counted over all masked positions, so tokens outside the draft vocabulary
   count as misses, as they do at serving time.
 
@@ -46,7 +51,7 @@ import torch
 from torch import nn
 
 from modeling.eagle3 import Eagle3Drafter, ttt_unroll
-from modeling.losses import soft_cross_entropy
+from modeling.losses import StepLoss
 from modeling.target_head import target_logits
 from services.trainer.data import Batch
 from services.trainer.vocab import draft_to_target
@@ -60,6 +65,7 @@ class Targets:
     probs: torch.Tensor  # (B, L, Vd) target softmax over the draft vocabulary, at each position
     argmax: torch.Tensor  # (B, L) the target's greedy next token (target id)
     in_draft: torch.Tensor  # (B, L) bool, that token has a draft id
+    draft_mass: torch.Tensor | None = None  # (B, L) the target's probability on the draft vocabulary; None: 1
 
 
 @torch.no_grad()
@@ -71,32 +77,37 @@ def make_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: to
     columns = draft_to_target(d2t)  # (Vd,) target ids of the draft vocabulary
     probs = torch.empty(b * length, columns.shape[0], dtype=torch.float32, device=hidden.device)
     argmax = torch.empty(b * length, dtype=torch.long, device=hidden.device)
+    mass = torch.empty(b * length, dtype=torch.float32, device=hidden.device)
     for start in range(0, b * length, TARGET_CHUNK):
         rows = slice(start, start + TARGET_CHUNK)
         logits = target_logits(lm_head, hidden[rows])  # (chunk, V) float32, exact copies of the head's dtype
         argmax[rows] = logits.argmax(-1)
-        probs[rows] = logits[:, columns].softmax(-1)
+        drafted = logits[:, columns]  # (chunk, Vd)
+        probs[rows] = drafted.softmax(-1)
+        mass[rows] = (drafted.logsumexp(-1) - logits.logsumexp(-1)).exp()  # (chunk,) share of the softmax on Vd
     argmax = argmax.view(b, length)
-    return Targets(probs=probs.view(b, length, -1), argmax=argmax, in_draft=t2d[argmax])
+    return Targets(probs=probs.view(b, length, -1), argmax=argmax, in_draft=t2d[argmax],
+                   draft_mass=mass.view(b, length))
 
 
 class TTTObjective(nn.Module):
     """The whole unroll as one module call, so DDP can wrap it.
 
     Returns this rank's sums, which the training step turns into means over the global batch: the masked
-    cross-entropy sum of each step (K,) with its graph, and (3, K) counts without one: masked positions,
-    argmax hits and loss-masked predictions per step.
+    loss sum of each step (K,) with its graph (``loss``: the cross-entropy by default), and (3, K) counts
+    without one: masked positions, argmax hits and loss-masked predictions per step.
 
     Step k's loss at index t needs the label x_{t+2+k}, so only the first L - k - 2 indices have one; the
     logits and the loss are computed over those, against views of the targets shifted by k + 1 (no copy),
-    and ``losses.soft_cross_entropy`` keeps only the logits for the backward.
+    and ``modeling.losses`` keeps only the logits for the backward.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, flex: bool = False) -> None:
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, flex: bool = False, loss: StepLoss = StepLoss()) -> None:
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.flex = flex  # ttt_attention's block-sparse form of the chain steps' attention (CUDA)
+        self.loss = loss  # train.loss and train.lk_eta
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
         """Step k's output at every index: ``ttt_steps`` x (B, L, H), aligned as the module doc says."""
@@ -109,18 +120,19 @@ class TTTObjective(nn.Module):
         del seeds  # the unroll draws nothing at random (DFlashObjective's anchors do)
         d = self.drafter
         length = batch.input_ids.shape[1]
-        ce_sums, counts = [], []
+        loss_sums, counts = [], []
         for k, hidden in enumerate(self.unroll(batch.input_ids, batch.aux_hidden)):
             n = max(length - k - 2, 0)  # indices t whose label x_{t+2+k} is stored
             labelled = slice(k + 1, k + 1 + n)  # the target's facts at t+1+k, whose next token is that label
             learned = batch.loss_mask[:, k + 2 : k + 2 + n]  # (B, n): the label is a token the drafter learns
             mask = learned & targets.in_draft[:, labelled]
             logits = d.logits(hidden[:, :n])  # (B, n, Vd)
-            ce_sums.append(soft_cross_entropy(logits, targets.probs[:, labelled], mask))
+            mass = None if targets.draft_mass is None else targets.draft_mass[:, labelled]  # (B, n)
+            loss_sums.append(self.loss.masked_sum(logits, targets.probs[:, labelled], mass, mask))
             with torch.no_grad():
                 hit = d.to_target_ids(logits.argmax(-1)) == targets.argmax[:, labelled]  # (B, n)
                 counts.append(torch.stack([mask.sum(), (hit & learned).sum(), learned.sum()]))
-        return torch.stack(ce_sums), torch.stack(counts, dim=1).float()  # (K,), (3, K)
+        return torch.stack(loss_sums), torch.stack(counts, dim=1).float()  # (K,), (3, K)
 
 
 def objective_of(objective: nn.Module) -> nn.Module:

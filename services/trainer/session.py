@@ -22,6 +22,7 @@ from torch import nn
 from modeling.attention import avoid_cudnn_attention
 from modeling.dflash import DFlashDrafter, DFlashObjective, default_gamma
 from modeling.eagle3 import TargetTied
+from modeling.losses import StepLoss
 from modeling.methods import DFLASH, config_from_dict, new_drafter
 from modeling.target_head import load_target_head, read_target_config, text_config
 from modeling.ttt_attention import FLEX, attention_kind
@@ -149,8 +150,10 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str, state: R
     attention = attention_kind(cfg.attention, dev)
     precision = precision_kind(cfg.precision, world)
     weights = make_weights(drafter, precision)
-    objective: nn.Module = (DFlashObjective(drafter, cfg.dflash.anchors, cfg.dflash.gamma or default_gamma(cfg.dflash.block_size))
-                            if cfg.method == DFLASH else TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX))
+    loss = StepLoss(cfg.loss, cfg.lk_eta)
+    objective: nn.Module = (DFlashObjective(drafter, cfg.dflash.anchors, cfg.dflash.gamma or default_gamma(cfg.dflash.block_size),
+                                            loss=loss)
+                            if cfg.method == DFLASH else TTTObjective(drafter, cfg.ttt_steps, flex=attention == FLEX, loss=loss))
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them in memory, not two.
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None,
@@ -171,6 +174,8 @@ def prepare(spec: RunSpec, *, data: Path, model_dir: Path, device: str, state: R
     session.result = TrainResult(drafter, session.position.step, layer_ids, meta.get(eagle3.META_MODEL, spec.model),
                                  meta.get(eagle3.META_MODEL_FINGERPRINT, ""), len(source.files), draft_vocab=draft_vocab)
     objective_kind = "DFlash blocks" if cfg.method == DFLASH else f"EAGLE-3, {attention} TTT attention"
+    objective_kind += f", loss {cfg.loss}" + (f" (eta {cfg.lk_eta})" if cfg.loss == "lk_lambda" else "")
+    objective_kind += ", normalized auxiliary states (fc_norm)" if getattr(drafter.config, "aux_norm", False) else ""
     log.info("training %s: %d files of up to %d tokens (%d held out for validation), %d epochs%s, %s batches, %d steps, "
              "starting at step %d, %s, %s weights%s", spec.name, len(source.files), spec.train_max_length,
              len(source.held_out), source.epochs,

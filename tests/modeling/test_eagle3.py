@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from services.trainer.objective import TTTObjective
 
 SMALL = DrafterConfig(hidden_size=32, target_hidden_size=24, intermediate_size=48, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=60, draft_vocab_size=40, layer_ids=(1, 3, 4))
+NORMED = replace(SMALL, aux_norm=True)  # EAGLE-3.1's normalized auxiliary states (train.aux_norm)
 
 
 def random_drafter(config: DrafterConfig = SMALL, seed: int = 0) -> Eagle3Drafter:
@@ -20,7 +22,7 @@ def random_drafter(config: DrafterConfig = SMALL, seed: int = 0) -> Eagle3Drafte
     drafter.load_embedding(torch.randn(config.vocab_size, config.hidden_size))
     with torch.no_grad():  # non-trivial norms so a swapped norm would show
         for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return drafter.eval()
 
@@ -39,6 +41,28 @@ def test_parameter_names_are_the_export_keys_and_the_embedding_is_frozen():
     assert "embed_tokens.weight" not in {n for n, p in drafter.named_parameters() if p.requires_grad}
     assert drafter.fc.weight.shape == (32, 3 * 24)
     assert drafter.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 2 * 32)  # q/k/v read embedding ++ hidden
+    normed = random_drafter(NORMED).export_state()
+    norms = {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}  # vLLM's and SGLang's names for them
+    assert set(normed) == expected | norms and all(normed[n].shape == (24,) for n in norms)  # the target's width
+
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@torch.no_grad()
+def test_normalized_features_give_each_auxiliary_state_its_own_norm_before_fc():
+    drafter = random_drafter(NORMED)
+    aux = torch.randn(2, 5, 3 * 24) * torch.tensor([1.0] * 24 + [30.0] * 24 + [400.0] * 24)  # low, middle, high
+    low, middle, high = aux.split(24, dim=-1)
+    by_hand = torch.cat([rms_normed(x, norm.weight, NORMED.rms_norm_eps)
+                         for x, norm in zip((low, middle, high), drafter.fc_norm)], dim=-1) @ drafter.fc.weight.T
+    torch.testing.assert_close(drafter.fuse(aux), by_hand)
+    # What the norm is for: a layer's scale no longer decides its share of the fused state.
+    rescaled = torch.cat([low, middle / 30, high / 400], dim=-1)
+    torch.testing.assert_close(drafter.fuse(rescaled), drafter.fuse(aux), rtol=1e-4, atol=1e-5)
+    plain = random_drafter(SMALL)
+    assert not torch.allclose(plain.fuse(rescaled), plain.fuse(aux), rtol=1e-2)
 
 
 def test_from_target_config_takes_the_targets_width_and_caps_the_draft_vocabulary(tiny_model_dir):
@@ -69,11 +93,12 @@ def test_an_mla_target_gives_its_heads_and_v_head_dim_not_the_rope_width_transfo
 
 
 @torch.no_grad()
-def test_training_time_test_step_k_equals_the_serving_chain_anchored_at_the_same_index():
+@pytest.mark.parametrize("config", [SMALL, NORMED], ids=["eagle3", "aux_norm"])
+def test_training_time_test_step_k_equals_the_serving_chain_anchored_at_the_same_index(config):
     """Step k of the unroll at index t must be what the drafter computes at serving time after the target
     verified x_0..x_{t+1}: a cache over positions 0..t from the target's states, then k chained steps
     fed the (here teacher-forced) tokens x_{t+2}..x_{t+1+k} at positions t+1..t+k."""
-    drafter, steps, length = random_drafter(), 4, 14
+    drafter, steps, length = random_drafter(config), 4, 14
     ids = torch.randint(0, SMALL.vocab_size, (1, length))
     aux = torch.randn(1, length, 3 * SMALL.target_hidden_size)
     unrolled = TTTObjective(drafter, steps).unroll(ids, aux)  # steps x (1, L, H)

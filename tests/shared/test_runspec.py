@@ -85,3 +85,42 @@ def test_second_turns_are_evaluated_only_where_the_target_wrote_the_first():
     RunSpec(name="r", dataset="d", model="m", evaluate=turn2)  # turns "all", the default
     with pytest.raises(ValidationError, match='holdout_turn2 needs generation.turns = "all"'):
         RunSpec(name="r", dataset="d", model="m", generation=GenerationConfig(turns="last"), evaluate=turn2)
+
+
+def test_the_loss_and_the_normalized_features_round_trip_through_run_json(tmp_path):
+    train = TrainConfig(loss="lk_lambda", lk_eta=2.0, aux_norm=True)
+    RunSpec(name="lk", dataset="d", model="m", train=train).save(tmp_path)
+    loaded = RunSpec.load(tmp_path, "lk").train
+    assert (loaded.loss, loaded.lk_eta, loaded.aux_norm) == ("lk_lambda", 2.0, True)
+    assert TrainConfig.model_validate({**train.model_dump(), "loss": "lk_alpha"}).loss == "lk_alpha"
+
+
+def test_a_run_json_from_before_the_options_trains_as_it_did(tmp_path):
+    spec = RunSpec(name="old", dataset="d.jsonl", model="m").model_dump(mode="json")
+    spec["train"] = OLD_TRAIN
+    path = RunPaths(tmp_path, "old").spec
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(spec))
+    loaded = RunSpec.load(tmp_path, "old").train
+    assert (loaded.loss, loaded.aux_norm) == ("kl", False)
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"loss": "tv"}, "loss"),
+    ({"loss": "LK"}, "loss"),
+    ({"lk_loss_type": "lambda"}, "lk_loss_type"),  # a peer's name for the setting is not ours
+    ({"fc_norm": True}, "fc_norm"),  # the export's key, not the train setting
+    ({"lk_eta": 0}, "lk_eta"),
+    ({"aux_norm": "yes please"}, "aux_norm"),
+])
+def test_unknown_loss_names_settings_and_values_are_refused_by_name(settings, named):
+    with pytest.raises(ValidationError, match=named):
+        TrainConfig(**settings)
+
+
+def test_normalized_features_are_refused_where_no_engine_would_serve_them():
+    with pytest.raises(ValidationError, match="aux_norm is the EAGLE-3 drafter's fc_norm.*qwen3_dflash"):
+        TrainConfig(method="dflash", aux_norm=True)
+    with pytest.raises(ValidationError, match="aux_norm with a base_checkpoint"):
+        TrainConfig(aux_norm=True, base_checkpoint="published/drafter")
+    assert TrainConfig(method="dflash", loss="lk_alpha").loss == "lk_alpha"  # the losses train either drafter

@@ -1,5 +1,6 @@
-"""The TTT objective as training computes it (label views, the soft cross-entropy's own backward,
-targets in chunks) against its plain form: the shifted copies and autograd's log-softmax it replaced."""
+"""The TTT objective as training computes it (label views, the losses' own backward, targets in chunks)
+against its plain form: the shifted copies and autograd's log-softmax it replaced; for every ``train.loss``,
+and split over batches as the processes of a run split it."""
 
 from __future__ import annotations
 
@@ -10,26 +11,31 @@ from services.trainer import objective as objective_module
 from services.trainer.data import Batch
 from modeling.eagle3 import shift
 from services.trainer.objective import Targets, TTTObjective, make_targets
+from modeling.losses import StepLoss
 from services.trainer.vocab import draft_to_target
 from tests.modeling.test_eagle3 import SMALL, random_drafter
+from tests.modeling.test_losses import plain_loss
+
+LOSSES = ["kl", "lk_lambda", "lk_alpha"]
 
 
 def plain_targets(batch: Batch, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Targets:
     logits = (batch.last_hidden.to(lm_head.dtype) @ lm_head.T).float()  # (B, L, V) at once
-    argmax = logits.argmax(-1)
-    return Targets(logits[..., draft_to_target(d2t)].softmax(-1), argmax, t2d[argmax])
+    argmax, columns = logits.argmax(-1), draft_to_target(d2t)
+    return Targets(logits[..., columns].softmax(-1), argmax, t2d[argmax], logits.softmax(-1)[..., columns].sum(-1))
 
 
 def plain_objective(objective: TTTObjective, batch: Batch, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
-    d, ce_sums, counts = objective.drafter, [], []
+    d, loss_sums, counts = objective.drafter, [], []
     for k, hidden in enumerate(objective.unroll(batch.input_ids, batch.aux_hidden)):
-        logp = d.logits(hidden).float().log_softmax(-1)
+        logits = d.logits(hidden)  # (B, L, Vd)
         learned = shift(batch.loss_mask, k + 2)
         mask = learned & shift(targets.in_draft, k + 1)
-        ce_sums.append((-(shift(targets.probs, k + 1) * logp).sum(-1) * mask).sum())
-        hit = d.to_target_ids(logp.argmax(-1)) == shift(targets.argmax, k + 1)
+        loss_sums.append(plain_loss(objective.loss.kind, logits, shift(targets.probs, k + 1),
+                                    shift(targets.draft_mass, k + 1), mask, eta=objective.loss.eta))
+        hit = d.to_target_ids(logits.argmax(-1)) == shift(targets.argmax, k + 1)
         counts.append(torch.stack([mask.sum(), (hit & learned).sum(), learned.sum()]))
-    return torch.stack(ce_sums), torch.stack(counts, dim=1).float()
+    return torch.stack(loss_sums), torch.stack(counts, dim=1).float()
 
 
 def padded_batch(lengths: list[int], seed: int = 1) -> Batch:
@@ -73,18 +79,30 @@ def test_targets_in_chunks_equal_the_whole_product(setup, monkeypatch):
     monkeypatch.setattr(objective_module, "TARGET_CHUNK", 5)  # chunks that cut rows of the batch apart
     chunked = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
     torch.testing.assert_close(chunked.probs, whole.probs)
+    torch.testing.assert_close(chunked.draft_mass, whole.draft_mass)
     assert torch.equal(chunked.argmax, whole.argmax) and torch.equal(chunked.in_draft, whole.in_draft)
     assert not whole.in_draft.all() and whole.in_draft.any()  # both kinds of label occur
 
 
+def test_draft_mass_is_the_targets_probability_on_the_draft_vocabulary(setup):
+    drafter, lm_head = setup
+    batch = padded_batch([13, 9])
+    mass = make_targets(batch, lm_head, drafter.d2t, drafter.t2d).draft_mass  # (B, L)
+    assert ((mass > 0) & (mass < 1)).all()  # 40 of 60 ids have a draft id: part of the mass lies outside
+    every_id = torch.zeros(SMALL.vocab_size, dtype=torch.long), torch.ones(SMALL.vocab_size, dtype=torch.bool)
+    whole_vocabulary = make_targets(batch, lm_head, *every_id).draft_mass
+    torch.testing.assert_close(whole_vocabulary, torch.ones_like(whole_vocabulary))
+
+
+@pytest.mark.parametrize("kind", LOSSES)
 @pytest.mark.parametrize("lengths", [[21], [21, 14, 3]])
-def test_losses_counts_and_gradients_equal_the_plain_objective(setup, lengths):
-    """Same weights, same padded batch (a row shorter than the unroll included): the per-step cross-entropy
-    sums, the counts and every trainable parameter's gradient equal the plain form's."""
+def test_losses_counts_and_gradients_equal_the_plain_objective(setup, lengths, kind):
+    """Same weights, same padded batch (a row shorter than the unroll included): the per-step loss sums,
+    the counts and every trainable parameter's gradient equal the plain form's, for every train.loss."""
     drafter, lm_head = setup
     batch = padded_batch(lengths)
     targets = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
-    objective = TTTObjective(drafter, 7)
+    objective = TTTObjective(drafter, 7, loss=StepLoss(kind, eta=2.0))
     results = []
     for compute in (objective.forward, lambda b, t: plain_objective(objective, b, t)):
         drafter.zero_grad(set_to_none=True)
@@ -97,3 +115,41 @@ def test_losses_counts_and_gradients_equal_the_plain_objective(setup, lengths):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def rows_of(batch: Batch, rows: slice) -> Batch:
+    """The batch a process holding only these rows trains: the rows, padded to their own longest."""
+    width = int(batch.lengths[rows].max())
+    return Batch(batch.input_ids[rows, :width], batch.loss_mask[rows, :width], batch.aux_hidden[rows, :width],
+                 batch.last_hidden[rows, :width], batch.lengths[rows])
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+def test_the_sums_of_two_half_batches_are_the_whole_batchs(setup, kind):
+    """Two processes each holding part of a global batch: their loss sums, counts and gradients add up to
+    what one process computes over all of it, so train.py's division by the global count is the mean."""
+    drafter, lm_head = setup
+    batch = padded_batch([21, 14, 3, 17], seed=5)
+    objective = TTTObjective(drafter, 5, loss=StepLoss(kind))
+
+    def sums(part: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drafter.zero_grad(set_to_none=True)
+        loss_sums, counts = objective(part, make_targets(part, lm_head, drafter.d2t, drafter.t2d))
+        loss_sums.sum().backward()
+        return loss_sums.detach(), counts, drafter.fc.weight.grad.clone()
+
+    whole = sums(batch)
+    halves = [sums(rows_of(batch, rows)) for rows in (slice(0, 1), slice(1, 4))]
+    torch.testing.assert_close(halves[0][0] + halves[1][0], whole[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(halves[0][1] + halves[1][1], whole[1])
+    torch.testing.assert_close(halves[0][2] + halves[1][2], whole[2], atol=1e-5, rtol=1e-4)
+
+
+def test_the_default_loss_is_the_soft_cross_entropy_unchanged(setup):
+    drafter, lm_head = setup
+    batch = padded_batch([21, 14])
+    targets = make_targets(batch, lm_head, drafter.d2t, drafter.t2d)
+    default, kl = TTTObjective(drafter, 3)(batch, targets), TTTObjective(drafter, 3, loss=StepLoss("kl"))(batch, targets)
+    assert torch.equal(default[0], kl[0]) and torch.equal(default[1], kl[1])
+    without_mass = Targets(targets.probs, targets.argmax, targets.in_draft)  # the cross-entropy never reads it
+    assert torch.equal(TTTObjective(drafter, 3)(batch, without_mass)[0], default[0])
