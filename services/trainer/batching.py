@@ -75,13 +75,17 @@ def fixed_batches(order: list[int], span: int) -> list[list[int]]:
     return [order[start : start + span] for start in range(0, len(order), span)]
 
 
-def budget_batches(ranked: list[int], lengths: list[int], *, max_tokens: int, world: int) -> list[list[int]]:
+def budget_batches(ranked: list[int], lengths: list[int], *, max_tokens: int, world: int,
+                   max_samples: int | None = None) -> list[list[int]]:
     """Cut samples sorted longest first into global batches whose per-rank share (ceil(size / world)
-    samples padded to the batch's first, longest, sample) stays within ``max_tokens``."""
+    samples padded to the batch's first, longest, sample) stays within ``max_tokens``, and of at most
+    ``max_samples`` samples where that is set."""
     batches: list[list[int]] = []
     for index in ranked:
         batch = batches[-1] if batches else None
-        if batch is not None and (len(batch) < world or math.ceil((len(batch) + 1) / world) * lengths[batch[0]] <= max_tokens):
+        fits = batch is not None and (max_samples is None or len(batch) < max_samples) and (
+            len(batch) < world or math.ceil((len(batch) + 1) / world) * lengths[batch[0]] <= max_tokens)
+        if fits:
             batch.append(index)
         else:
             batches.append([index])
@@ -89,8 +93,10 @@ def budget_batches(ranked: list[int], lengths: list[int], *, max_tokens: int, wo
 
 
 def plan_epoch(lengths: list[int], *, seed: int, epoch: int, batch_size: int, world: int,
-               max_tokens: int | None = None, batching: str = LENGTH) -> list[list[int]]:
-    """The epoch's global batches in training order, as the module doc describes."""
+               max_tokens: int | None = None, batching: str = LENGTH, cap_tokens: int | None = None) -> list[list[int]]:
+    """The epoch's global batches in training order, as the module doc describes. ``cap_tokens`` bounds a global
+    batch's padded tokens on top of its size (an online run's budget must hold two batches' files: online.py);
+    the sorting windows stay those of the uncapped plan, so a cap no batch reaches changes nothing."""
     if batching not in BATCHINGS:
         raise ValueError(f"unknown batching {batching!r}, expected one of {BATCHINGS}")
     generator = _generator(seed, epoch)
@@ -99,12 +105,17 @@ def plan_epoch(lengths: list[int], *, seed: int, epoch: int, batch_size: int, wo
         return fixed_batches(order, batch_size * world)
     per_batch = batch_size * world if max_tokens is None else max(world, max_tokens * world // max(1, _mean(lengths)))
     window = WINDOW_BATCHES * per_batch
+    rank_cap = None if cap_tokens is None else max(1, cap_tokens // world)  # budget_batches bounds each rank's share
+    if rank_cap is not None and max_tokens is not None:
+        max_tokens, rank_cap = min(max_tokens, rank_cap), None
     batches: list[list[int]] = []
     for start in range(0, len(order), window):
         # sorted() is stable: equal lengths keep the shuffle's order, so ties are random but reproducible
         ranked = sorted(order[start : start + window], key=lambda i: -lengths[i])
-        if max_tokens is None:
+        if max_tokens is None and rank_cap is None:
             batches += fixed_batches(ranked, batch_size * world)
+        elif max_tokens is None:
+            batches += budget_batches(ranked, lengths, max_tokens=rank_cap, world=world, max_samples=batch_size * world)
         else:
             batches += budget_batches(ranked, lengths, max_tokens=max_tokens, world=world)
     batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]

@@ -9,6 +9,9 @@ position (epoch, batch) continues the same order after a resume, on any number o
 
 Flow, on rank 0:
 
+- **batches**: planned as offline, except that where the budget could not hold two of the largest batches' files
+  beside the held-out ones, a global batch also holds no more padded tokens than half that room takes
+  (``batch_token_cap``, recorded in the plan's facts): length grouping puts the longest files together.
 - **window**: the samples of the next global batches in training order, as many as the budget holds beside the
   held-out files at their estimated sizes (each sample's tokens, known from the plan, times the bytes a token
   takes, fitted to the files landed so far: ``SizeModel``), and no more steps ahead than the measured rates call
@@ -338,6 +341,23 @@ class Feed:
             log.info("run %s: released %d files outside the window at epoch %d, batch %d", self.state.run,
                      len(gone), epoch, index)
         self._ask_window()
+
+    def batch_token_cap(self, uncapped: list[list[list[int]]], lengths: list[int]) -> int | None:
+        """The most padded tokens a global batch may hold so that the budget holds two batches' files beside the
+        held-out ones (one trained, the next extracted meanwhile), or None where every batch of ``uncapped`` (the
+        plan as offline batches it) already fits: then online batches are offline's. Batches grouped by length put
+        the longest files together, and a tight budget could not hold the longest batch at all."""
+        if self.sizes.fit() is None:
+            return None
+        room = (self.budget - self.held_bytes) / 2
+        ids = self.plan.train_ids
+        largest = max((sum(self.estimate(ids[i]) for i in batch) for epoch in uncapped for batch in epoch),
+                      default=0.0)
+        if largest <= room:
+            return None
+        # A batch's bytes are at most its padded tokens times the most bytes any sample takes a trained token.
+        per_token = max(self.estimate(ids[i]) / max(1, lengths[i]) for i in range(len(ids)))
+        return max(1, int(room // per_token))
 
     def check_budget(self) -> None:
         """The budget must hold the held-out files beside the largest global batch's files, at the sizes estimated:

@@ -48,7 +48,6 @@ class Spool(Source):
 
     feed: Feed | None = None
     facts: dict = field(default_factory=dict)  # what the first start measured and chose (online_plan.FACTS)
-    paths: RunPaths | None = None
     dataset: HiddenStateDataset | None = field(default=None, init=False)
     threads: ThreadPoolExecutor | None = field(default=None, init=False)
     pending: dict[tuple[int, int], Future] = field(default_factory=dict, init=False)
@@ -159,19 +158,27 @@ def spool(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world: int,
     if fresh:
         facts = {"epochs": auto_epochs(cfg.epochs, sum(lengths)), "positions": sum(lengths)}
     batching = checkpoint_batching(paths, cfg)
-    plans = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in range(int(facts["epochs"]))]
+    epochs = range(int(facts["epochs"]))
     span = cfg.global_batch_size if cfg.global_batch_size is not None else cfg.batch_size * world
-    feed = Feed(state, plan, plans, rank, int(spec.online.budget_bytes or 0), span)
+    feed = Feed(state, plan, [], rank, int(spec.online.budget_bytes or 0), span)
     feed.start()
-    feed.wait_ready(plan.validation_ids)
+    feed.wait_ready(plan.validation_ids)  # their sizes price the files to come
     held_out = [paths.hidden(i) for i in plan.validation_ids if i not in feed.failed]
     infos = verify_files(held_out, layer_ids=layer_ids, hidden_size=hidden_size) if held_out else []
+    if fresh:
+        uncapped = [epoch_plan(cfg, lengths, epoch, world, batching) for epoch in epochs]
+        facts["batch_token_cap"] = feed.batch_token_cap(uncapped, lengths)
+        if facts["batch_token_cap"] is not None:
+            log.info("run %s: online.budget_bytes %d holds two of the longest batches' files only up to %d padded "
+                     "tokens a batch: online batches are cut there too", spec.name, feed.budget, facts["batch_token_cap"])
+    plans = [epoch_plan(cfg, lengths, epoch, world, batching, facts.get("batch_token_cap")) for epoch in epochs]
+    feed.plans = plans
     if "target_model" not in facts:
         facts.update(_target_facts(spec, infos, feed, plans, layer_ids=layer_ids, hidden_size=hidden_size))
     target_meta = {eagle3.META_MODEL: facts["target_model"], eagle3.META_MODEL_FINGERPRINT: facts["target_fingerprint"]}
     return Spool([paths.hidden(i) for i in plan.train_ids], list(plan.train_ids), held_out, tally, lengths,
                  len(plans), plans, batching, target_meta, int(facts["positions"]), facts.get("mask_token_id"),
-                 max_length=max_length, feed=feed, facts=facts if fresh else {}, paths=paths)
+                 max_length=max_length, feed=feed, facts=facts if fresh else {})
 
 
 def _target_facts(spec: RunSpec, infos: list, feed: Feed, plans: list[list[list[int]]], *, layer_ids: list[int],

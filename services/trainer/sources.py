@@ -73,15 +73,17 @@ def checkpoint_batching(paths: RunPaths, cfg: TrainConfig) -> str:
     return batching
 
 
-def epoch_plan(cfg: TrainConfig, lengths: list[int], epoch: int, world: int, batching: str) -> list[list[int]]:
+def epoch_plan(cfg: TrainConfig, lengths: list[int], epoch: int, world: int, batching: str,
+               cap_tokens: int | None = None) -> list[list[int]]:
     """The epoch's global batches. With ``global_batch_size`` they are the batches one process would train
     with that batch size, whatever the number of processes, each of which takes its share by stride; so
-    the steps, and a checkpoint's data position, mean the same on any number of processes."""
+    the steps, and a checkpoint's data position, mean the same on any number of processes. ``cap_tokens``: an
+    online run's bound on a global batch's padded tokens (``batching.plan_epoch``)."""
     if cfg.global_batch_size is not None:
         return plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.global_batch_size, world=1,
-                          batching=batching)
+                          batching=batching, cap_tokens=cap_tokens)
     return plan_epoch(lengths, seed=cfg.seed, epoch=epoch, batch_size=cfg.batch_size, world=world,
-                      max_tokens=cfg.max_tokens, batching=batching)
+                      max_tokens=cfg.max_tokens, batching=batching, cap_tokens=cap_tokens)
 
 
 @dataclass(frozen=True)

@@ -37,4 +37,7 @@ def test_the_benchmark_runs_an_offline_run_and_its_online_twin(tmp_path, tiny_mo
     assert twin["online_over_offline_train_time"] > 0 and figures["offline_train_seconds"] > 0
     # The budget never forces a checkpoint: the trainer saves where train.save_every says, and at the end.
     assert twin["online_checkpoints"] == twin["online_expected_checkpoints"] != []
-    assert twin["online_steps"] == figures["offline_steps"] and twin["online_evicted_files"] == 0
+    assert twin["online_evicted_files"] == 0
+    # The offline run's batches, unless the budget could not hold two of the longest: then those are cut smaller.
+    capped = twin["online_batch_token_cap"] is not None
+    assert twin["online_steps"] > figures["offline_steps"] if capped else twin["online_steps"] == figures["offline_steps"]

@@ -234,3 +234,17 @@ def test_a_file_no_manifest_entry_names_and_no_job_holds_goes_and_is_asked_for_a
     assert feed.paths.hidden(5).exists()
     feed.ask([3])
     assert redis_conn.exists(f"rq:job:{extract_job_id(RUN, 3)}")
+
+
+def test_batches_are_capped_only_where_the_budget_could_not_hold_two_of_the_longest(data_dir, redis_conn):
+    feed = feed_of(data_dir, redis_conn, samples=24, epochs=1)
+    feed.sizes.prior_per_token = 10.0
+    lengths = feed.plan.tokens
+    largest = max(sum(10 * lengths[i] for i in batch) for batch in feed.plans[0])
+    feed.budget = 2 * largest
+    assert feed.batch_token_cap(feed.plans, lengths) is None  # two of the longest fit: batches stay offline's
+    feed.budget = largest  # one of them at most
+    cap = feed.batch_token_cap(feed.plans, lengths)
+    assert cap == largest // 2 // 10
+    capped = epoch_plan(TrainConfig(batch_size=4), lengths, 0, 1, LENGTH, cap_tokens=cap)
+    assert max(sum(10 * lengths[i] for i in batch) for batch in capped) <= feed.budget / 2

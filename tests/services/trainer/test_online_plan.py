@@ -112,3 +112,19 @@ def test_online_epochs_are_planned_by_length_like_offline_and_alike_on_any_numbe
     assert plan_padding(epochs[0], lengths, 1).fraction < plan_padding(shuffled, lengths, 1).fraction / 2
     by_tokens = epoch_plan(TrainConfig(max_tokens=600, seed=7), lengths, 0, 1, LENGTH)  # train.max_tokens online
     assert all(len(b) * max(lengths[i] for i in b) <= 600 or len(b) == 1 for b in by_tokens)
+
+
+@pytest.mark.parametrize("world,global_batch", [(1, None), (2, None), (2, 8)])
+def test_a_batch_token_cap_cuts_only_the_batches_that_reach_it(world, global_batch):
+    lengths = [17 + (i * 37) % 300 for i in range(200)]
+    cfg = TrainConfig(batch_size=4, global_batch_size=global_batch, seed=3)
+    plain = epoch_plan(cfg, lengths, 0, world, LENGTH)
+    padded = [len(b) * max(lengths[i] for i in b) for b in plain]
+    assert epoch_plan(cfg, lengths, 0, world, LENGTH, cap_tokens=max(padded) * 2) == plain  # a cap no batch reaches
+    cap = sorted(padded)[len(padded) // 2]  # half the batches reach it
+    capped = epoch_plan(cfg, lengths, 0, world, LENGTH, cap_tokens=cap)
+    assert Counter(i for batch in capped for i in batch) == Counter(range(200))  # still each sample once
+    span, ranks = (global_batch, 1) if global_batch else (4 * world, world)  # a global batch is cut as one process's
+    for b in capped:  # each process's padded share within its part of the cap, unless one sample a process is over it
+        assert len(b) <= span and (len(b) <= ranks or -(-len(b) // ranks) * max(lengths[i] for i in b) <= cap // ranks)
+    assert len(capped) > len(plain)
