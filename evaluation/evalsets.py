@@ -30,7 +30,7 @@ HUMANEVAL_WORDING = "Complete this Python function:\n```python\n{prompt}```"
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    sample_id: int  # the dataset row for holdout; the HumanEval task number for humaneval
+    sample_id: int  # holdout: the held-out row's sample id (RunSpec.reply_of names its row); humaneval: the task
     messages: list[dict]  # what the decodes answer: the whole prompt, or its last turn where ``earlier`` is set
     # Turns the target answers first, greedily, each reply joining the conversation before the next turn and
     # before ``messages`` (a second turn's context holds the target's own first reply, as in MT-Bench).

@@ -15,7 +15,8 @@
         drafter/validation.jsonl            held-out one-pass acceptance curve at each checkpoint (train.validation_files)
         eval.json                           acceptance length against the target
 
-Sample ids are dataset row indices; a shard directory holds ``SHARD_SIZE`` consecutive ids.
+Sample ids are dataset row indices, and with ``generation.replies`` > 1 also the sampled replies' ids
+(``GenerationConfig.sample_id``); a shard directory holds ``SHARD_SIZE`` consecutive ids.
 """
 
 from __future__ import annotations

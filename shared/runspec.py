@@ -40,6 +40,53 @@ class GenerationConfig(_Frozen):
     max_turns: int | None = Field(
         None, ge=1, description="With turns=all: regenerate only a conversation's first N user turns and leave the "
         "rest out (each turn is a request, and later turns carry ever longer prompts); None: every turn.")
+    replies: int = Field(
+        1, ge=1, description="Samples each training prompt gives: its own reply (asked as temperature and top_p say, "
+        "greedy by default) plus replies-1 sampled at reply_temperature and reply_top_p, each a sample of its own "
+        "with its own id (sample_id), seed (seed + its id), files and failure record. Every reply costs a "
+        "generation and an extraction; held-out rows get none.")
+    reply_temperature: float = Field(
+        1.0, ge=0, description="With replies > 1: the temperature of the sampled replies (1: the target's own "
+        "distribution). Every turn a sampled sample writes is sampled, its earlier replies conditioning its later "
+        "turns.")
+    reply_top_p: float = Field(1.0, gt=0, le=1, description="With replies > 1: the sampled replies' nucleus.")
+
+    @model_validator(mode="after")
+    def _sampled_replies_differ(self) -> GenerationConfig:
+        # At temperature 0 a server decodes greedily, so every sampled reply would repeat the prompt's own one:
+        # replies-1 more generations and extractions of the same sample.
+        if self.replies > 1 and self.reply_temperature == 0:
+            raise ValueError(f"generation.replies {self.replies} with generation.reply_temperature 0: a reply at "
+                             "temperature 0 repeats the greedy one; set reply_temperature above 0, or replies to 1")
+        return self
+
+    def sample_id(self, row: int, prompt_rows: int, reply: int = 0) -> int:
+        """The sample id of ``reply`` (0: the row's own, 1..replies-1: sampled) of dataset row ``row``, where rows
+        0..prompt_rows-1 come before the first held-out row.
+
+        Their replies fill ids 0..replies*prompt_rows-1, reply r of row i at r*prompt_rows + i: a row's own reply
+        keeps its row index, the id it has with replies 1. A later row (held out, or malformed after the first
+        held-out one) has its one id past the sampled ones, at its index + (replies-1)*prompt_rows, so every held-out
+        id stays above every trained one. ``RunSpec.reply_of`` is the inverse."""
+        if not 0 <= reply < self.replies:
+            raise ValueError(f"reply {reply} of a run with generation.replies {self.replies}")
+        if row < prompt_rows:
+            return row + reply * prompt_rows
+        if reply:
+            raise ValueError(f"row {row} comes after the first held-out row ({prompt_rows}): it has no sampled reply")
+        return row + (self.replies - 1) * prompt_rows
+
+    def for_reply(self, reply: int) -> GenerationConfig:
+        """How reply ``reply`` is asked: the row's own (0) as the run says, a sampled one at reply_temperature and
+        reply_top_p."""
+        if reply == 0:
+            return self
+        return self.model_copy(update={"temperature": self.reply_temperature, "top_p": self.reply_top_p})
+
+    def reply_label(self, row: int, reply: int) -> str:
+        """How a failure names a sampled reply (its sample id alone does not say which row it answers); "" for a
+        row's own reply, named as with replies 1."""
+        return f"row {row}, sampled reply {reply} of {self.replies - 1}: " if reply else ""
 
 
 # How hidden-state files store the states: in the dtype the target computes them in, or as fp8 (e4m3) with a
@@ -255,8 +302,10 @@ class RunSpec(_Frozen):
     limit: int | None = None
     model: str = Field(..., description="Served model name the generator asks for.")
     created_at: float = Field(default_factory=time.time)
-    rows: int = Field(0, ge=0, description="Rows read from the dataset (malformed ones included).")
-    train_ids: int = Field(0, ge=0, description="Sample ids 0..train_ids-1 go through generate and extract.")
+    rows: int = Field(0, ge=0, description="Sample ids 0..rows-1: one per row read from the dataset (malformed ones "
+                      "included) and, with generation.replies > 1, one per sampled reply (GenerationConfig.sample_id).")
+    train_ids: int = Field(0, ge=0, description="Sample ids 0..train_ids-1 go through generate and extract; the "
+                           "held-out rows' ids lie above.")
     generation: GenerationConfig = GenerationConfig()
     extraction: ExtractionConfig = ExtractionConfig()
     train: TrainConfig = TrainConfig()
@@ -270,6 +319,19 @@ class RunSpec(_Frozen):
             raise ValueError('evaluation set holdout_turn2 needs generation.turns = "all": the drafter learns '
                              "later turns only from the target's own replies")
         return self
+
+    @property
+    def prompt_rows(self) -> int:
+        """Dataset rows 0..prompt_rows-1 come before the first held-out row: each valid one is a training prompt with
+        generation.replies sample ids (GenerationConfig.sample_id)."""
+        return self.train_ids // self.generation.replies
+
+    def reply_of(self, sample_id: int) -> tuple[int, int]:
+        """``(dataset row, reply)`` of ``sample_id``: reply 0 is the row's own, 1..replies-1 its sampled ones."""
+        rows = self.prompt_rows
+        if sample_id >= self.train_ids or rows == 0:
+            return sample_id - (self.generation.replies - 1) * rows, 0
+        return sample_id % rows, sample_id // rows
 
     @property
     def train_max_length(self) -> int:

@@ -2,6 +2,9 @@
 
 Each sample ends in exactly one of: a reply file plus its queued extraction, a dropped reply
 (``ReplyTooShort``), or a named failure. One sample's trouble never costs the others their replies.
+A sample is a prompt's own reply or, with ``generation.replies`` > 1, one of its sampled replies
+(``RunSpec.reply_of``): every turn it writes is asked at ``reply_temperature`` with the sample's own seed,
+and its file records what it samples (``sampled``).
 A reply is saved (atomically) as it arrives; the job's saved replies are marked generated together and
 queued for extraction together when the job ends, in jobs of ``extract_batch`` samples, so one round trip
 and one extract job's fork and bookkeeping serve many samples. A job killed before its end leaves its
@@ -127,12 +130,13 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
     if state.paths.generated(sample_id).is_file():  # saved by a job killed before marking it: counted now
         return SampleResult.SKIPPED, state.paths.generated(sample_id).stat().st_size, 0
     segments = turn_segments(item.messages, spec.generation.turns)[: spec.generation.max_turns]
+    generation = spec.generation.for_reply(spec.reply_of(sample_id)[1])  # a sampled reply samples every turn
     conversation: list[dict] = []
     turns: list[Turn] = []
     try:
         for segment in segments:
             conversation += segment
-            completion = await _ask(client, limit, state, spec, conversation, sample_id)
+            completion = await _ask(client, limit, state, spec, generation, conversation, sample_id)
             check_length(completion, spec.generation)
             turns.append(Turn(list(conversation), completion))
             conversation.append(assistant_message(completion.content, completion.reasoning_content))
@@ -144,18 +148,38 @@ async def _one(item: PromptItem, spec: RunSpec, state: RunState, client: ChatCli
         if not isinstance(exc, EXPECTED_ERRORS):
             log.exception("run %s: sample %d: unexpected error", state.run, sample_id)
         asked = len(turns) + 1  # the turn that failed asked too
-        where = "" if len(segments) == 1 else f"turn {asked} of {len(segments)}: "
+        where = failure_place(spec, sample_id, asked, len(segments))
         return await asyncio.to_thread(record_failure, state, sample_id, exc, where), 0, asked
-    return SampleResult.DONE, await asyncio.to_thread(save_reply, state, item, turns), len(turns)
+    record = reply_record(item, turns, sampled_from(spec, sample_id))
+    return SampleResult.DONE, await asyncio.to_thread(save_reply, state, item.sample_id, record), len(turns)
 
 
 async def _ask(client: ChatClient, limit: asyncio.Semaphore, state: RunState, spec: RunSpec,
-               conversation: list[dict], sample_id: int) -> Completion:
-    """One turn's reply. Every turn of a sample asks with the sample's seed, so a rerun asks the same."""
+               generation: GenerationConfig, conversation: list[dict], sample_id: int) -> Completion:
+    """One turn's reply, asked as ``generation`` says (the run's settings for the sample's reply). Every turn of a
+    sample asks with the sample's seed, so a rerun asks the same."""
     async with limit:
         return await client.complete(
-            chat_payload(spec.model, conversation, spec.generation, spec.generation.seed + sample_id),
+            chat_payload(spec.model, conversation, generation, spec.generation.seed + sample_id),
             on_retry=lambda: state.note_retry(Stage.GENERATE))
+
+
+def failure_place(spec: RunSpec, sample_id: int, turn: int, turns: int) -> str:
+    """Where in its sample a failure happened: which sampled reply of which row (none for a row's own reply) and,
+    in a conversation of several turns, which turn."""
+    label = spec.generation.reply_label(*spec.reply_of(sample_id))
+    return label + ("" if turns == 1 else f"turn {turn} of {turns}: ")
+
+
+def sampled_from(spec: RunSpec, sample_id: int) -> dict | None:
+    """What a sampled reply's file records of its making: the row it answers, which of its replies it is and how it
+    was sampled (its sample id alone does not say); None for a row's own reply, recorded as with one reply."""
+    row, reply = spec.reply_of(sample_id)
+    if reply == 0:
+        return None
+    generation = spec.generation
+    return {"row": row, "reply": reply, "temperature": generation.reply_temperature, "top_p": generation.reply_top_p,
+            "seed": generation.seed + sample_id}
 
 
 @dataclass(frozen=True)
@@ -196,9 +220,10 @@ def turn_record(completion: Completion) -> dict:
     return record
 
 
-def reply_record(item: PromptItem, turns: list[Turn]) -> dict:
+def reply_record(item: PromptItem, turns: list[Turn], sampled: dict | None = None) -> dict:
     """The sample's file: the last turn's prompt and reply at the top (what extraction of a single turn
-    reads), and, for a conversation of several regenerated turns, each turn's messages and answer."""
+    reads), and, for a conversation of several regenerated turns, each turn's messages and answer; a sampled
+    reply's also says what it samples (``sampled_from``)."""
     last = turns[-1]
     record = {
         "schema_version": SCHEMA_VERSION,
@@ -209,15 +234,16 @@ def reply_record(item: PromptItem, turns: list[Turn]) -> dict:
     }
     if len(turns) > 1:
         record["turns"] = [{"messages": turn.messages, **turn_record(turn.completion)} for turn in turns]
+    if sampled is not None:
+        record["sampled"] = sampled
     return record
 
 
-def save_reply(state: RunState, item: PromptItem, turns: list[Turn]) -> int:
+def save_reply(state: RunState, sample_id: int, record: dict) -> int:
     """Write the sample's reply file atomically; its size in bytes. A full volume makes it wait for space (the
     reply cost the target's time: it is kept, not failed), with the generate stage held in the run's status."""
-    path = state.paths.generated(item.sample_id)
-    record = reply_record(item, turns)
-    write_with_space(lambda: atomic_write_json(path, record), f"the reply of sample {item.sample_id}",
+    path = state.paths.generated(sample_id)
+    write_with_space(lambda: atomic_write_json(path, record), f"the reply of sample {sample_id}",
                      state.paths.data, hold=StageHold(state.conn, state.run, Stage.GENERATE))
     return path.stat().st_size
 

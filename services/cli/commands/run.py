@@ -72,7 +72,7 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     if report.warnings:
         sys.stderr.write(format_preflight(report) + "\n")
-    _submitted(spec.name, spec.rows, spec.train_ids, spec.online.model_dump())
+    _submitted(spec.name, spec.rows, spec.train_ids, spec.online.model_dump(), spec.generation.replies)
     return 0
 
 
@@ -132,7 +132,8 @@ def _run_through_api(args: argparse.Namespace) -> int:
                 raise
             sys.stderr.write(_refused_preflight(exc.detail) + "\n")
             return 1
-    _submitted(spec["name"], spec["rows"], spec["train_ids"], spec.get("online") or {})
+    _submitted(spec["name"], spec["rows"], spec["train_ids"], spec.get("online") or {},
+               (spec.get("generation") or {}).get("replies", 1))
     return 0
 
 
@@ -150,10 +151,14 @@ def _refused_preflight(detail: object) -> str:
     return "\n".join(lines)
 
 
-def _submitted(name: str, rows: int, train_ids: int, online: dict) -> None:
+def _submitted(name: str, rows: int, train_ids: int, online: dict, replies: int = 1) -> None:
+    """What the run took on: the rows read (``rows`` counts the sample ids, sampled replies' included) and the
+    sample ids queued."""
     from runtime.disk import format_bytes
 
-    sys.stdout.write(f"run {name}: {rows} rows read, {train_ids} sample ids queued for generation\n")
+    read = rows - (replies - 1) * (train_ids // replies)
+    sampled = f" ({replies} replies per training prompt)" if replies > 1 else ""
+    sys.stdout.write(f"run {name}: {read} rows read, {train_ids} sample ids queued for generation{sampled}\n")
     if online.get("enabled"):
         sys.stdout.write(f"online: hidden states bounded by {format_bytes(online['budget_bytes'])} "
                          f"({online['budget_bytes']:,} bytes); training starts once generation has settled\n")

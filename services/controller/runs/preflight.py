@@ -395,6 +395,12 @@ def _array_rows(head: bytes, size: int) -> int:
     return round(size * len(ends) / ends[-1]) if ends else 1
 
 
+def projected_samples(spec: RunSpec, rows: int) -> int:
+    """Samples a run of ``rows`` dataset rows makes: each row not held out gives generation.replies, each a reply
+    file and a hidden-state file of its own."""
+    return max(rows - spec.evaluate.holdout, 0) * spec.generation.replies
+
+
 def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts) -> Check:
     data = Path(settings.data)
     free, total = volume_usage(data)
@@ -413,13 +419,14 @@ def check_disk(settings: ControllerSettings, spec: RunSpec | None, facts: Facts)
         return Check("disk space", True, INFO, f"{room}; no projection ({why}): the supervisor projects as "
                      "samples land")
     rows, prompt_bytes = size
-    samples = max(rows - spec.evaluate.holdout, 0)
+    samples = projected_samples(spec, rows)
     tokens = estimate_sample_tokens(prompt_bytes / rows, spec.generation.max_tokens, spec.extraction.max_length)
     offline = int(samples * tokens * facts.bytes_per_token)
     replies = reply_bytes(samples, 0, 0, prompt_bytes_per_row=prompt_bytes / rows, max_tokens=spec.generation.max_tokens)
     training = training_bytes(RunPaths(data, spec.name), target_config(settings.model_dir), spec.train)
-    states = (f"{samples:,} samples × {tokens:,.0f} tokens × {facts.bytes_per_token:,.0f} bytes, an upper estimate "
-              "from max_tokens")
+    per_prompt = f" ({spec.generation.replies} replies per prompt)" if spec.generation.replies > 1 else ""
+    states = (f"{samples:,} samples{per_prompt} × {tokens:,.0f} tokens × {facts.bytes_per_token:,.0f} bytes, an "
+              "upper estimate from max_tokens")
     if spec.online.enabled and spec.online.budget_bytes is not None:
         # An online run holds at most its budget of states whatever the dataset's size.
         hidden = min(offline, spec.online.budget_bytes)
