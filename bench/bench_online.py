@@ -238,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
             offline = recorded(api, data, offline_name)
             # Its training timed again, back to back with the twins on the same machine: an offline retrain reads
             # the same files (linked) in the same batches.
-            api.retrain(offline_name, {"name": f"{offline_name}-again"})
-            again = watched(stack, api, data, f"{offline_name}-again", args.timeout)
+            again_name = f"{offline_name}-again-{time.strftime('%H%M%S')}"  # a name no earlier invocation took
+            api.retrain(offline_name, {"name": again_name})
+            again = watched(stack, api, data, again_name, args.timeout)
             offline.update({k: again[k] for k in ("train_seconds", "loop_seconds", "steps", "padding", "checkpoints")})
         else:
             api.submit(body)
