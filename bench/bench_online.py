@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true", help="the run sized to check the benchmark runs")
     parser.add_argument("--budget-share", default="0.1",
                         help="the online twins' budgets, each a share of the offline run's hidden-state bytes, "
-                             "comma-separated (one twin each, in that order)")
+                             "comma-separated (one twin each, in that order; empty: the offline run alone, a capture "
+                             "for bench/bench_train_sweep.py)")
     parser.add_argument("--extractors", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200.0)
     parser.add_argument("--reuse-offline", action="store_true",
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                          api_token=secrets.token_urlsafe(32), env=env,
                          replicas={"inference": 1, "generator": 16 if args.device == "cuda" else 1,
                                    "extractor": args.extractors})
-    shares = [float(share) for share in args.budget_share.split(",")]
+    shares = [float(share) for share in args.budget_share.split(",") if share]  # none: the offline run alone
     figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "device": args.device,
                                "conversations": args.conversations, "run": run, "extractors": args.extractors,
                                "twins": {}}
