@@ -43,7 +43,9 @@ def read_eval_prompts(path: Path) -> list[EvalPrompt]:
     if not path.is_file():
         raise DatasetError(f"{path}: no held-out prompts to evaluate on")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    # Lines end at "\n" alone: the controller writes the messages as they came (ensure_ascii=False), and a prompt
+    # may hold U+2028 or another character str.splitlines() also breaks at (a ShareGPT row did, on a GPU run).
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:

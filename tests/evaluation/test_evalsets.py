@@ -80,3 +80,14 @@ def test_regenerated_runs_ask_the_first_turn_and_the_second_after_the_targets_ow
         "holdout"]
     with pytest.raises(DatasetError, match="holdout_turn2 needs generation.turns"):
         load_sets(cfg, eval_prompts=held, train_prompts=tmp_path / "none", turns="last")
+
+
+def test_held_out_prompts_holding_characters_splitlines_breaks_at_are_read_whole(tmp_path):
+    from evaluation.evalsets import read_eval_prompts
+    from services.controller.runs.submit import prompt_line
+
+    tricky = ["a line\u2028separator", "a paragraph\u2029separator", "form\x0cfeed", "next\x85line", "group\x1dsep"]
+    held = tmp_path / "eval_prompts.jsonl"
+    held.write_bytes(b"".join(prompt_line(i, [{"role": "user", "content": text}]) for i, text in enumerate(tricky)))
+    prompts = read_eval_prompts(held)
+    assert [p.messages[0]["content"] for p in prompts] == tricky  # as the controller wrote them, one per line
