@@ -84,11 +84,9 @@ def test_exactly_the_predictions_of_loss_masked_tokens_are_trained_each_against_
 
 
 @torch.no_grad()
-def test_training_logits_equal_the_proposers_chain_after_the_same_verified_prefix(tiny_target):
-    """Serving: the target prefills prompt x_0..x_{P-1} and samples x_P; the proposer's ``extend`` pairs
-    position p with x_{p+1} and its chain drafts x_{P+1}, x_{P+2}, ... Training on the sequence prompt,
-    x_P and those drafts must give, at index t = P - 1, step k's logits equal to chain step k's."""
-    drafter = full_vocab_drafter(tiny_target, seed=3)
+def chain_against_training(tiny_target, drafter) -> tuple[list[int], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The proposer's chain after the target prefills a prompt and samples x_P, and training's unroll over the
+    sequence it drafted: ``(prompt, aux states, the chain's logits per step, training's step outputs)``."""
     prompt = prompt_ids(tiny_target, [{"role": "user", "content": "Count to three."}])
     first = int(tiny_target.model(torch.tensor([prompt])).logits[0, -1].argmax())  # x_P, from the last prompt position
     p, prefill = len(prompt), target_states(tiny_target, torch.tensor(prompt))[0]  # (P, 3H)
@@ -102,7 +100,17 @@ def test_training_logits_equal_the_proposers_chain_after_the_same_verified_prefi
     sequence = torch.tensor([*prompt, first, *drafts])  # teacher forcing feeds what the chain fed
     # Index P-1 sees only states 0..P-1 (causal): the prefill's, so both sides read the same numbers.
     aux = torch.cat([prefill, target_states(tiny_target, sequence)[0][p:]])  # (L, 3H)
-    unrolled = TTTObjective(drafter, STEPS).unroll(sequence[None], aux[None])  # STEPS x (1, L, H)
+    return prompt, aux, seen, TTTObjective(drafter, STEPS).unroll(sequence[None], aux[None])  # STEPS x (1, L, H)
+
+
+@torch.no_grad()
+def test_training_logits_equal_the_proposers_chain_after_the_same_verified_prefix(tiny_target):
+    """Serving: the target prefills prompt x_0..x_{P-1} and samples x_P; the proposer's ``extend`` pairs
+    position p with x_{p+1} and its chain drafts x_{P+1}, x_{P+2}, ... Training on the sequence prompt,
+    x_P and those drafts must give, at index t = P - 1, step k's logits equal to chain step k's."""
+    drafter = full_vocab_drafter(tiny_target, seed=3)
+    prompt, aux, seen, unrolled = chain_against_training(tiny_target, drafter)
+    p = len(prompt)
     for k in range(STEPS):
         torch.testing.assert_close(drafter.logits(unrolled[k])[0, p - 1], seen[k], rtol=1e-4, atol=1e-5)
     # The pairing is what makes them equal: state p with token x_p (no shift) gives other logits.

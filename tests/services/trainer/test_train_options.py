@@ -12,16 +12,14 @@ import math
 import pytest
 import torch
 
-from evaluation.speculative import DrafterProposer
 from modeling.eagle3 import DrafterConfig, Eagle3Drafter, ttt_unroll
 from modeling.export import export_drafter, load_drafter, verify_export
 from modeling.losses import StepLoss
 from modeling.target_head import load_target_head, read_target_config
-from services.trainer.objective import TTTObjective
 from services.trainer.session import prepare, trained_from_checkpoint
 from services.trainer.train import train_drafter
 from shared.runspec import RunSpec
-from tests.services.trainer.test_alignment import STEPS, target_states
+from tests.services.trainer.test_alignment import STEPS, chain_against_training, target_states
 from tests.support.tiny_runs import DFLASH_TRAIN, LAYER_IDS, prompt_ids
 
 
@@ -106,18 +104,7 @@ def test_normalized_training_logits_equal_the_proposers_chain_after_the_same_ver
     for norm in drafter.fc_norm:
         norm.weight.uniform_(0.5, 1.5)
     drafter.eval()
-    prompt = prompt_ids(tiny_target, [{"role": "user", "content": "Count to three."}])
-    first = int(tiny_target.model(torch.tensor([prompt])).logits[0, -1].argmax())
-    p, prefill = len(prompt), target_states(tiny_target, torch.tensor(prompt))[0]  # (P, 3H)
-    proposer, seen = DrafterProposer(drafter), []
-    hook = drafter.lm_head.register_forward_hook(lambda module, args, out: seen.append(out[0, -1].clone()))
-    try:
-        proposer.extend(prefill, [*prompt[1:], first])
-        drafts = proposer.propose(STEPS)
-    finally:
-        hook.remove()
-    sequence = torch.tensor([*prompt, first, *drafts])
-    aux = torch.cat([prefill, target_states(tiny_target, sequence)[0][p:]])  # (L, 3H)
-    unrolled = TTTObjective(drafter, STEPS).unroll(sequence[None], aux[None])
+    prompt, _, seen, unrolled = chain_against_training(tiny_target, drafter)
+    p = len(prompt)
     for k in range(STEPS):
         torch.testing.assert_close(drafter.logits(unrolled[k])[0, p - 1], seen[k], rtol=1e-4, atol=1e-5)
