@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             offline = watched(stack, api, data, offline_name, args.timeout)
         offline_bytes = offline["peak_bytes"]  # every hidden-state file it kept, all of them there at its end
         figures.update(offline_figures(offline, stack))
+        write(args.json, figures)  # the offline run's figures alone first: a lease may end before any twin does
         for share in shares:
             name = f"{online_name}-{share:g}"
             budget = max(1, int(offline_bytes * share))
