@@ -455,6 +455,8 @@ class Feed:
         batch ``index``): room kept for them; with the spool full, later unread files deleted to bring it within
         budget and the first missing named the one that may pass it; files no job will make ready cleared; and the
         missing asked for."""
+        if not missing:
+            return  # the batch settled between the caller's two looks: nothing is waited for
         self.keep_room(missing)
         head = self.spool_full()
         if head:

@@ -248,3 +248,24 @@ def test_batches_are_capped_only_where_the_budget_could_not_hold_two_of_the_long
     assert cap == largest // 2 // 10
     capped = epoch_plan(TrainConfig(batch_size=4), lengths, 0, 1, LENGTH, cap_tokens=cap)
     assert max(sum(10 * lengths[i] for i in batch) for batch in capped) <= feed.budget / 2
+
+
+def test_a_batch_that_settles_between_two_looks_is_taken_with_the_spool_full(data_dir, redis_conn, monkeypatch):
+    # The H100 run of 2026-12-07 (budget 2%): the batch's last file landed between the look that found the batch
+    # unsettled and the one that lists its missing files, with the spool full; tending nothing then failed the run.
+    feed = feed_of(data_dir, redis_conn, samples=8)
+    batch = feed.upcoming(0, 0, 4)
+    sizes = [land_ready(feed, i, 20) for i in batch]
+    feed.budget = sum(sizes) // 2  # full: tending would name the first missing file the one that may pass it
+    assert feed.spool_full()
+    looks = []
+    settled = feed.settled
+
+    def late_look(epoch: int, index: int) -> list[int] | None:
+        looks.append(index)
+        return None if len(looks) == 1 else settled(epoch, index)  # the first look still sees it unsettled
+
+    monkeypatch.setattr(feed, "settled", late_look)
+    assert [feed.plan.train_ids[i] for i in feed.wait_for(0, 0)] == batch
+    assert all(feed.paths.hidden(i).exists() for i in batch)  # nothing deleted to make room for what is there
+    assert feed.state.meta().get(spool.ONLINE_HEAD, "") == ""
