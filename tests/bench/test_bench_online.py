@@ -35,6 +35,12 @@ def test_the_benchmark_runs_an_offline_run_and_its_online_twin(tmp_path, tiny_mo
     assert set(paired) == {"1", "2"} and all(one["prompts"] == 4 for one in paired.values())
     assert 0 <= twin["online_train_wait_fraction"] <= 1 and twin["online_released_files"] > 0
     assert twin["online_over_offline_train_time"] > 0 and figures["offline_train_seconds"] > 0
+    # The offline training divided by is a retrain timed just before the twin, not the capture's (a cold compile).
+    assert figures["offline_capture_train_seconds"] > 0
+    epochs = figures["run"]["train"]["epochs"]
+    assert len(figures["offline_epoch_seconds"]) == len(twin["online_epoch_seconds"]) == epochs
+    assert twin["online_over_offline_last_epoch_time"] == pytest.approx(
+        twin["online_epoch_seconds"][-1] / figures["offline_epoch_seconds"][-1], abs=1e-3)
     # The budget never forces a checkpoint: the trainer saves where train.save_every says, and at the end.
     assert twin["online_checkpoints"] == twin["online_expected_checkpoints"] != []
     assert twin["online_evicted_files"] == 0
