@@ -31,7 +31,7 @@ from services.cli.pipeline import PipelineSpec, run_pipeline, say, stage_table  
 from services.cli.target_build import ensure_target  # noqa: E402
 from shared.atomic import atomic_write_text, read_json  # noqa: E402
 from shared.layout import RunPaths  # noqa: E402
-from shared.runspec import EvalConfig, TrainConfig  # noqa: E402
+from shared.runspec import EvalConfig, GenerationConfig, TrainConfig  # noqa: E402
 from shared.targets import default_target_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -141,21 +141,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", type=setting_overrides, default={}, metavar="KEY=VALUE,...",
                         help="evaluate settings over the run's, as --train (decode=headline: decode k = draft_steps "
                              "alone, the rest of the curve by one pass)")
+    parser.add_argument("--generation", type=setting_overrides, default={}, metavar="KEY=VALUE,...",
+                        help="generation settings over the run's, as --train (max_turns=null: every turn of each "
+                             "conversation; replies=2: a sampled reply beside the greedy one)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per status poll drowns the progress
 
     chat = args.dataset == "sharegpt"
-    run = run_config(args)
-    for option, over, section, model in (("--train", args.train, "train", TrainConfig),
-                                         ("--eval", args.eval, "evaluate", EvalConfig)):
-        if over:
-            run = {**run, section: merged(run[section], over)}
-            try:
-                model.model_validate(run[section])  # a misspelt setting fails here, before any GPU time
-            except ValueError as exc:  # pydantic's ValidationError names each bad field
-                parser.error(f"{option}: {exc}")
+    try:
+        run = overridden(run_config(args), args)
+    except ValueError as exc:
+        parser.error(str(exc))
     env = dict(SHAREGPT_ENV if chat else GPU_ENV) if args.device == "cuda" else {"DRAFTLINE_DEVICE": "cpu"}
     data = args.data.resolve()
     started = time.monotonic()
@@ -221,6 +219,21 @@ def setting_overrides(text: str) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
+
+
+def overridden(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The run's recipe with ``--generation``, ``--train`` and ``--eval`` laid over it, each section validated: a
+    misspelt setting fails here, before any GPU time (ValueError naming the option and the field)."""
+    for option, over, section, model in (("--generation", args.generation, "generation", GenerationConfig),
+                                         ("--train", args.train, "train", TrainConfig),
+                                         ("--eval", args.eval, "evaluate", EvalConfig)):
+        if over:
+            run = {**run, section: merged(run.get(section) or {}, over)}
+            try:
+                model.model_validate(run[section])
+            except ValueError as exc:  # pydantic's ValidationError names each bad field
+                raise ValueError(f"{option}: {exc}") from exc
+    return run
 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

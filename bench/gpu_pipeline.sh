@@ -8,6 +8,8 @@
 #      (MINUTES at most 8: a call ends at 600 s, and joining the wheel and installing take about a minute)
 # For ShareGPT (issue 23's benchmark), a call between the two, carry [".gpu/part3"]: bash bench/gpu_pipeline.sh stage-data;
 # then call 2 as: bash bench/gpu_pipeline.sh run 0 8 "--dataset sharegpt" (0: every conversation).
+# Issue 47's data levers, one lease each: add "--generation max_turns=null" (every turn) or "--generation replies=2"
+# (a sampled reply beside the greedy one) to those BENCH ARGS; --train and --eval lay settings over the recipe alike.
 # Issue the run and every follow in ONE batch of tool calls, the last follow sized to the device time left: a
 # machine stays warm 30 s after a call, and a pause between calls on the caller's side lost a run's evaluation
 # with its machine (bench/RESULTS.md, 2026-12-04, DFlash).

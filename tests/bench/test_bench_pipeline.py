@@ -144,3 +144,21 @@ def test_the_sharegpt_benchmark_regenerates_two_turns_and_reports_the_second_apa
     assert figures["evaluation"]["holdout"]["prompts"] == 2 and figures["evaluation"]["holdout_turn2"]["prompts"] == 1
     turn2 = figures["evaluation"]["holdout_turn2"]
     assert set(turn2["drafter"]["curve"]) == {"1", "2"} and turn2["greedy_check"]["mismatches"] == []
+
+
+def test_generation_settings_lay_over_the_recipe_and_a_misspelt_one_is_refused_by_name():
+    """Issue 47's data levers as a run's options: every turn (max_turns null) and a sampled reply beside the
+    greedy one, laid over the ShareGPT recipe, checked before any GPU time."""
+    import argparse
+
+    from bench.bench_pipeline import SHAREGPT_RUN, overridden, setting_overrides
+
+    args = argparse.Namespace(generation=setting_overrides("max_turns=null,replies=2,reply_temperature=0.8"),
+                              train=setting_overrides("loss=lk_lambda,aux_norm=true"), eval={})
+    run = overridden(SHAREGPT_RUN, args)
+    assert run["generation"]["max_turns"] is None and run["generation"]["replies"] == 2
+    assert run["generation"]["turns"] == SHAREGPT_RUN["generation"]["turns"]  # the rest of the section stays
+    assert run["train"]["loss"] == "lk_lambda" and run["train"]["aux_norm"] is True
+    assert SHAREGPT_RUN["generation"]["max_turns"] == 2  # the recipe itself untouched
+    with pytest.raises(ValueError, match=r"(?s)--generation: .*max_turnz"):
+        overridden(SHAREGPT_RUN, argparse.Namespace(generation={"max_turnz": 3}, train={}, eval={}))
