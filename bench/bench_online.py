@@ -12,9 +12,9 @@ report is compared with the offline run's prompt by prompt at every k (``evaluat
 online − offline, with its bootstrap interval over the held-out prompts).
 
 The offline training each twin is divided by is not the capture's own: that one compiled the TTT chain's flex
-attention from a cold cache (about 30 s of 93 on an H100, 2026-12-07), which every later training finds warm. An
-offline retrain of the capture (the same files, linked, and the same batches) times it again just before the
-twins. Each run's epochs are timed from its train log as well (the last epoch has no compile in it), and each twin
+attention from a cold cache, which every later training finds warm (on an H100 on 2026-12-07 its loop took 84 s, a
+retrain's 42 s). An offline retrain of the capture (the same files, linked, and the same batches) times it again
+just before the twins. Each run's epochs are timed from its train log as well (the last epoch has no compile in it), and each twin
 gets the ratio of its last epoch to the offline one's beside the ratio of whole trainings.
 
     python bench/bench_online.py --data /tmp/bench-online --conversations 160 --json out.json        # this CPU
@@ -146,11 +146,8 @@ def watched(stack: LocalStack, api: ControllerClient, data: Path, name: str, tim
     sampler.stop()
     if not status["drafter"].get("export_path") or status["state"] == "failed":
         raise SystemExit(f"run {name} ended as {status['state']} without a drafter; logs in {stack.config.log_dir}")
-    log_lines = [json.loads(line) for line in RunPaths(data, name).train_log.read_text().splitlines()]
     return {"status": status, "peak_bytes": sampler.peak, "at_peak": sampler.at_peak, "largest_file": sampler.largest,
-            "samples": sampler.samples, "train_seconds": clock.train_seconds, "steps": log_lines[-1]["step"],
-            "loop_seconds": log_lines[-1]["elapsed_s"], "epoch_seconds": epoch_seconds(log_lines),
-            "padding": round(sum(r["padding"] for r in log_lines) / len(log_lines), 4),
+            "samples": sampler.samples, "train_seconds": clock.train_seconds, **logged(data, name),
             "checkpoints": checkpoints(stack, name),
             "wall_seconds": round(time.monotonic() - clock.start, 1), "stage_seconds": clock.seconds}
 
@@ -167,22 +164,22 @@ def recorded(api: ControllerClient, data: Path, name: str) -> dict[str, Any]:
     paths = RunPaths(data, name)
     finished = read_json(paths.root / "state.json")
     sizes = [path.stat().st_size for path in paths.hidden_dir.rglob("*.safetensors")]
-    log_lines = [json.loads(line) for line in paths.train_log.read_text().splitlines()]
     return {"status": api.run_status(name), "peak_bytes": sum(sizes), "at_peak": {}, "largest_file": max(sizes),
             "samples": 0, "wall_seconds": round(finished["finished_at"] - read_json(paths.spec)["created_at"], 1),
-            "stage_seconds": None, "train_seconds": None, "steps": log_lines[-1]["step"],
-            "loop_seconds": log_lines[-1]["elapsed_s"], "epoch_seconds": epoch_seconds(log_lines),
-            "padding": round(sum(r["padding"] for r in log_lines) / len(log_lines), 4), "checkpoints": []}
+            "stage_seconds": None, "train_seconds": None, **logged(data, name), "checkpoints": []}
 
 
-def epoch_seconds(log_lines: list[dict[str, Any]]) -> list[float]:
-    """Each epoch's seconds in the training loop, from the train log's clock at each epoch's last step (the first
-    epoch's from the loop's start, so it holds any compile)."""
+def logged(data: Path, name: str) -> dict[str, Any]:
+    """Run ``name``'s figures from its train log: steps, the loop's seconds, each epoch's seconds (at each epoch's
+    last step; the first epoch's from the loop's start, so it holds any compile) and the mean padding."""
+    rows = [json.loads(line) for line in RunPaths(data, name).train_log.read_text().splitlines()]
     ends: dict[int, float] = {}
-    for row in log_lines:
+    for row in rows:
         ends[row["epoch"]] = row["elapsed_s"]
     marks = [0.0] + [ends[epoch] for epoch in sorted(ends)]
-    return [round(end - start, 3) for start, end in zip(marks, marks[1:])]
+    return {"steps": rows[-1]["step"], "loop_seconds": rows[-1]["elapsed_s"],
+            "epoch_seconds": [round(end - start, 3) for start, end in zip(marks, marks[1:])],
+            "padding": round(sum(r["padding"] for r in rows) / len(rows), 4)}
 
 
 def paired_by_k(online: dict, offline: dict) -> dict[str, dict[str, Any]]:
