@@ -165,4 +165,4 @@ def test_controller_feeds_a_worker_generates_and_the_exporter_reports_each_as_it
             assert admin.sismember(f"rq:workers:{GENERATE_QUEUE}", "rq:worker:gone")
         finally:
             worker.stop()
-    assert "NOPERM" not in worker.log(), worker.log()
+    assert "NOPERM" not in worker.full_log(), worker.log()

@@ -127,7 +127,7 @@ def test_first_sigterm_finishes_the_current_job_then_exits_zero_within_its_deadl
     assert job_status(redis_conn, job_id) == JobStatus.FINISHED
     assert json.loads(state.paths.generated(0).read_text())["reply"]["content"] == "finished despite the signal"
     assert state.counts("generate").done == 1
-    assert "warm shut down requested" in worker.log()
+    assert "warm shut down requested" in worker.full_log()
 
 
 @pytest.mark.parametrize("job_process", ["fork", "inline"])
@@ -148,7 +148,7 @@ def test_second_sigterm_stops_at_once_and_the_job_is_not_done(data_dir, redis_ur
             worker.proc.wait(30)  # far less than the 120 s reply: the job was cut short
         finally:
             worker.stop(signal.SIGKILL)
-        assert "cold shut down" in worker.log()
+        assert "cold shut down" in worker.full_log()
         wait_for(lambda: all(gone(horse) for horse in horses), "work horse gone", 10)
     assert job_status(redis_conn, job_id) == JobStatus.STARTED  # never marked done ...
     assert not state.paths.generated(0).exists()
@@ -184,7 +184,7 @@ def test_first_sigterm_gives_a_job_waiting_for_a_down_server_back_at_the_front_a
     counts = state.counts("generate")
     assert (counts.done, counts.failed, counts.dropped) == (0, 0, 0) and state.failures() == []
     assert "generate_retried" not in state.meta()
-    assert f"job {waiting} yielded" in worker.log() and "cold shut down" not in worker.log()
+    assert f"job {waiting} yielded" in worker.full_log() and "cold shut down" not in worker.full_log()
 
     with server:
         server.script("waits for the server", Reply("answered once the server is back"))
@@ -227,7 +227,7 @@ def test_a_killed_work_horse_is_requeued_at_the_front_and_its_job_finishes_witho
     assert job.ended_at < Job.fetch(waiting, connection=redis_conn, serializer=SERIALIZER).started_at
     assert state.counts("generate").done == 2 and state.counts("generate").failed == 0
     assert float(state.meta()["generate_retried"]) == 1
-    assert "killed by SIGKILL; requeued at the front" in worker.log()
+    assert "killed by SIGKILL; requeued at the front" in worker.full_log()
 
 
 def test_a_job_whose_work_horse_keeps_being_killed_fails_by_name_after_the_last_requeue(
@@ -322,14 +322,14 @@ def test_a_job_whose_record_redis_loses_while_it_runs_finishes_and_is_not_failed
         try:
             wait_for(lambda: server.requests_for("while redis is flushed"), "the request sent", 60, worker)
             redis_conn.flushall()
-            wait_for(lambda: "no longer holds its record" in worker.log(), "the job's end", 60, worker)
+            wait_for(lambda: "no longer holds its record" in worker.full_log(), "the job's end", 60, worker)
             assert worker.alive(), worker.log()
         finally:
             worker.stop()
     assert state.paths.generated(0).is_file()
     assert queue(GENERATE_QUEUE, redis_conn).failed_job_registry.get_job_ids() == []
     assert not redis_conn.exists(f"rq:job:{job_id}")
-    assert "exception raised while executing" not in worker.log(), worker.log()
+    assert "exception raised while executing" not in worker.full_log(), worker.log()
 
 
 @pytest.mark.parametrize("job_process", ["fork", "inline"])
@@ -354,7 +354,7 @@ def test_a_job_naming_a_foreign_function_fails_by_name_and_runs_nothing(data_dir
         reason = Job.fetch(job.id, connection=redis_conn, serializer=SERIALIZER).latest_result().exc_string
         assert reason.startswith("ForeignJob: ") and "refused, nothing ran" in reason, reason
         assert GENERATE_FUNC in reason  # names what the queue does run
-    assert "Processing os.mkdir" not in worker.log() and "foreign_mkdir" in worker.log()
+    assert "Processing os.mkdir" not in worker.full_log() and "foreign_mkdir" in worker.full_log()
 
 
 def test_a_horse_lost_from_outside_is_a_loss_and_one_that_exits_non_zero_is_a_failure():

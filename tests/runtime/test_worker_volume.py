@@ -45,7 +45,7 @@ def test_worker_hands_a_taken_job_back_when_the_volume_stops_matching(data_dir, 
     with OpenAIServer() as server:
         worker = generator(server, redis_url, data_dir, tmp_path).start()
         try:
-            wait_for(lambda: "serving" in worker.log(), "worker serving", 60, worker)
+            wait_for(lambda: "serving" in worker.full_log(), "worker serving", 60, worker)
             # A controller on another volume records its id while this worker waits for jobs.
             redis_conn.set(VOLUME_KEY, "0123456789abcdef")
             state = make_run(data_dir, redis_conn, tmp_path, PROMPTS)

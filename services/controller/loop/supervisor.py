@@ -39,6 +39,7 @@ from services.controller.loop.reconcile import (
 )
 from runtime.runstate import RunState, known_runs, write_finished
 from shared.atomic import temp_files
+from shared.errors import RunNotFound
 from runtime.disk import supervise_disk
 from shared.lifecycle import SAMPLE_PHASES, SAMPLE_STAGES, Outcome, RunPhase, Stage
 from runtime.outage import REDIS_DOWN, RedisOutage
@@ -120,6 +121,8 @@ def supervise_run(settings: ControllerSettings, conn: redis.Redis, run: str) -> 
     if reconciling(conn, run):
         return  # a resume is rebuilding this run's state; feeding now would read half-written bitmaps
     state = RunState(conn, settings.data, run)
+    if not state.paths.spec.is_file():  # submission writes run.json before Redis hears of the run
+        raise RunNotFound(f"{state.paths.spec} does not exist")
     meta = state.meta()
     if RunPhase.of(meta.get("state")) in SAMPLE_PHASES and "train_enqueued_at" not in meta:
         # A run projected to outgrow the volume stops taking new prompts; extraction waits in the workers.
@@ -168,14 +171,26 @@ def housekeeping(settings: ControllerSettings, conn: redis.Redis) -> None:
             log.exception("supervisor: %s failed", what)
 
 
-def supervise_once(settings: ControllerSettings, conn: redis.Redis) -> None:
-    """One pass over every known run; a broken run is logged and the others still advance."""
+def supervise_once(settings: ControllerSettings, conn: redis.Redis, absent: set[str] | None = None) -> None:
+    """One pass over every known run; a broken run is logged and the others still advance.
+
+    ``absent`` holds the runs already reported as known to Redis but missing from this volume, so a loop that
+    passes the same set names each of them once, not once a tick."""
+    absent = set() if absent is None else absent
     housekeeping(settings, conn)
     for run in known_runs(conn):
         try:
             supervise_run(settings, conn, run)
+            absent.discard(run)
         except REDIS_DOWN:
             raise  # not this run's fault: the whole pass waits for Redis
+        except RunNotFound as exc:
+            # Redis names a run this volume does not hold: another volume's controller shares this Redis, or the
+            # run's directory was removed. Nothing here can feed it, and nothing here may delete its state.
+            if run not in absent:
+                absent.add(run)
+                log.warning("run %s: known to Redis but not on this controller's volume (%s); is Redis shared with "
+                            "another volume's controller? leaving it alone", run, exc)
         except Exception:  # noqa: BLE001 - the loop's outer boundary: one run's bug never stalls the rest
             log.exception("run %s: supervision failed", run)
 
@@ -184,9 +199,10 @@ def supervise_forever(settings: ControllerSettings, conn: redis.Redis, stop: thr
     """Call ``supervise_once`` every ``feed_interval_s`` until ``stop`` is set; survive any error."""
     log.info("supervisor: every %.1fs", settings.feed_interval_s)
     outage = RedisOutage("controller supervisor")
+    absent: set[str] = set()
     while not stop.is_set():
         try:
-            supervise_once(settings, conn)
+            supervise_once(settings, conn, absent)
             outage.up()
         except REDIS_DOWN as exc:
             outage.down(exc)  # logged once per outage; the next tick tries again

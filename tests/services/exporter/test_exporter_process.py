@@ -103,7 +103,7 @@ def test_sigterm_stops_the_exporter_cleanly(redis_url, data_dir, tmp_path) -> No
     proc.start()
     proc.stop(signal.SIGTERM)
     assert proc.proc.returncode == 0, proc.log()
-    assert "exporter: stopping" in proc.log()
+    assert "exporter: stopping" in proc.full_log()
 
 
 def test_invalid_settings_stop_the_exporter_with_the_variable_named(redis_url, data_dir, tmp_path) -> None:
@@ -115,5 +115,5 @@ def test_invalid_settings_stop_the_exporter_with_the_variable_named(redis_url, d
     finally:
         proc.stop()
     assert proc.proc.returncode != 0
-    assert "DRAFTLINE_PORT" in proc.log()
+    assert "DRAFTLINE_PORT" in proc.full_log()
 

@@ -118,7 +118,7 @@ def test_a_batch_killed_mid_way_is_requeued_and_redoes_only_its_unfinished_sampl
             if job_process == "fork":
                 wait_for(lambda: state.counts("extract").done == samples, "the requeued batch finished", 120, worker)
                 wait_for(lambda: sum(successful_jobs(redis_conn).values()) == 1, "the job finished", 30, worker)
-                assert "killed by SIGKILL; requeued at the front" in worker.log()
+                assert "killed by SIGKILL; requeued at the front" in worker.full_log()
         if job_process == "inline":
             with extractor(redis_url, data_dir, tiny_model_dir, proxy.url, tmp_path, job_process) as worker:
                 def reaped_and_finished() -> bool:

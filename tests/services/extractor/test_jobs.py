@@ -227,7 +227,7 @@ def test_a_stopped_extractor_gives_back_its_job_waiting_on_a_paused_volume_and_t
     assert REQUEUES_META not in Job.fetch(waiting, connection=redis_conn, serializer=SERIALIZER).meta
     assert state.counts("extract").done == 1 and state.counts("extract").failed == 0 and state.failures() == []
     assert state.meta()["hidden_bytes"] == landed and "extract_retried" not in state.meta()
-    assert f"job {waiting} yielded" in worker.log()
+    assert f"job {waiting} yielded" in worker.full_log()
 
     disk.clear_paused(redis_conn, run)
     with ServiceProcess("extractor", env=env, log_dir=tmp_path / "logs") as worker:

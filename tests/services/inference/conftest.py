@@ -59,4 +59,4 @@ def inference_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     process.stop()
     # uvicorn finishes its graceful shutdown, then re-raises SIGTERM, so -SIGTERM is a clean exit too.
     assert process.proc.returncode in (0, -signal.SIGTERM), process.log()
-    assert "inference runtime stopped" in process.log(), process.log()
+    assert "inference runtime stopped" in process.full_log(), process.log()

@@ -161,7 +161,7 @@ def test_the_server_decodes_chat_continuously_when_told(tiny_model_dir, loaded_t
         with ThreadPoolExecutor(len(texts)) as pool:
             responses = list(pool.map(lambda tb: server.post(CHAT, chat_body(*tb)), zip(texts, budgets)))
         steps = samples(server, "draftline_inference_batch_size_bucket")
-        assert "slot decoder: 3 slots of 512 positions" in process.log()
+        assert "slot decoder: 3 slots of 512 positions" in process.full_log()
     for text, budget, response in zip(texts, budgets, responses):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == hf_greedy(loaded_tiny, chat_prompt_ids(loaded_tiny, text),

@@ -70,4 +70,4 @@ def test_a_full_volume_answers_507_writes_nothing_and_recovers_when_grown(server
     info = verify_hidden_file(volume.path / RELATIVE, sha256=written["sha256"])
     assert info.num_tokens == TOKENS
     assert temp_files(volume.path) == []
-    assert "no space left on the data volume" in process.log()
+    assert "no space left on the data volume" in process.full_log()

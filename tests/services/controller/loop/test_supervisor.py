@@ -98,6 +98,24 @@ def test_one_broken_run_does_not_stop_the_others(data_dir, redis_conn, tmp_path)
     assert state.meta()["fed_until"] == "10"
 
 
+def test_a_run_redis_knows_but_the_volume_lacks_is_named_once_without_a_traceback(data_dir, redis_conn, tmp_path,
+                                                                                   caplog):
+    # Another volume's controller shares this Redis: its run is not this controller's to feed, and a traceback a
+    # tick would bury every other line of the log.
+    state = submit(data_dir, redis_conn, tmp_path, ten_rows_one_bad())
+    RunState(redis_conn, data_dir, "elsewhere").register(5, state="generating", feed_offset=0, prompts_bytes=10)
+    cfg, absent = ControllerSettings(data=data_dir, generate_batch=4), set()
+    with caplog.at_level("WARNING", logger="services.controller.loop.supervisor"):
+        for _ in range(3):
+            supervise_once(cfg, redis_conn, absent)
+    named = [r for r in caplog.records if "elsewhere" in r.getMessage()]
+    assert len(named) == 1, [r.getMessage() for r in caplog.records]
+    assert "not on this controller's volume" in named[0].getMessage() and named[0].exc_info is None
+    assert str(data_dir / "runs") in named[0].getMessage()
+    assert RunState(redis_conn, data_dir, "elsewhere").meta()["state"] == "generating"  # its state is left alone
+    assert queue(GENERATE_QUEUE, redis_conn).count == 3 and state.meta()["fed_until"] == "10"
+
+
 def test_supervise_forever_stops_when_asked(data_dir, redis_conn, tmp_path):
     submit(data_dir, redis_conn, tmp_path, ten_rows_one_bad())
     stop = threading.Event()
