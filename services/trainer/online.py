@@ -72,7 +72,7 @@ from runtime.spool import (
     WindowLimit,
     add_seconds,
     present,
-    release,
+    release_many,
     resync,
     spool_bytes,
 )
@@ -232,6 +232,11 @@ class Feed:
     last_report: float = field(default_factory=time.monotonic)
     step_started: float | None = None  # when the step being trained stopped waiting for its files
     tokens: dict[int, int] = field(init=False)  # each training sample's file length, from the plan
+    # The loop's thread does this bookkeeping between steps with nothing queued on the GPU, so a file is looked at
+    # in full once (``ready``) and by one stat after that (bench/bench_feed_step.py measures what that saves).
+    verified: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sample id -> (mtime, size, inode) found ready
+    seen: set[int] = field(default_factory=set)  # samples asked for whose file was on the volume at a look
+    hidden_paths: dict[int, Path] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tokens = dict(zip(self.plan.train_ids, self.plan.tokens))
@@ -239,6 +244,32 @@ class Feed:
     @property
     def paths(self):
         return self.state.paths
+
+    def hidden(self, sample_id: int) -> Path:
+        """The sample's hidden-state path (made once: a path is built from five parts, and a step looks at hundreds)."""
+        path = self.hidden_paths.get(sample_id)
+        if path is None:
+            path = self.hidden_paths[sample_id] = self.paths.hidden(sample_id)
+        return path
+
+    def on_volume(self, sample_id: int) -> bool:
+        """The sample's file was there at a look since the feed last let it go (stat'ed until it is)."""
+        if sample_id in self.seen:
+            return True
+        if self.hidden(sample_id).is_file():
+            self.seen.add(sample_id)
+            return True
+        return False
+
+    def let_go(self, *sample_ids: int, counter: str | None = None) -> int:
+        """Delete the samples' files (``runtime.spool.release_many``) and forget what this feed knew of them; the
+        bytes freed."""
+        freed = release_many(self.state, sample_ids, **({"counter": counter} if counter else {}))
+        for sample_id in sample_ids:
+            self.asked.pop(sample_id, None)  # gone from the volume: asked for afresh when training nears it again
+            self.verified.pop(sample_id, None)
+            self.seen.discard(sample_id)
+        return freed
 
     @property
     def leader(self) -> bool:
@@ -334,9 +365,7 @@ class Feed:
         self.window = self.plan_window(epoch, index)
         keep = self.window.members | set(self.plan.validation_ids)
         gone = [i for i in present(self.state, self.plan.train_ids) if i not in keep]
-        for sample_id in gone:
-            release(self.state, sample_id)
-            self.asked.pop(sample_id, None)
+        self.let_go(*gone)
         if gone:
             log.info("run %s: released %d files outside the window at epoch %d, batch %d", self.state.run,
                      len(gone), epoch, index)
@@ -383,7 +412,7 @@ class Feed:
                   if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
                       or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
                   and i not in self.failed and not (ahead and i in self.evicted)
-                  and not self.paths.hidden(i).is_file()]
+                  and not self.on_volume(i)]
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)
@@ -407,14 +436,11 @@ class Feed:
                              ONLINE_LANDED))
         # Extraction had work waiting when a sample asked for is still without its file (the window's tail first:
         # the latest asked are the likeliest to be missing, so the look usually ends at once).
-        busy = any(i in self.asked and not self.paths.hidden(i).is_file() for i in reversed(self.window.ids))
+        busy = any(i in self.asked and not self.on_volume(i) for i in reversed(self.window.ids))
         self.rates.note_landed(landed, busy=busy, now=now)
         self.window = self.plan_window(*self.following(epoch, index))
         keep = self.window.members
-        for sample_id in self.batch_ids(epoch, index):
-            if sample_id not in keep and sample_id not in self.failed:
-                release(self.state, sample_id)
-                self.asked.pop(sample_id, None)  # gone from the volume: the next epoch asks for it afresh
+        self.let_go(*(i for i in self.batch_ids(epoch, index) if i not in keep and i not in self.failed))
         self._ask_window()
 
     def clear_orphans(self, missing: list[int]) -> None:
@@ -423,13 +449,12 @@ class Feed:
         entry): nothing will make it ready, and while it is there it is not asked for again."""
         now = time.monotonic()
         for sample_id in missing:
-            if not self.paths.hidden(sample_id).is_file():
+            if not self.hidden(sample_id).is_file():
                 self.unready_since.pop(sample_id, None)
                 continue
             since = self.unready_since.setdefault(sample_id, now)
             if now - since >= LOST_CHECK_S and self._job_lost(sample_id):
-                release(self.state, sample_id)
-                self.asked.pop(sample_id, None)
+                self.let_go(sample_id)
                 self.unready_since.pop(sample_id, None)
                 log.warning("run %s: sample %d's file has no manifest entry naming it and no extraction holds it: "
                             "deleted, to be extracted again", self.state.run, sample_id)
@@ -489,8 +514,7 @@ class Feed:
                 break
             if sample_id in keep or sample_id in self.loading or not self.ready(sample_id):
                 continue  # a file not yet counted by its extractor is not the trainer's to delete
-            room += release(self.state, sample_id, counter=ONLINE_EVICTED)
-            self.asked.pop(sample_id, None)
+            room += self.let_go(sample_id, counter=ONLINE_EVICTED)
             self.evicted.add(sample_id)
             let_go.append(sample_id)
         if let_go:
@@ -523,12 +547,15 @@ class Feed:
     def ready(self, sample_id: int) -> bool:
         """The sample's file is on the volume, its shard's manifest names this version of it (the extractor appends
         the entry, with the file's modification time, only after verifying the file: ``names_version``), and the
-        extractor has counted it (its done bit, set last)."""
-        path = self.paths.hidden(sample_id)
+        extractor has counted it (its done bit, set last). A version found ready once is known by its stat after."""
+        path = self.hidden(sample_id)
         try:
-            mtime = path.stat().st_mtime_ns
+            found = path.stat()
         except FileNotFoundError:
             return False
+        mtime, version = found.st_mtime_ns, (found.st_mtime_ns, found.st_size, found.st_ino)
+        if self.verified.get(sample_id) == version:
+            return True
         shard = path.parent / MANIFEST_NAME
         entry = self.manifests.get(shard, {}).get(sample_id)
         if entry is None or not names_version(entry, mtime):
@@ -544,6 +571,7 @@ class Feed:
         if not self.state.is_done(Stage.EXTRACT, sample_id):
             return False
         self.sizes.add(sample_id, entry.num_tokens, entry.bytes)
+        self.verified[sample_id] = version
         return True
 
     def _failed(self, sample_id: int) -> bool:

@@ -53,6 +53,19 @@ def test_a_released_file_leaves_the_volume_and_the_counts_once(data_dir, redis_c
     assert meta[spool.ONLINE_RELEASED] == "1" and meta[spool.ONLINE_EVICTED] == "1" and done_ids(state) == [0]
 
 
+def test_files_released_together_leave_the_counts_each_once(data_dir, redis_conn):
+    state = online_run(data_dir, redis_conn, 10**6)
+    sizes = {i: write_file(state, i, 10 * (i + 1)) for i in range(4)}
+    state.paths.hidden(3).unlink()  # gone behind the spool's back: its bit goes, its bytes stay until a resync
+    assert spool.release_many(state, [0, 2, 3]) == sizes[0] + sizes[2]
+    assert done_ids(state) == [1] and not state.paths.hidden(0).exists() and not state.paths.hidden(2).exists()
+    meta = state.meta()
+    assert float(meta[disk.HIDDEN_BYTES]) == sizes[1] + sizes[3] and float(meta[disk.HIDDEN_TOKENS]) == 20 + 40
+    assert meta[spool.ONLINE_RELEASED] == "3"
+    assert spool.release_many(state, [0, 2]) == 0 and state.meta()[spool.ONLINE_RELEASED] == "3"  # once each
+    assert spool.release_many(state, []) == 0
+
+
 def test_a_resync_makes_the_counts_those_of_the_files_on_the_volume(data_dir, redis_conn):
     state = online_run(data_dir, redis_conn, 10**6)
     sizes = {i: write_file(state, i, 20) for i in range(4)}

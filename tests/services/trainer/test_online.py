@@ -112,7 +112,7 @@ def test_after_a_step_its_files_go_unless_the_window_holds_them_again(data_dir, 
     feed = feed_of(data_dir, redis_conn, samples=8, epochs=2)
     feed.sizes.prior_per_token = 10.0
     released: list[int] = []
-    monkeypatch.setattr(online, "release", lambda state, sample_id, **kw: released.append(sample_id) or 0)
+    monkeypatch.setattr(online, "release_many", lambda state, sample_ids, **kw: released.extend(sample_ids) or 0)
     last = len(feed.plans[0]) - 1
     read = feed.batch_ids(0, last)
     soon = feed.batch_ids(1, 0)  # the next epoch's first batch: asked for again at once
@@ -168,6 +168,29 @@ def test_a_file_is_ready_only_once_its_manifest_names_that_version_of_it(data_di
     assert not feed.ready(3)  # the entry names the earlier version, however late its clock says it was written
     record(path.stat().st_mtime_ns, at=0.0)
     assert feed.ready(3)
+
+
+def test_a_version_found_ready_is_known_by_its_stat_and_one_let_go_is_looked_at_afresh(data_dir, redis_conn,
+                                                                                        monkeypatch):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from shared import eagle3
+
+    feed = feed_of(data_dir, redis_conn)
+    land_ready(feed, 3, 30)
+    assert feed.ready(3) and feed.on_volume(3)
+    # The loop's thread looks at a batch's files at every step until it trains them: once verified, a stat does.
+    monkeypatch.setattr(feed.state, "is_done", lambda *a: pytest.fail("a verified version is looked at again"))
+    assert feed.ready(3)
+    monkeypatch.undo()
+    assert feed.let_go(3) > 0
+    assert not feed.ready(3) and not feed.on_volume(3) and not feed.paths.hidden(3).exists()
+    path = feed.paths.hidden(3)  # extracted again, but not yet recorded in its manifest nor counted
+    save_file({eagle3.INPUT_IDS: np.zeros(30, dtype=np.int64), eagle3.LOSS_MASK: np.ones(30, dtype=np.uint8),
+               eagle3.LAST_HIDDEN: np.zeros((30, 2), dtype=np.float32)}, str(path),
+              metadata={eagle3.META_LAYER_IDS: "[0]"})
+    assert feed.on_volume(3) and not feed.ready(3)
 
 
 def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data_dir, redis_conn, caplog):
