@@ -32,6 +32,7 @@ import logging
 import platform
 import re
 import secrets
+import statistics
 import sys
 import threading
 import time
@@ -171,15 +172,24 @@ def recorded(api: ControllerClient, data: Path, name: str) -> dict[str, Any]:
 
 def logged(data: Path, name: str) -> dict[str, Any]:
     """Run ``name``'s figures from its train log: steps, the loop's seconds, each epoch's seconds (at each epoch's
-    last step; the first epoch's from the loop's start, so it holds any compile) and the mean padding."""
+    last step; the first epoch's from the loop's start, so it holds any compile), the mean padding, and each epoch's
+    median seconds a step on data (``data_s``: the source's work between two steps) and on the step itself
+    (``step_s``), which say whether a slower loop waits on its files or computes slower."""
     rows = [json.loads(line) for line in RunPaths(data, name).train_log.read_text().splitlines()]
     ends: dict[int, float] = {}
     for row in rows:
         ends[row["epoch"]] = row["elapsed_s"]
     marks = [0.0] + [ends[epoch] for epoch in sorted(ends)]
+
+    def medians(field: str) -> list[float] | None:
+        if not all(field in row for row in rows):
+            return None  # a log from before the field
+        return [round(statistics.median(r[field] for r in rows if r["epoch"] == epoch), 4) for epoch in sorted(ends)]
+
     return {"steps": rows[-1]["step"], "loop_seconds": rows[-1]["elapsed_s"],
             "epoch_seconds": [round(end - start, 3) for start, end in zip(marks, marks[1:])],
-            "padding": round(sum(r["padding"] for r in rows) / len(rows), 4)}
+            "padding": round(sum(r["padding"] for r in rows) / len(rows), 4),
+            "median_data_seconds": medians("data_s"), "median_step_seconds": medians("step_s")}
 
 
 def paired_by_k(online: dict, offline: dict) -> dict[str, dict[str, Any]]:
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             again = watched(stack, api, data, again_name, args.timeout)
             offline["capture_train_seconds"] = offline["train_seconds"]
             offline.update({k: again[k] for k in ("train_seconds", "loop_seconds", "epoch_seconds", "steps", "padding",
-                                                  "checkpoints")})
+                                                  "checkpoints", "median_data_seconds", "median_step_seconds")})
         offline_bytes = offline["peak_bytes"]  # every hidden-state file it kept, all of them there at its end
         figures.update(offline_figures(offline, stack))
         write(args.json, figures)  # the offline run's figures alone first: a lease may end before any twin does
@@ -283,6 +293,8 @@ def offline_figures(offline: dict[str, Any], stack: LocalStack) -> dict[str, Any
             "offline_wall_seconds": offline["wall_seconds"], "offline_stage_seconds": offline["stage_seconds"],
             "offline_train_seconds": offline["train_seconds"], "offline_loop_seconds": offline["loop_seconds"],
             "offline_epoch_seconds": offline["epoch_seconds"],
+            "offline_median_data_seconds": offline["median_data_seconds"],
+            "offline_median_step_seconds": offline["median_step_seconds"],
             "offline_capture_train_seconds": offline.get("capture_train_seconds"),
             "offline_steps": offline["steps"], "offline_padding": offline["padding"],
             "offline_checkpoints": offline["checkpoints"]}
@@ -302,6 +314,8 @@ def twin_figures(data: Path, offline_name: str, name: str, offline: dict[str, An
         "online_over_offline_last_epoch_time": round(online["epoch_seconds"][-1] / offline["epoch_seconds"][-1], 3),
         "online_train_seconds": online["train_seconds"], "online_loop_seconds": online["loop_seconds"],
         "online_epoch_seconds": online["epoch_seconds"],
+        "online_median_data_seconds": online["median_data_seconds"],
+        "online_median_step_seconds": online["median_step_seconds"],
         "online_steps": online["steps"], "online_padding": online["padding"],
         "online_batch_token_cap": (read_json(RunPaths(data, name).online_plan).get("facts") or {}).get("batch_token_cap"),
         "online_train_wait_fraction": spool["train_wait_fraction"],

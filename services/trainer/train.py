@@ -51,6 +51,9 @@ from shared.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
+# The train log's clock readings: the rest of a step's record is the same for two runs of one recipe and seed.
+TIMING_FIELDS = ("elapsed_s", "data_s", "step_s")
+
 __all__ = ["TrainLog", "TrainProgress", "TrainResult", "TrainingStopped", "dist_info", "train_drafter", "train_step"]
 
 
@@ -127,12 +130,14 @@ def train_drafter(spec: RunSpec, *, data: Path, model_dir: Path, device: str = "
                          on_volume=s.on_volume))
     meter = Meter(s.position.step, time.monotonic() - s.position.elapsed_s, time.monotonic())
     open_source(s, checkpoint_now=partial(checkpoint_where_training_stands, s))
+    fetching = time.monotonic()
     try:
         for epoch in range(s.position.epoch, len(s.plans)):
             padding = epoch_padding(s, epoch)
             first = s.position.batch_in_epoch if epoch == s.position.epoch else 0
             for step in s.source.batches(epoch, first):
-                stopping = take_step(s, meter, logs, (epoch, padding), step, progress)
+                stopping = take_step(s, meter, logs, (epoch, padding), step, progress, time.monotonic() - fetching)
+                fetching = time.monotonic()  # the source's work after this step is the next step's data time
                 s.source.after_step(epoch, step.index)
                 if stopping:
                     stop_here(s)
@@ -154,12 +159,17 @@ def epoch_padding(s: Session, epoch: int) -> float:
 
 
 def take_step(s: Session, meter: Meter, logs: Logs, epoch_of: tuple[int, float], step: Step,
-              progress: ProgressFn | None) -> bool:
+              progress: ProgressFn | None, data_s: float = 0.0) -> bool:
     """Train one step, log it, report it and checkpoint where due; whether a stop was asked for on any rank.
-    ``epoch_of``: the epoch and its padding."""
+    ``epoch_of``: the epoch and its padding; ``data_s``: the seconds the loop spent on the source since the last
+    step (its release of that step's files, the wait for this batch and its reading), logged beside the step's
+    own ``step_s`` (the copy to the device and the step, to its figures on the host): the step waits on the GPU
+    at its end, so the two split the loop's time between the data and the device."""
     epoch, padding = epoch_of
+    started = time.monotonic()
     batch = step.batch.to(s.device, None if s.device.type == "cuda" else torch.float32)
     done = train_step(s, batch, row_seeds(s, step.rows))
+    step_s = time.monotonic() - started
     meter.step += 1
     meter.tokens += done.tokens
     step_padding = batch_padding(step.global_batch, s.source.lengths, s.world).fraction
@@ -169,6 +179,7 @@ def take_step(s: Session, meter: Meter, logs: Logs, epoch_of: tuple[int, float],
     logs.train.write({"step": meter.step, "epoch": epoch, "loss": done.loss, "loss_k": done.loss_k, "acc": done.acc,
                       "grad_norm": done.grad_norm, "lr": s.result.last.lr, "padding": round(step_padding, 6),
                       "elapsed_s": round(time.monotonic() - meter.started, 3),
+                      "data_s": round(data_s, 4), "step_s": round(step_s, 4),
                       # each epoch's multiset of samples, on the volume; tokens: what the run learned
                       "samples": [s.source.sample_ids[i] for i in step.global_batch], "tokens": done.tokens})
     following = (epoch, step.index + 1) if step.index + 1 < len(s.plans[epoch]) else (epoch + 1, 0)

@@ -41,6 +41,11 @@ def test_the_benchmark_runs_an_offline_run_and_its_online_twin(tmp_path, tiny_mo
     assert len(figures["offline_epoch_seconds"]) == len(twin["online_epoch_seconds"]) == epochs
     assert twin["online_over_offline_last_epoch_time"] == pytest.approx(
         twin["online_epoch_seconds"][-1] / figures["offline_epoch_seconds"][-1], abs=1e-3)
+    # Each epoch's median step split between its data and the step itself, for both runs.
+    for split in ("median_data_seconds", "median_step_seconds"):
+        assert len(figures[f"offline_{split}"]) == len(twin[f"online_{split}"]) == epochs
+        assert all(x >= 0 for x in figures[f"offline_{split}"] + twin[f"online_{split}"])
+    assert min(figures["offline_median_step_seconds"] + twin["online_median_step_seconds"]) > 0
     # The budget never forces a checkpoint: the trainer saves where train.save_every says, and at the end.
     assert twin["online_checkpoints"] == twin["online_expected_checkpoints"] != []
     assert twin["online_evicted_files"] == 0

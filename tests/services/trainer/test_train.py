@@ -14,7 +14,7 @@ from services.trainer.data import Batch, HiddenStateDataset, collate
 from modeling.export import export_drafter
 from services.trainer.objective import make_targets
 from services.trainer.session import prepare
-from services.trainer.train import TrainProgress, train_drafter
+from services.trainer.train import TIMING_FIELDS, TrainProgress, train_drafter
 from shared import eagle3
 from shared.atomic import TEMP_PREFIX
 from shared.layout import RunPaths
@@ -95,7 +95,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_weights_and_log(make_run, ti
     resumed = train(paths, tiny_model_dir)
     assert resumed.steps == straight.steps == 12
     assert same_weights(resumed.drafter, straight.drafter)
-    drop_time = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
     assert drop_time(log_records(paths)) == drop_time(log_records(RunPaths(paths.data, "straight")))
 
 
@@ -194,7 +194,7 @@ def test_a_run_killed_mid_epoch_resumes_exactly_in_each_batch_order(make_run, ti
         train(paths, tiny_model_dir, progress=crash_after(5))
     resumed = train(paths, tiny_model_dir)
     assert resumed.steps == straight.steps and same_weights(resumed.drafter, straight.drafter)
-    drop_time = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
     assert drop_time(log_records(paths)) == drop_time(log_records(RunPaths(paths.data, "straight")))
 
 
@@ -231,6 +231,24 @@ def test_the_log_and_progress_carry_the_padding_of_each_batch_and_epoch(make_run
     assert [p.padding for p in seen] == [plan_padding(s.plans[p.epoch], lengths, 1).fraction for p in seen]
     shuffled = plan_padding(plan_epoch(lengths, seed=0, epoch=0, batch_size=3, world=1, batching="shuffle"), lengths, 1)
     assert seen[0].padding < shuffled.fraction
+
+
+def test_the_log_splits_each_step_between_its_data_and_the_step_itself(make_run, tiny_model_dir, monkeypatch):
+    import time
+
+    from services.trainer.sources import StoredFiles
+
+    paths = make_run(train={"epochs": 2, "batch_size": 3})
+    slow = 0.15  # a source that spends this long after each step (an online feed releasing and asking, say)
+    after_step = StoredFiles.after_step
+    monkeypatch.setattr(StoredFiles, "after_step", lambda self, *a: time.sleep(slow) or after_step(self, *a))
+    train(paths, tiny_model_dir)
+    records = log_records(paths)
+    assert all(r["step_s"] > 0 and r["data_s"] >= 0 for r in records)
+    # The source's work after a step counts to the next step's data, across an epoch's end too.
+    assert all(r["data_s"] >= slow for r in records[1:])
+    # Neither figure counts time twice: together they fit within the loop's time.
+    assert sum(r["data_s"] + r["step_s"] for r in records) <= records[-1]["elapsed_s"]
 
 
 def test_unset_epochs_scale_with_the_data_and_set_ones_are_kept():

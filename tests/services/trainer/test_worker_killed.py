@@ -12,6 +12,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from services.trainer.checkpoint import list_checkpoints, read_checkpoint_state
+from services.trainer.train import TIMING_FIELDS
 from shared.atomic import temp_files
 from shared.jobs import TRAIN_QUEUE, train_job_id
 from shared.layout import RunPaths
@@ -37,7 +38,7 @@ def records(paths: RunPaths) -> list[dict]:
 
 
 def without_time(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]
 
 
 def kill_when_checkpointed(service, paths: RunPaths, step: int, timeout: float = 300.0) -> int:
