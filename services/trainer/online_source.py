@@ -4,8 +4,10 @@ files extraction lands in the trainer's order, and released once the step that r
 Built from the run's plan (``online_plan.py``: the samples, their lengths, the draft vocabulary's tally) and its
 feed (``online.py``: the window asked for ahead, the waits, the releases). The loop reads it like the offline
 source (``sources.py``). Each step's batch is waited for in the training process itself, then read; on a GPU a
-few threads read and pad the batches after it whose files are all in, while the GPU works, so a step never waits
-for a batch further ahead than its own.
+few reader processes read and pad the batches after it whose files are all in, while the GPU works, so a step never
+waits for a batch further ahead than its own. They are processes, as offline's ``DataLoader`` workers are, so that
+reading does not hold the interpreter lock the loop's thread needs to launch the step's kernels; a batch comes back
+through shared memory and is pinned in the main process (on the pool's result thread) for an asynchronous copy.
 
 A stop requested while the trainer waits for files: one training process checkpoints where training stands and
 stops (``StopWhileWaiting``); of several, rank 0 writes that checkpoint at once, so nothing is lost if the
@@ -17,8 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.multiprocessing
 
 from runtime.runstate import RunState
 from services.trainer import checkpoint as ckpt
@@ -34,8 +40,10 @@ from shared.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
-PREFETCH_THREADS = 4  # per training process on a GPU: threads reading and padding the next ready batches
+PREFETCH_READERS = 4  # per training process on a GPU: processes reading and padding the next ready batches
 PREFETCH_BATCHES = 2  # batches read ahead of the one trained
+# Devices whose training reads ahead in reader processes; on the CPU the step itself uses every core.
+READ_AHEAD_ON = ("cuda",)
 
 
 class StopWhileWaiting(Exception):  # noqa: N818 - control flow between the source and the loop, not an error
@@ -49,7 +57,8 @@ class Spool(Source):
     feed: Feed | None = None
     facts: dict = field(default_factory=dict)  # what the first start measured and chose (online_plan.FACTS)
     dataset: HiddenStateDataset | None = field(default=None, init=False)
-    threads: ThreadPoolExecutor | None = field(default=None, init=False)
+    readers: ProcessPoolExecutor | None = field(default=None, init=False)
+    pin: bool = field(default=False, init=False)
     pending: dict[tuple[int, int], Future] = field(default_factory=dict, init=False)
     trained: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False)  # batches yielded, by step
     trained_in_epoch: int = field(default=0, init=False)
@@ -61,8 +70,9 @@ class Spool(Source):
         position = reading.position
         self.feed.settle(position.epoch, position.batch_in_epoch)
         self.dataset = HiddenStateDataset(self.files, self.max_length)
-        if reading.device.type == "cuda":
-            self.threads = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="online-read")
+        self.pin = reading.device.type == "cuda"
+        if reading.device.type in READ_AHEAD_ON:
+            self.readers = start_readers()
 
     def batches(self, epoch: int, first: int) -> Iterator[Step]:
         assert self.feed is not None
@@ -93,8 +103,8 @@ class Spool(Source):
     def finish(self) -> None:
         assert self.feed is not None
         self.feed.report(len(self.plans) - 1, self.trained_in_epoch if self.plans else 0, force=True)
-        if self.threads is not None:
-            self.threads.shutdown(wait=True, cancel_futures=True)
+        if self.readers is not None:
+            self.readers.shutdown(wait=True, cancel_futures=True)
 
     def _interrupt(self) -> None:
         """At every look while waiting: a stop requested ends the wait (one process) or is made safe (several)."""
@@ -110,23 +120,54 @@ class Spool(Source):
     def _take(self, epoch: int, index: int, global_batch: list[int]) -> Batch:
         future = self.pending.pop((epoch, index), None)
         if future is not None:
-            loaded_for, batch = future.result()
-            if loaded_for == global_batch:
-                return batch
+            try:
+                loaded_for, batch = future.result()
+            except BrokenProcessPool:
+                self._restart_readers()  # this batch is read here, and the new readers read the next ones
+            else:
+                if loaded_for == global_batch:
+                    return batch
         return self._load(global_batch)[1]
 
     def _load(self, global_batch: list[int]) -> tuple[list[int], Batch]:
+        """``global_batch``'s share read here, in the training process."""
         assert self.dataset is not None
         indices, filler = self.share_of(global_batch)
         batch = collate([self.dataset[i] for i in indices])
-        if self.threads is not None:
+        if self.pin:
             batch = batch.pin_memory()  # the copy to the GPU is then asynchronous
         return global_batch, batch.without_loss() if filler else batch
+
+    def _read_ahead(self, global_batch: list[int]) -> Future:
+        """``global_batch``'s share read and padded by a reader process, then pinned on the pool's result thread."""
+        assert self.readers is not None and self.dataset is not None
+        indices, filler = self.share_of(global_batch)
+        read = self.readers.submit(read_batch, [str(self.dataset.files[i]) for i in indices], self.max_length, filler)
+        done: Future = Future()
+
+        def pinned(future: Future) -> None:
+            try:
+                batch = future.result()
+                done.set_result((global_batch, batch.pin_memory() if self.pin else batch))
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reads the batch itself
+                done.set_exception(exc)
+
+        read.add_done_callback(pinned)
+        return done
+
+    def _restart_readers(self) -> None:
+        """A reader died (its memory, a signal) and took its pool with it: a new pool reads the batches ahead."""
+        assert self.feed is not None
+        log.warning("run %s: a reader process of the online files died; starting new ones", self.feed.state.run)
+        if self.readers is not None:
+            self.readers.shutdown(wait=False, cancel_futures=True)
+        self.pending.clear()  # their batches are read again when the loop reaches them
+        self.readers = start_readers()
 
     def _prefetch(self, epoch: int, index: int) -> None:
         """Read the next batches of the epoch whose files are all in (stopping at the first that is not: they are
         trained in order), marked as being read so no room is made by deleting them."""
-        if self.threads is None:
+        if self.readers is None:
             return
         assert self.feed is not None
         for ahead in range(index + 1, min(index + 1 + PREFETCH_BATCHES, len(self.plans[epoch]))):
@@ -139,7 +180,25 @@ class Spool(Source):
             if settled is None:
                 return
             self.feed.loading |= {self.sample_ids[i] for i in settled}
-            self.pending[(epoch, ahead)] = self.threads.submit(self._load, settled)
+            try:
+                self.pending[(epoch, ahead)] = self._read_ahead(settled)
+            except BrokenProcessPool:
+                self._restart_readers()
+                return
+
+
+def start_readers() -> ProcessPoolExecutor:
+    """The reader processes: started by a fork server, so none inherits the training process's CUDA context or
+    threads; each imports this module once."""
+    return ProcessPoolExecutor(PREFETCH_READERS, mp_context=torch.multiprocessing.get_context("forkserver"))
+
+
+def read_batch(files: list[str], max_length: int, filler: bool) -> Batch:
+    """In a reader process: ``files``' first ``max_length`` rows, padded into one batch (a stand-in's without loss).
+    Its tensors go back to the training process through shared memory (torch's reductions for multiprocessing)."""
+    dataset = HiddenStateDataset([Path(f) for f in files], max_length)
+    batch = collate([dataset[i] for i in range(len(files))])
+    return batch.without_loss() if filler else batch
 
 
 def spool(spec: RunSpec, paths: RunPaths, state: RunState | None, *, world: int, rank: int, layer_ids: list[int],
