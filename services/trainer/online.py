@@ -253,7 +253,9 @@ class Feed:
         return path
 
     def on_volume(self, sample_id: int) -> bool:
-        """The sample's file was there at a look since the feed last let it go (stat'ed until it is)."""
+        """The sample's file was there at a look since the feed last let it go (stat'ed until it is): for the rates'
+        look at whether extraction has work, where a file deleted behind the feed's back costs an estimate, not a
+        wait."""
         if sample_id in self.seen:
             return True
         if self.hidden(sample_id).is_file():
@@ -412,7 +414,7 @@ class Feed:
                   if (now - self.asked.get(i, -ASK_AGAIN_S) >= ASK_AGAIN_S
                       or (lost and now - self.asked[i] >= LOST_CHECK_S and self._job_lost(i)))
                   and i not in self.failed and not (ahead and i in self.evicted)
-                  and not self.on_volume(i)]
+                  and not self.hidden(i).is_file()]  # a stat, not ``on_volume``: a file gone is asked for again
         for first in range(0, len(wanted), self.extract_batch):
             chunk = wanted[first:first + self.extract_batch]
             enqueue_extract(self.state.conn, self.state.run, chunk, batch=self.extract_batch)

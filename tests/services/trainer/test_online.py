@@ -9,7 +9,7 @@ import pytest
 from runtime import spool
 from runtime.runstate import RunState
 from services.trainer.batching import LENGTH
-from services.trainer.online import Feed, OnlineBudgetTooSmall, Rates, SizeModel
+from services.trainer.online import ASK_AGAIN_S, Feed, OnlineBudgetTooSmall, Rates, SizeModel
 from services.trainer.online_plan import OnlinePlan
 from services.trainer.sources import epoch_plan
 from shared.jobs import extract_job_id
@@ -191,6 +191,19 @@ def test_a_version_found_ready_is_known_by_its_stat_and_one_let_go_is_looked_at_
                eagle3.LAST_HIDDEN: np.zeros((30, 2), dtype=np.float32)}, str(path),
               metadata={eagle3.META_LAYER_IDS: "[0]"})
     assert feed.on_volume(3) and not feed.ready(3)
+
+
+def test_a_file_deleted_behind_the_feeds_back_is_asked_for_again(data_dir, redis_conn):
+    # A resume's reconcile deletes files that disagree with their manifest entry while the trainer runs: the feed
+    # saw the file, so only a fresh look at the volume keeps the trainer from waiting for it for ever.
+    feed = feed_of(data_dir, redis_conn)
+    land_ready(feed, 4, 30)
+    assert feed.on_volume(4) and feed.ready(4)
+    feed.paths.hidden(4).unlink()
+    assert not feed.ready(4)
+    feed.asked[4] = -ASK_AGAIN_S  # asked long ago
+    feed.ask([4])
+    assert redis_conn.exists(f"rq:job:{extract_job_id(RUN, 4)}")
 
 
 def test_room_for_the_batch_waited_for_comes_from_the_farthest_unread_files(data_dir, redis_conn, caplog):
