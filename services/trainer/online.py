@@ -271,6 +271,7 @@ class Feed:
             self.asked.pop(sample_id, None)  # gone from the volume: asked for afresh when training nears it again
             self.verified.pop(sample_id, None)
             self.seen.discard(sample_id)
+            self.hidden_paths.pop(sample_id, None)  # what the feed holds of files stays the spool's few
         return freed
 
     @property
