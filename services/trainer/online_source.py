@@ -56,7 +56,6 @@ class Spool(Source):
 
     feed: Feed | None = None
     facts: dict = field(default_factory=dict)  # what the first start measured and chose (online_plan.FACTS)
-    dataset: HiddenStateDataset | None = field(default=None, init=False)
     readers: ProcessPoolExecutor | None = field(default=None, init=False)
     pin: bool = field(default=False, init=False)
     pending: dict[tuple[int, int], Future] = field(default_factory=dict, init=False)
@@ -69,7 +68,6 @@ class Spool(Source):
         assert self.feed is not None
         position = reading.position
         self.feed.settle(position.epoch, position.batch_in_epoch)
-        self.dataset = HiddenStateDataset(self.files, self.max_length)
         self.pin = reading.device.type == "cuda"
         if reading.device.type in READ_AHEAD_ON:
             self.readers = start_readers()
@@ -129,26 +127,27 @@ class Spool(Source):
                     return batch
         return self._load(global_batch)[1]
 
+    def _share(self, global_batch: list[int]) -> tuple[list[str], int, bool]:
+        """``read_batch``'s arguments for this rank's share of ``global_batch``."""
+        indices, filler = self.share_of(global_batch)
+        return [str(self.files[i]) for i in indices], self.max_length, filler
+
+    def _pinned(self, batch: Batch) -> Batch:
+        return batch.pin_memory() if self.pin else batch  # the copy to the GPU is then asynchronous
+
     def _load(self, global_batch: list[int]) -> tuple[list[int], Batch]:
         """``global_batch``'s share read here, in the training process."""
-        assert self.dataset is not None
-        indices, filler = self.share_of(global_batch)
-        batch = collate([self.dataset[i] for i in indices])
-        if self.pin:
-            batch = batch.pin_memory()  # the copy to the GPU is then asynchronous
-        return global_batch, batch.without_loss() if filler else batch
+        return global_batch, self._pinned(read_batch(*self._share(global_batch)))
 
     def _read_ahead(self, global_batch: list[int]) -> Future:
         """``global_batch``'s share read and padded by a reader process, then pinned on the pool's result thread."""
-        assert self.readers is not None and self.dataset is not None
-        indices, filler = self.share_of(global_batch)
-        read = self.readers.submit(read_batch, [str(self.dataset.files[i]) for i in indices], self.max_length, filler)
+        assert self.readers is not None
+        read = self.readers.submit(read_batch, *self._share(global_batch))
         done: Future = Future()
 
         def pinned(future: Future) -> None:
             try:
-                batch = future.result()
-                done.set_result((global_batch, batch.pin_memory() if self.pin else batch))
+                done.set_result((global_batch, self._pinned(future.result())))
             except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reads the batch itself
                 done.set_exception(exc)
 
@@ -194,8 +193,8 @@ def start_readers() -> ProcessPoolExecutor:
 
 
 def read_batch(files: list[str], max_length: int, filler: bool) -> Batch:
-    """In a reader process: ``files``' first ``max_length`` rows, padded into one batch (a stand-in's without loss).
-    Its tensors go back to the training process through shared memory (torch's reductions for multiprocessing)."""
+    """``files``' first ``max_length`` rows, padded into one batch (a stand-in's without loss). In a reader process,
+    its tensors go back to the training process through shared memory (torch's reductions for multiprocessing)."""
     dataset = HiddenStateDataset([Path(f) for f in files], max_length)
     batch = collate([dataset[i] for i in range(len(files))])
     return batch.without_loss() if filler else batch
