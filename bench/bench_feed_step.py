@@ -28,15 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.disk import landed_counts  # noqa: E402
 from runtime.queues import SERIALIZER  # noqa: E402
 from runtime.runstate import RunState  # noqa: E402
 from runtime.spool import ONLINE_EVICTED, ONLINE_RELEASED  # noqa: E402
@@ -45,12 +42,10 @@ from services.trainer.online import Feed  # noqa: E402
 from services.trainer.online_plan import OnlinePlan  # noqa: E402
 from services.trainer.online_source import PREFETCH_BATCHES  # noqa: E402
 from services.trainer.sources import epoch_plan  # noqa: E402
-from shared import eagle3  # noqa: E402
 from shared.jobs import extract_job_id  # noqa: E402
-from shared.lifecycle import Stage  # noqa: E402
-from shared.manifest import ManifestEntry, append_entry, manifest_path  # noqa: E402
 from shared.runspec import TrainConfig  # noqa: E402
 from tests.support.processes import RedisServer  # noqa: E402
+from tests.support.spool_files import land as land_file  # noqa: E402
 
 RUN = "feed"
 PARTS = ("wait", "look_ahead", "after_step", "report")
@@ -59,15 +54,7 @@ PARTS = ("wait", "look_ahead", "after_step", "report")
 def land(feed: Feed, sample_id: int, tokens: int) -> None:
     """A verified, recorded and counted file, as an extractor leaves it (small states: the feed reads headers), and
     its job gone, as a worker leaves a finished sample job (``DEFAULT_SAMPLE_RESULT_TTL_S`` 0)."""
-    path = feed.paths.hidden(sample_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({eagle3.INPUT_IDS: np.zeros(tokens, dtype=np.int64), eagle3.LOSS_MASK: np.ones(tokens, dtype=np.uint8),
-               eagle3.LAST_HIDDEN: np.zeros((tokens, 2), dtype=np.float32)}, str(path),
-              metadata={eagle3.META_LAYER_IDS: "[0]"})
-    size = path.stat().st_size
-    append_entry(manifest_path(feed.paths, sample_id),
-                 ManifestEntry(sample_id, "0" * 64, size, tokens, "F32", [0], 0.0, path.stat().st_mtime_ns))
-    feed.state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(size, tokens))
+    land_file(feed.state, sample_id, tokens)
     try:
         Job.fetch(extract_job_id(RUN, sample_id), connection=feed.state.conn, serializer=SERIALIZER).delete()
     except NoSuchJobError:

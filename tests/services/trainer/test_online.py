@@ -15,6 +15,7 @@ from services.trainer.sources import epoch_plan
 from shared.jobs import extract_job_id
 from shared.lifecycle import Stage
 from shared.runspec import TrainConfig
+from tests.support.spool_files import land
 
 RUN = "plan"
 
@@ -32,23 +33,7 @@ def feed_of(data_dir, redis_conn, samples: int = 10, epochs: int = 2, failed=fro
 
 def land_ready(feed: Feed, sample_id: int, tokens: int) -> int:
     """A verified, recorded and counted file of ``tokens`` tokens for ``sample_id``, as an extractor leaves it."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from runtime.disk import landed_counts
-    from shared import eagle3
-    from shared.manifest import ManifestEntry, append_entry, manifest_path
-
-    path = feed.paths.hidden(sample_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({eagle3.INPUT_IDS: np.zeros(tokens, dtype=np.int64), eagle3.LOSS_MASK: np.ones(tokens, dtype=np.uint8),
-               eagle3.LAST_HIDDEN: np.zeros((tokens, 2), dtype=np.float32)}, str(path),
-              metadata={eagle3.META_LAYER_IDS: "[0]"})
-    size = path.stat().st_size
-    append_entry(manifest_path(feed.paths, sample_id), ManifestEntry(sample_id, "0" * 64, size, tokens, "F32", [0],
-                                                                     0.0, path.stat().st_mtime_ns))
-    feed.state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(size, tokens))
-    return size
+    return land(feed.state, sample_id, tokens)
 
 
 def test_what_comes_next_crosses_into_the_next_epoch_and_skips_failed_samples(data_dir, redis_conn):

@@ -8,41 +8,20 @@ import logging
 import os
 import signal
 
-import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
 
-from runtime.disk import landed_counts
 from services.trainer import checkpoint as ckpt
 from services.trainer import online_source
 from services.trainer.batching import LENGTH
 from services.trainer.data import Batch, HiddenStateDataset, collate
 from services.trainer.online_source import Spool
 from services.trainer.sources import Reading
-from shared import eagle3
-from shared.lifecycle import Stage
-from shared.manifest import ManifestEntry, append_entry, manifest_path
 from tests.services.trainer.test_online import feed_of
+from tests.support.spool_files import land
 
 HIDDEN = 8
 BATCH = 3
-
-
-def land_sample(feed, sample_id: int, tokens: int) -> None:
-    """A whole sample file (ids, mask, the three layers and the last), recorded and counted as an extractor does."""
-    rng = np.random.default_rng(sample_id)
-    path = feed.paths.hidden(sample_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({eagle3.INPUT_IDS: rng.integers(0, 100, tokens, dtype=np.int64),
-               eagle3.LOSS_MASK: (rng.random(tokens) > 0.3).astype(np.uint8),
-               eagle3.AUX_HIDDEN: rng.standard_normal((tokens, 3 * HIDDEN), dtype=np.float32),
-               eagle3.LAST_HIDDEN: rng.standard_normal((tokens, HIDDEN), dtype=np.float32)}, str(path),
-              metadata={eagle3.META_LAYER_IDS: "[0, 1, 2]"})
-    size = path.stat().st_size
-    append_entry(manifest_path(feed.paths, sample_id),
-                 ManifestEntry(sample_id, "0" * 64, size, tokens, "F32", [0, 1, 2], 0.0, path.stat().st_mtime_ns))
-    feed.state.mark_done(Stage.EXTRACT, sample_id, landed=landed_counts(size, tokens))
 
 
 @pytest.fixture()
@@ -55,7 +34,7 @@ def spool(data_dir, redis_conn, monkeypatch):
                    {}, sum(feed.plan.tokens), max_length=64, feed=feed)
     source.open(Reading(rank=0, world=1, device=torch.device("cpu"), position=ckpt.Position(0, 0, 0)))
     for sample_id, tokens in feed.tokens.items():  # extracted as asked, all before the first step
-        land_sample(feed, sample_id, tokens)
+        land(feed.state, sample_id, tokens, hidden=HIDDEN)
     yield source
     source.finish()
 
