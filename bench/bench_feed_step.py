@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=20_000_000, help="bytes: at 40 a token, about 30 batches")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
+    if min(args.samples, args.batch, args.epochs, args.budget) < 1 or args.samples < args.batch:
+        parser.error("--samples, --batch, --epochs and --budget must be positive, and --samples at least --batch")
     with tempfile.TemporaryDirectory(prefix="bench-feed-") as work:
         server = RedisServer(Path(work) / "redis").start()
         try:
